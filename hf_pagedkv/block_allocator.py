@@ -1,0 +1,108 @@
+"""`BlockAllocator`: block ids, refcounts and the free queue of one pool. Pure Python, no tensors."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+
+
+class BlockAllocator:
+    """Hands out block ids and counts who uses them (the bookkeeping half of `BlockPool`).
+
+    Every id in ``range(num_blocks)`` is in exactly one state:
+
+    - **free**: refcount 0, in the free set, may be handed out;
+    - **in use**: refcount >= 1, named by that many live block-table entries.
+
+    Invariants (checked by `BlockPool.check_invariants`): the free set names no block in use and every block
+    with refcount 0 is free; `refcount[b]` equals the number of live block-table entries naming `b`.
+
+    Allocation is "ask, then do": `can_allocate` has no side effects, and `allocate` either hands out all the
+    blocks asked for or returns `None` without changing anything. It prefers the id right after `after` (the
+    last block of the row being extended) and otherwise the lowest free id, so a row usually gets consecutive
+    ids, which `PageStore` can read as a view instead of a gather.
+    """
+
+    def __init__(self) -> None:
+        self._refcount: list[int] = []  # refcount[b]: live block-table entries naming b; changed here only
+        self._free: set[int] = set()  # the free blocks (the truth); changed here only
+        self._free_heap: list[int] = []  # min-heap index over _free; may hold stale ids, skipped on pop
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks this allocator knows about (free + in use)."""
+        return len(self._refcount)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return len(self._refcount) - len(self._free)
+
+    def refcount(self, block: int) -> int:
+        return self._refcount[block]
+
+    def add_blocks(self, n: int) -> None:
+        """Append `n` new free block ids (the pool grew)."""
+        start = len(self._refcount)
+        self._refcount.extend([0] * n)
+        self._free.update(range(start, start + n))
+        for b in range(start, start + n):  # already ascending, so this keeps the heap property
+            self._free_heap.append(b)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int, after: int | None = None) -> list[int] | None:
+        """Take `n` free blocks, each with refcount 1, or return `None` (nothing changed) if fewer are free.
+
+        Args:
+            n (`int`): number of blocks.
+            after (`int`, *optional*): the block the new ones follow in a block table; `after + 1`,
+                `after + 2`, ... are preferred while free.
+        """
+        if n > len(self._free):
+            return None
+        out: list[int] = []
+        prev = after
+        for _ in range(n):
+            b = prev + 1 if prev is not None and prev + 1 in self._free else self._pop_lowest()
+            self._free.remove(b)
+            self._refcount[b] = 1
+            out.append(b)
+            prev = b
+        if len(self._free_heap) > 2 * len(self._free) + 64:  # drop stale heap entries now and then
+            self._free_heap = sorted(self._free)
+        return out
+
+    def _pop_lowest(self) -> int:
+        while True:
+            b = heapq.heappop(self._free_heap)
+            if b in self._free:
+                return b
+
+    def incref(self, blocks: Iterable[int]) -> None:
+        """Add one reference to each block (a block-table entry now names it). Blocks must be in use."""
+        rc = self._refcount
+        for b in blocks:
+            assert rc[b] > 0, f"incref of free block {b}"
+            rc[b] += 1
+
+    def decref(self, blocks: Iterable[int]) -> list[int]:
+        """Drop one reference from each block; return the blocks that became free, in order."""
+        rc = self._refcount
+        freed = []
+        for b in blocks:
+            assert rc[b] > 0, f"decref of free block {b} (double free)"
+            rc[b] -= 1
+            if rc[b] == 0:
+                self._free.add(b)
+                heapq.heappush(self._free_heap, b)
+                freed.append(b)
+        return freed
+
+    def free_blocks(self) -> set[int]:
+        """A copy of the free set (for checks and tests)."""
+        return set(self._free)

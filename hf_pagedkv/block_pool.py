@@ -1,0 +1,281 @@
+"""`BlockPool`: the public face of a pool of KV blocks (bookkeeping plus its page store), shareable by caches."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections import Counter
+from dataclasses import dataclass
+
+from .block_allocator import BlockAllocator
+from .block_table import BlockTable, num_blocks_for
+from .config import check_positive_int, parse_bytes
+from .errors import InvariantError, PoolExhaustedError
+from .page_store import LayerSpec, PageStore
+
+logger = logging.getLogger(__name__)
+
+_MIN_GROWTH_BLOCKS = 64  # a growable pool never grows by less than this many blocks at once
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """A snapshot of a pool's occupancy. Bytes count keys plus values of all layers."""
+
+    block_size: int  # tokens per block
+    num_blocks: int  # blocks the pool holds storage for (free + in use)
+    blocks_in_use: int  # blocks with refcount >= 1
+    blocks_free: int  # blocks that can be handed out
+    tokens_stored: int  # tokens held in blocks in use; a block shared by several sequences counts once
+    bytes_per_block: int  # bytes of one block across all layers
+    num_sequences: int  # live block tables (batch rows of live caches)
+
+    @property
+    def bytes_in_use(self) -> int:
+        """Bytes of the blocks in use, all layers."""
+        return self.blocks_in_use * self.bytes_per_block
+
+    @property
+    def bytes_reserved(self) -> int:
+        """Bytes of storage the pool has allocated, in use or not."""
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def fragmentation(self) -> float:
+        """Unused slots inside allocated blocks / allocated slots (0 when nothing is allocated)."""
+        slots = self.blocks_in_use * self.block_size
+        return 0.0 if slots == 0 else 1.0 - self.tokens_stored / slots
+
+    @property
+    def usage(self) -> float:
+        """Blocks in use / blocks held, in [0, 1]."""
+        return 0.0 if self.num_blocks == 0 else self.blocks_in_use / self.num_blocks
+
+
+class BlockPool:
+    """A pool of fixed-size KV blocks shared by one or more `PagedCache` objects of the same model.
+
+    A block holds `block_size` consecutive tokens of one sequence, in every layer (one block id names the same
+    slot range in each layer, as in vLLM), so a sequence needs one block table, not one per layer. Blocks are
+    refcounted: `fork()`, beam reordering and `num_return_sequences` share block ids, and a shared block is
+    copied before it is written (copy-on-write).
+
+    Args:
+        block_size (`int`, *optional*, defaults to 16): tokens per block.
+        num_blocks (`int`, *optional*): a fixed number of blocks, preallocated once per layer. When they are
+            all in use, allocation raises `PoolExhaustedError`.
+        max_memory (`int` or `str`, *optional*): a fixed budget in bytes (``"4GiB"``, ``"512MB"``) for all
+            layers' keys and values; turned into `num_blocks` once the layer shapes are known (pass
+            `config=model.config` to `PagedCache` when the cache is created lazily). Exclusive with `num_blocks`.
+        debug (`bool`, *optional*, defaults to `False`): poison freed blocks with NaN.
+
+    With neither `num_blocks` nor `max_memory`, the pool grows on demand by chunks (at least 64 blocks, and
+    at least half its size), copying its storage once per growth.
+
+    Raises:
+        ValueError: `block_size` or `num_blocks` not a positive int; both `num_blocks` and `max_memory`
+            given; `max_memory` not a size.
+
+    Example:
+
+    ```python
+    >>> from hf_pagedkv import BlockPool, PagedCache
+    >>> pool = BlockPool(block_size=16)
+    >>> a = PagedCache(pool=pool)
+    >>> out = model.generate(input_ids, past_key_values=a, max_new_tokens=8)
+    >>> b = a.fork()                  # shares every block of `a`
+    >>> pool.stats().blocks_in_use    # the same as before the fork
+    ```
+    """
+
+    def __init__(
+        self,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        max_memory: int | str | None = None,
+        debug: bool = False,
+    ) -> None:
+        check_positive_int("block_size", block_size)
+        if num_blocks is not None:
+            check_positive_int("num_blocks", num_blocks)
+        if num_blocks is not None and max_memory is not None:
+            raise ValueError("Give `num_blocks` or `max_memory`, not both.")
+        self.block_size = block_size  # tokens per block; fixed
+        self.max_memory = None if max_memory is None else parse_bytes(max_memory)  # byte budget, or None
+        self.growable = num_blocks is None and max_memory is None  # grow on demand instead of raising
+        self.lock = threading.RLock()  # guards all bookkeeping; held by a cache for a whole step's extension
+        self.allocator = BlockAllocator()  # block ids and refcounts
+        self.store = PageStore(block_size, debug=debug)  # the tensors
+        self._tables: dict[int, list[BlockTable]] = {}  # owner token -> that cache's rows; for checks and stats
+        self._tokens = itertools.count()  # owner tokens
+        if num_blocks is not None:
+            self._add_blocks(num_blocks)
+
+    # -- configuration ---------------------------------------------------------------------------------------------
+    @property
+    def debug(self) -> bool:
+        """Whether freed blocks are poisoned with NaN."""
+        return self.store.debug
+
+    @debug.setter
+    def debug(self, value: bool) -> None:
+        self.store.debug = bool(value)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    def _add_blocks(self, n: int) -> None:
+        self.store.grow(self.allocator.num_blocks + n)
+        self.allocator.add_blocks(n)
+
+    def register_layer(self, layer_idx: int, spec: LayerSpec, num_layers: int | None = None) -> None:
+        """Make sure the pool has storage for `layer_idx` with this spec.
+
+        Raises:
+            ValueError: the pool already holds this layer with another shape, dtype or device (a pool shared
+                between different models), or `max_memory` cannot be resolved without the number of layers.
+        """
+        with self.lock:
+            known = self.store.specs.get(layer_idx)
+            if known is not None:
+                if known != spec:
+                    raise ValueError(
+                        f"This BlockPool holds layer {layer_idx} as {_describe(known)}, but got {_describe(spec)}. "
+                        "A pool is shared only by caches of one model (same layer shapes and dtype); use a "
+                        "separate BlockPool for each model."
+                    )
+                return
+            if self.max_memory is not None and self.allocator.num_blocks == 0:
+                if num_layers is None:
+                    raise ValueError(
+                        "BlockPool(max_memory=...) needs the number of layers to size itself: create the cache "
+                        "as PagedCache(config=model.config, pool=pool), or use num_blocks= instead."
+                    )
+                per_block = spec.bytes_per_token * self.block_size * num_layers
+                n = self.max_memory // per_block
+                if n == 0:
+                    raise ValueError(
+                        f"max_memory={self.max_memory} bytes is less than one block ({per_block} bytes for "
+                        f"{num_layers} layers); raise max_memory or lower block_size."
+                    )
+                self._add_blocks(n)
+            self.store.add_layer(layer_idx, spec)
+
+    # -- allocation --------------------------------------------------------------------------------------------------
+    def reserve(self, n: int) -> None:
+        """Make sure `n` blocks are free: grow a growable pool, else raise. Changes no refcount.
+
+        Raises:
+            PoolExhaustedError: a fixed pool has fewer than `n` free blocks.
+        """
+        with self.lock:
+            free = self.allocator.num_free_blocks
+            if n <= free:
+                return
+            if not self.growable:
+                raise PoolExhaustedError(
+                    f"BlockPool is full: {n} blocks needed, {free} free of {self.num_blocks} "
+                    f"(block_size={self.block_size}). Raise num_blocks / max_memory, release finished caches, "
+                    "or use num_blocks=None to let the pool grow."
+                )
+            cur = self.num_blocks
+            self._add_blocks(max(n - free, cur // 2, _MIN_GROWTH_BLOCKS))
+            logger.debug("BlockPool grew from %d to %d blocks", cur, self.num_blocks)
+
+    def allocate(self, n: int, after: int | None = None) -> list[int]:
+        """Allocate `n` blocks (refcount 1 each), growing or raising `PoolExhaustedError` first if needed."""
+        with self.lock:
+            self.reserve(n)
+            blocks = self.allocator.allocate(n, after)
+            assert blocks is not None
+            return blocks
+
+    def incref(self, blocks: list[int]) -> None:
+        with self.lock:
+            self.allocator.incref(blocks)
+
+    def free(self, blocks: list[int]) -> None:
+        """Drop one reference from each block; blocks that reach refcount 0 return to the free set (and are
+        poisoned in debug mode)."""
+        with self.lock:
+            freed = self.allocator.decref(blocks)
+            self.store.poison(freed)
+
+    # -- owners (live block tables) --------------------------------------------------------------------------------
+    def _register(self, rows: list[BlockTable]) -> int:
+        with self.lock:
+            token = next(self._tokens)
+            self._tables[token] = rows
+            return token
+
+    def _release_owner(self, token: int) -> None:
+        """Free every block of one owner's rows and forget them (release, or the cache was garbage collected)."""
+        with self.lock:
+            rows = self._tables.pop(token, None)
+            if rows:
+                self.free([b for row in rows for b in row.blocks])
+                rows.clear()
+
+    # -- observation -------------------------------------------------------------------------------------------------
+    def stats(self) -> PoolStats:
+        """A consistent snapshot of occupancy (see `PoolStats`)."""
+        with self.lock:
+            fill: dict[int, int] = {}
+            rows = [row for rows in self._tables.values() for row in rows]
+            for row in rows:
+                for j, b in enumerate(row.blocks):
+                    fill[b] = max(fill.get(b, 0), min(self.block_size, row.num_tokens - j * self.block_size))
+            return PoolStats(
+                block_size=self.block_size,
+                num_blocks=self.num_blocks,
+                blocks_in_use=self.allocator.num_used_blocks,
+                blocks_free=self.allocator.num_free_blocks,
+                tokens_stored=sum(fill.values()),
+                bytes_per_block=self.store.bytes_per_block,
+                num_sequences=len(rows),
+            )
+
+    def check_invariants(self) -> None:
+        """Check the pool invariants of DESIGN.md; raise `InvariantError` naming the broken one and the blocks.
+
+        1. every block is free (refcount 0, in the free set) or in use (refcount >= 1), never both;
+        2. `refcount[b]` equals the number of live block-table entries naming `b`;
+        3. a table holding `n` tokens has exactly ``ceil(n / block_size)`` blocks and names no block twice;
+        5. the free queue has no duplicates and names no block in use (a set, so no duplicates by construction);
+        6. with no live tables, no block is in use (a leak) -- implied by 2.
+        """
+        with self.lock:
+            alloc = self.allocator
+            free = alloc.free_blocks()
+            rc = [alloc.refcount(b) for b in range(alloc.num_blocks)]
+            bad = [b for b in range(alloc.num_blocks) if (b in free) != (rc[b] == 0) or rc[b] < 0]
+            if bad:
+                raise InvariantError(f"invariant 1/5 (free xor in use) broken for blocks {bad[:20]}")
+            stray = sorted(b for b in free if not 0 <= b < alloc.num_blocks)
+            if stray:
+                raise InvariantError(f"invariant 5 (free queue names only real blocks) broken: {stray[:20]}")
+            entries: Counter[int] = Counter()
+            for rows in self._tables.values():
+                for row in rows:
+                    want = num_blocks_for(row.num_tokens, self.block_size)
+                    if len(row.blocks) != want:
+                        raise InvariantError(
+                            f"invariant 3 (table of {row.num_tokens} tokens owns ceil(n/B)={want} blocks) broken: "
+                            f"it owns {len(row.blocks)} blocks {row.blocks[-5:]}"
+                        )
+                    if len(set(row.blocks)) != len(row.blocks):
+                        dup = [b for b, c in Counter(row.blocks).items() if c > 1]
+                        raise InvariantError(f"invariant 3 (a table names a block once) broken for blocks {dup}")
+                    entries.update(row.blocks)
+            wrong = [b for b in range(alloc.num_blocks) if rc[b] != entries.get(b, 0)]
+            if wrong:
+                detail = ", ".join(f"{b}: refcount {rc[b]} vs {entries.get(b, 0)} entries" for b in wrong[:10])
+                kind = "a leak" if not self._tables else "refcount mismatch"
+                raise InvariantError(f"invariant 2 (refcount == live table entries) broken ({kind}): {detail}")
+
+
+def _describe(spec: LayerSpec) -> str:
+    return (f"[num_kv_heads={spec.num_kv_heads}, head_dim={spec.key_dim}/{spec.value_dim}] "
+            f"{str(spec.dtype).removeprefix('torch.')} on {spec.device}")

@@ -1,0 +1,289 @@
+"""`PagedCache`: the drop-in `transformers.Cache` that stores K/V in the refcounted blocks of a `BlockPool`."""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+
+from ._compat import Cache, DummyLayer, layer_plan
+from .block_pool import BlockPool
+from .block_table import BlockTable, num_blocks_for
+from .config import check_positive_int
+from .errors import CacheReleasedError
+from .layer import PagedLayer
+from .page_store import LayerSpec
+from .step import StepMixin
+
+logger = logging.getLogger(__name__)
+
+
+class PagedCache(StepMixin, Cache):
+    """A paged, refcounted KV cache for `generate()` and `forward()`, exact against `DynamicCache`.
+
+    Each batch row has a block table into a `BlockPool`; on each forward step the first layer's `update`
+    extends every row's table (allocating at block boundaries, copy-on-write when the last block is shared)
+    and each layer writes its new K/V into those slots. Beam reordering, `fork()`, `batch_select_indices` and
+    `batch_repeat_interleave` move block ids and refcounts, never tensors. At a prefill, rows whose tokens are
+    identical (the rows `num_return_sequences` and `num_beams` expand the prompt into) are detected from their
+    K/V, checked layer by layer, and stored once. A cache pre-filled with `b` rows that is then given `k * b`
+    rows (for example `generate(num_beams=k)` after a prompt was cached) expands itself by forking its rows.
+
+    Args:
+        block_size (`int`, *optional*, defaults to 16, or the pool's): tokens per block.
+        pool (`BlockPool`, *optional*): a pool to share with other caches of the same model; a new growable
+            pool by default.
+        debug (`bool`, *optional*, defaults to `False`): check `pool.check_invariants()` after every step and
+            poison freed blocks with NaN, so a stale read shows up at once.
+        config (`PretrainedConfig`, *optional*): the model config; builds the layers up front with their
+            sliding windows (like `DynamicCache(config=...)`) and lets `max_memory` size the pool.
+        num_blocks (`int`, *optional*), max_memory (`int` or `str`, *optional*): size of the new pool (see
+            `BlockPool`); not allowed together with `pool`.
+
+    Raises:
+        ValueError: `block_size` not a positive int or different from the pool's; `pool` not a `BlockPool`;
+            `num_blocks`/`max_memory` given with `pool`; a layer type it does not store (by name).
+
+    Example:
+
+    ```python
+    >>> from hf_pagedkv import PagedCache
+    >>> cache = PagedCache()
+    >>> out = model.generate(input_ids, past_key_values=cache, max_new_tokens=20)
+    >>> cache.pool.stats().bytes_in_use     # bytes of the blocks this cache holds
+    >>> cache.release()                     # or use `with PagedCache() as cache:`
+    ```
+    """
+
+    def __init__(
+        self,
+        block_size: int | None = None,
+        pool: BlockPool | None = None,
+        debug: bool = False,
+        config=None,
+        *,
+        num_blocks: int | None = None,
+        max_memory: int | str | None = None,
+    ) -> None:
+        if block_size is not None:
+            check_positive_int("block_size", block_size)
+        if pool is None:
+            pool = BlockPool(block_size or 16, num_blocks=num_blocks, max_memory=max_memory, debug=debug)
+        elif not isinstance(pool, BlockPool):
+            raise ValueError(f"`pool` must be a hf_pagedkv.BlockPool, got {type(pool).__name__}.")
+        elif num_blocks is not None or max_memory is not None:
+            raise ValueError("`num_blocks`/`max_memory` size a new pool; set them on the BlockPool you pass.")
+        elif block_size is not None and block_size != pool.block_size:
+            raise ValueError(f"block_size={block_size} differs from the pool's block_size={pool.block_size}.")
+        layers = []
+        if config is not None:
+            for idx, (kind, window) in enumerate(layer_plan(config)):
+                layers.append(DummyLayer() if kind == "dummy" else PagedLayer(self, idx, window))
+        super().__init__(layers=layers)
+        if debug:
+            pool.debug = True
+        self.pool = pool  # the BlockPool holding this cache's blocks; fixed
+        self.block_size = pool.block_size  # tokens per block; fixed
+        self.debug = debug  # check invariants after every step
+        self._num_layers = len(layers) or None  # known when built from a config (sizes max_memory pools)
+        self._rows: list[BlockTable] = []  # one block table per batch row; this list object is registered
+        self._table = torch.zeros((0, 0), dtype=torch.long)  # CPU mirror of the rows' block ids [batch, capacity]
+        self._num_tokens = 0  # tokens held by every row (rows of a batch have equal lengths, padding included)
+        self._step: _Step | None = None  # the current forward step, set by its first layer
+        self._maybe_dups = False  # rows were just forked, so identical rows may be deduplicated next step
+        self._released = False
+        token = pool._register(self._rows)
+        self._finalizer = weakref.finalize(self, pool._release_owner, token)  # frees blocks if never released
+
+    # -- transformers entry points -----------------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Store the new K/V of layer `layer_idx` and return the K/V attention reads.
+
+        Args:
+            key_states, value_states (`torch.Tensor` of shape `[batch, num_kv_heads, num_new_tokens, head_dim]`).
+            layer_idx (`int`): the model layer.
+
+        Returns:
+            keys, values of shape `[batch, num_kv_heads, seq_len, head_dim]`.
+        """
+        while len(self.layers) <= layer_idx:
+            self.layers.append(PagedLayer(self, len(self.layers)))
+        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens cached per row (layer `layer_idx`)."""
+        return super().get_seq_length(layer_idx)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last `-tokens_to_remove` tokens from every row (a negative int, as `DynamicCache`).
+
+        Blocks past ``ceil(new_len / block_size)`` are freed; a shared last block is kept and copied on the next
+        write.
+
+        Raises:
+            ValueError: `tokens_to_remove` is positive.
+        """
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"crop({tokens_to_remove}): pass a negative number of tokens to remove, as with DynamicCache."
+            )
+        if tokens_to_remove == 0 or self._num_tokens == 0:
+            return
+        new_len = max(0, self._num_tokens + tokens_to_remove)
+        keep = num_blocks_for(new_len, self.block_size)
+        with self.pool.lock:
+            tail = []
+            for row in self._rows:
+                self.pool.free(row.truncate(keep))
+                row.num_tokens = new_len
+                if self.pool.debug and new_len % self.block_size and self.pool.allocator.refcount(row.blocks[-1]) == 1:
+                    base = row.blocks[-1] * self.block_size
+                    tail.extend(range(base + new_len % self.block_size, base + self.block_size))
+            self.pool.store.poison_slots(tail)  # stale tokens past the crop must never be read
+        for layer in self._paged_layers():
+            layer.num_tokens = min(layer.num_tokens, new_len)
+        self._num_tokens = new_len
+        self._step = None
+        self._after_change()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row `i` becomes a copy of row `beam_idx[i]`. Moves block ids and refcounts, not tensors."""
+        idx = beam_idx.tolist()
+        if idx == list(range(len(self._rows))):
+            return
+        nblk = num_blocks_for(self._num_tokens, self.block_size)
+        table = self._table[:, :nblk]
+        same = (table == table[:1]).all(0).tolist()  # block positions where every row names the same block
+        common = same.index(False) if False in same else nblk  # those are untouched by a permutation
+        self._select(idx, common)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the rows `indices` (refcounts follow)."""
+        self._select(torch.as_tensor(indices).reshape(-1).tolist(), 0)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat each row `repeats` times, sharing its blocks (a fork per copy)."""
+        self._select([r for r in range(len(self._rows)) for _ in range(repeats)], 0)
+        self._maybe_dups = True
+
+    def reset(self) -> None:
+        """Free every block this cache holds; the cache stays usable (empty)."""
+        with self.pool.lock:
+            self.pool.free([b for row in self._rows for b in row.blocks])
+            self._rows.clear()
+        self._table = torch.zeros((0, 0), dtype=torch.long)
+        self._num_tokens = 0
+        self._step = None
+        for layer in self._paged_layers():
+            layer.num_tokens = 0
+
+    # -- hf_pagedkv API -----------------------------------------------------------------------------------------
+    def fork(self) -> PagedCache:
+        """A new cache holding the same tokens, sharing every block (copy-on-write); O(blocks), no tensor copy."""
+        self._check_usable()
+        other = PagedCache(pool=self.pool, debug=self.debug)
+        other.layers = [DummyLayer() if isinstance(layer, DummyLayer) else self._clone_layer(layer, other)
+                        for layer in self.layers]
+        other._num_layers = self._num_layers
+        with self.pool.lock:
+            for row in self._rows:
+                self.pool.incref(row.blocks)
+                other._rows.append(row.copy())
+        other._table = self._table.clone()
+        other._num_tokens = self._num_tokens
+        other._after_change()
+        return other
+
+    def release(self) -> None:
+        """Return every block to the pool. Idempotent; the cache cannot be used afterwards."""
+        if self._released:
+            return
+        self.reset()
+        self._finalizer()  # unregisters the (now empty) rows
+        self._released = True
+
+    def __enter__(self) -> PagedCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    @property
+    def num_rows(self) -> int:
+        """Batch rows (block tables) this cache holds."""
+        return len(self._rows)
+
+    def block_tables(self) -> list[list[int]]:
+        """A copy of each row's block ids, in token order."""
+        return [list(row.blocks) for row in self._rows]
+
+    def __repr__(self) -> str:
+        return (f"PagedCache(rows={len(self._rows)}, tokens={self._num_tokens}, block_size={self.block_size}, "
+                f"layers={len(self.layers)}{', released' if self._released else ''})")
+
+    # -- internals: layers ----------------------------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._released:
+            raise CacheReleasedError("This PagedCache was released; create a new one (or fork() before release()).")
+
+    def _paged_layers(self) -> list[PagedLayer]:
+        return [layer for layer in self.layers if isinstance(layer, PagedLayer)]
+
+    def _register_layer(self, layer: PagedLayer, spec: LayerSpec) -> None:
+        self.pool.register_layer(layer.layer_idx, spec, self._num_layers)
+
+    @staticmethod
+    def _clone_layer(layer: PagedLayer, owner: PagedCache) -> PagedLayer:
+        new = PagedLayer(owner, layer.layer_idx, layer.sliding_window)
+        new.num_tokens, new.spec, new.is_initialized = layer.num_tokens, layer.spec, layer.is_initialized
+        if layer.is_initialized:
+            new.dtype, new.device = layer.dtype, layer.device
+        return new
+
+    def _after_change(self) -> None:
+        if self.debug:
+            self.pool.check_invariants()
+
+    # -- internals: rows ------------------------------------------------------------------------------------------
+    def _select(self, idx: list[int], common: int) -> None:
+        """Rows become copies of rows `idx`; refcounts move for block positions >= `common` only (the positions
+        before it name the same block in every row, so their counts are unchanged by a permutation)."""
+        self._check_usable()
+        if any(not 0 <= i < len(self._rows) for i in idx):
+            raise ValueError(f"row indices {idx} out of range for a cache of {len(self._rows)} rows.")
+        with self.pool.lock:
+            new_rows = [self._rows[i].copy() for i in idx]
+            for row in new_rows:
+                self.pool.incref(row.blocks[common:])
+            self.pool.free([b for row in self._rows for b in row.blocks[common:]])
+            self._rows[:] = new_rows
+        self._table = self._table[torch.tensor(idx, dtype=torch.long)] if idx else self._table[:0]
+        self._step = None
+        self._after_change()
+
+    def _set_table(self, r: int, start_block: int) -> None:
+        """Copy row `r`'s block ids from `start_block` on into the CPU mirror, growing its capacity if needed."""
+        blocks = self._rows[r].blocks
+        if len(blocks) > self._table.shape[1]:
+            grown = torch.zeros((self._table.shape[0], max(len(blocks), 2 * self._table.shape[1])), dtype=torch.long)
+            grown[:, : self._table.shape[1]] = self._table
+            self._table = grown
+        self._table[r, start_block: len(blocks)] = torch.tensor(blocks[start_block:], dtype=torch.long)
+
+    def _match_batch(self, batch: int) -> None:
+        """Make the cache hold `batch` rows: new empty rows, or `k` forks of each row when `batch = k * rows`."""
+        if batch == len(self._rows):
+            return
+        if self._num_tokens == 0:
+            self.reset()
+            self._rows.extend(BlockTable() for _ in range(batch))
+            self._table = torch.zeros((batch, 0), dtype=torch.long)
+        elif self._rows and batch % len(self._rows) == 0:
+            logger.debug("PagedCache: expanding %d rows to %d by forking", len(self._rows), batch)
+            self.batch_repeat_interleave(batch // len(self._rows))
+        else:
+            raise ValueError(
+                f"This PagedCache holds {len(self._rows)} rows of {self._num_tokens} tokens but got a batch of "
+                f"{batch}; the batch must equal the rows, or be a multiple of them (rows are then forked)."
+            )

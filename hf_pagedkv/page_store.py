@@ -1,0 +1,155 @@
+"""`PageStore`: the K/V tensors of a pool, one pair per layer, addressed by slot. No refcounting here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """Shape, dtype and device of one layer's K/V, fixed by the first `update` of that layer."""
+
+    num_kv_heads: int
+    key_dim: int  # head_dim of the keys
+    value_dim: int  # head_dim of the values (equal to key_dim for most models)
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token takes in this layer, keys plus values."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_kv_heads * (self.key_dim + self.value_dim) * itemsize
+
+    @classmethod
+    def of(cls, key_states: torch.Tensor, value_states: torch.Tensor) -> LayerSpec:
+        return cls(key_states.shape[1], key_states.shape[-1], value_states.shape[-1], key_states.dtype,
+                   key_states.device)
+
+
+class PageStore:
+    """Preallocated K/V storage for every layer of a pool.
+
+    Layout, per layer (head-major, so that a row whose blocks have consecutive ids is already the
+    `[num_kv_heads, seq_len, head_dim]` slice attention wants and is read as a view)::
+
+        keys[layer]:   [num_kv_heads, num_blocks * block_size, key_dim]
+        values[layer]: [num_kv_heads, num_blocks * block_size, value_dim]
+
+    Slot `s` is token ``s % block_size`` of block ``s // block_size``; a block id names the same slot range
+    in every layer. Storage grows by whole chunks of blocks (`grow`), never per token. In debug mode, freed
+    blocks and new storage are filled with NaN (poisoned), so that a read of a slot no sequence owns shows up
+    at once in the logits instead of as silent drift.
+    """
+
+    def __init__(self, block_size: int, debug: bool = False) -> None:
+        self.block_size = block_size  # tokens per block; fixed
+        self.debug = debug  # poison freed blocks and new storage with NaN; set by the pool
+        self.num_blocks = 0  # blocks allocated in every layer's tensors; changed by `grow` only
+        self.specs: dict[int, LayerSpec] = {}  # layer_idx -> spec; set once per layer by `add_layer`
+        self.keys: dict[int, torch.Tensor] = {}  # layer_idx -> [num_kv_heads, num_blocks * block_size, key_dim]
+        self.values: dict[int, torch.Tensor] = {}  # layer_idx -> [num_kv_heads, num_blocks * block_size, value_dim]
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block takes across all known layers, keys plus values."""
+        return sum(spec.bytes_per_token for spec in self.specs.values()) * self.block_size
+
+    def _new(self, spec: LayerSpec, dim: int, num_blocks: int) -> torch.Tensor:
+        shape = (spec.num_kv_heads, num_blocks * self.block_size, dim)
+        fill = float("nan") if self.debug and spec.dtype.is_floating_point else 0
+        return torch.full(shape, fill, dtype=spec.dtype, device=spec.device)
+
+    def add_layer(self, layer_idx: int, spec: LayerSpec) -> None:
+        assert layer_idx not in self.specs, f"layer {layer_idx} already has storage"
+        self.specs[layer_idx] = spec
+        self.keys[layer_idx] = self._new(spec, spec.key_dim, self.num_blocks)
+        self.values[layer_idx] = self._new(spec, spec.value_dim, self.num_blocks)
+
+    def grow(self, num_blocks: int) -> None:
+        """Resize every layer to `num_blocks` blocks, keeping the content of the existing ones."""
+        assert num_blocks >= self.num_blocks
+        for idx, spec in self.specs.items():
+            for store, dim in ((self.keys, spec.key_dim), (self.values, spec.value_dim)):
+                new = self._new(spec, dim, num_blocks)
+                new[:, : store[idx].shape[1]] = store[idx]
+                store[idx] = new
+        self.num_blocks = num_blocks
+
+    def write(self, layer_idx: int, slots: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Write new tokens into their slots.
+
+        Args:
+            slots (`torch.LongTensor` of shape `[rows * num_new_tokens]`): the slot mapping, row-major.
+            key_states (`torch.Tensor` of shape `[rows, num_kv_heads, num_new_tokens, key_dim]`).
+            value_states (`torch.Tensor` of shape `[rows, num_kv_heads, num_new_tokens, value_dim]`).
+        """
+        for store, new in ((self.keys, key_states), (self.values, value_states)):
+            heads, dim = new.shape[1], new.shape[-1]
+            src = new.transpose(0, 1).reshape(heads, -1, dim)  # [num_kv_heads, rows * num_new_tokens, dim]
+            store[layer_idx].index_copy_(1, slots, src)
+
+    def read_view(self, layer_idx: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of one row stored in consecutive slots ``start .. start + length - 1``, as views (no copy).
+
+        Returns:
+            keys, values of shape `[1, num_kv_heads, length, head_dim]`.
+        """
+        k = self.keys[layer_idx].narrow(1, start, length)  # [num_kv_heads, length, key_dim]
+        v = self.values[layer_idx].narrow(1, start, length)  # [num_kv_heads, length, value_dim]
+        return k.unsqueeze(0), v.unsqueeze(0)
+
+    def read_gather(self, layer_idx: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of several rows, gathered into new contiguous tensors.
+
+        Args:
+            slots (`torch.LongTensor` of shape `[batch, seq_len]`): slot of each token of each row.
+
+        Returns:
+            keys, values of shape `[batch, num_kv_heads, seq_len, head_dim]`.
+        """
+        batch, seq_len = slots.shape
+        out = []
+        for store in (self.keys, self.values):
+            t = store[layer_idx]
+            g = t.index_select(1, slots.reshape(-1))  # [num_kv_heads, batch * seq_len, dim]
+            g = g.view(t.shape[0], batch, seq_len, t.shape[-1]).transpose(0, 1)  # [batch, num_kv_heads, seq_len, dim]
+            out.append(g.contiguous())
+        return out[0], out[1]
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy whole blocks `src[i]` -> `dst[i]` in every layer (copy-on-write)."""
+        if not src:
+            return
+        for idx in self.specs:
+            s, d = self.block_slots(src, self.keys[idx].device), self.block_slots(dst, self.keys[idx].device)
+            for store in (self.keys, self.values):
+                store[idx].index_copy_(1, d, store[idx].index_select(1, s))
+
+    def poison(self, blocks: list[int]) -> None:
+        """Fill `blocks` with NaN in every layer (debug mode), so a stale read cannot pass unnoticed."""
+        if not self.debug or not blocks:
+            return
+        for idx, spec in self.specs.items():
+            if spec.dtype.is_floating_point:
+                s = self.block_slots(blocks, spec.device)
+                self.keys[idx].index_fill_(1, s, float("nan"))
+                self.values[idx].index_fill_(1, s, float("nan"))
+
+    def poison_slots(self, slots: list[int]) -> None:
+        """Fill single slots with NaN in every layer (debug mode; used for the tail of a cropped block)."""
+        if not self.debug or not slots:
+            return
+        for idx, spec in self.specs.items():
+            if spec.dtype.is_floating_point:
+                s = torch.tensor(slots, dtype=torch.long, device=spec.device)
+                self.keys[idx].index_fill_(1, s, float("nan"))
+                self.values[idx].index_fill_(1, s, float("nan"))
+
+    def block_slots(self, blocks: list[int], device: torch.device) -> torch.Tensor:
+        """All slots of `blocks`, block by block: `[len(blocks) * block_size]` int64."""
+        b = torch.tensor(blocks, dtype=torch.long, device=device)
+        offsets = torch.arange(self.block_size, device=device)
+        return (b[:, None] * self.block_size + offsets).reshape(-1)  # [len(blocks) * block_size]

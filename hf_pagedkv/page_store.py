@@ -114,9 +114,10 @@ class PageStore:
         out = []
         for store in (self.keys, self.values):
             t = store[layer_idx]
-            g = t.index_select(1, slots.reshape(-1))  # [num_kv_heads, batch * seq_len, dim]
-            g = g.view(t.shape[0], batch, seq_len, t.shape[-1]).transpose(0, 1)  # [batch, num_kv_heads, seq_len, dim]
-            out.append(g.contiguous())
+            g = torch.empty((batch, t.shape[0], seq_len, t.shape[-1]), dtype=t.dtype, device=t.device)
+            for b in range(batch):  # one index_select per row, straight into its contiguous output slice
+                torch.index_select(t, 1, slots[b], out=g[b])  # [num_kv_heads, seq_len, dim]
+            out.append(g)
         return out[0], out[1]
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:

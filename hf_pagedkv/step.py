@@ -72,56 +72,67 @@ class StepMixin:
         return 0 if layer.sliding_window is None else max(0, start - (layer.sliding_window - 1))
 
     def _begin_step(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        with self.pool.lock:
+            num_rows = len(self._rows)
+            self._match_batch(key_states.shape[0])
+            try:
+                self._extend(key_states, value_states)
+            except BaseException:  # a full pool: undo the row expansion too, so the pool is exactly as it was
+                if len(self._rows) != num_rows and self._num_tokens:
+                    self._select(list(range(0, len(self._rows), len(self._rows) // num_rows)), 0)
+                    self._maybe_dups = False
+                raise
+        self._after_change()
+
+    def _extend(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Plan this step's blocks, reserve them all (the only part that can fail), then apply the plan."""
         batch, q = key_states.shape[0], key_states.shape[2]
         B = self.block_size
         pool = self.pool
-        with pool.lock:
-            self._match_batch(batch)
-            rows = self._rows
-            start, end = self._num_tokens, self._num_tokens + q
-            maybe_dups = batch > 1 and (q > 1 or self._maybe_dups)
-            dup_of = self._find_duplicates(key_states, value_states) if maybe_dups else {}
-            writers = [r for r in range(batch) if r not in dup_of]
-            # Plan: new blocks per writer, and which writers must copy a shared partial last block first.
-            n_new = num_blocks_for(end, B) - num_blocks_for(start, B)
-            cow = []
-            if start % B:
-                dropped = Counter(rows[r].blocks[-1] for r in dup_of)  # duplicates let go of their blocks
-                holders: dict[int, int] = {}
-                for r in writers:
-                    last = rows[r].blocks[-1]
-                    holders.setdefault(last, pool.allocator.refcount(last) - dropped[last])
-                    if holders[last] > 1:  # another holder still reads it: copy before writing
-                        cow.append(r)
-                        holders[last] -= 1
-            pool.reserve(n_new * len(writers) + len(cow))  # may raise PoolExhaustedError; nothing changed yet
-            # Apply.
-            for r in dup_of:
-                pool.free(rows[r].blocks)  # never frees: the writer row holds the same blocks
-            src, dst = [], []
-            for r in cow:
-                row = rows[r]
-                new = pool.allocate(1, after=row.blocks[-2] if len(row.blocks) > 1 else None)[0]
-                src.append(row.replace_last(new))
-                dst.append(new)
-            pool.store.copy_blocks(src, dst)
-            pool.free(src)  # each copied block keeps its other holders
+        rows = self._rows
+        start, end = self._num_tokens, self._num_tokens + q
+        maybe_dups = batch > 1 and (q > 1 or self._maybe_dups)
+        dup_of = self._find_duplicates(key_states, value_states) if maybe_dups else {}
+        writers = [r for r in range(batch) if r not in dup_of]
+        # Plan: new blocks per writer, and which writers must copy a shared partial last block first.
+        n_new = num_blocks_for(end, B) - num_blocks_for(start, B)
+        cow = []
+        if start % B:
+            dropped = Counter(rows[r].blocks[-1] for r in dup_of)  # duplicates let go of their blocks
+            holders: dict[int, int] = {}
             for r in writers:
-                row = rows[r]
-                if n_new:
-                    row.append(pool.allocate(n_new, after=row.blocks[-1] if row.blocks else None))
-                row.num_tokens = end
-                self._set_table(r, start // B)
-            for r, w in dup_of.items():
-                rows[r] = rows[w].copy()
-                pool.incref(rows[r].blocks)
-                self._table[r] = self._table[w]
-            self._num_tokens = end
-            self._maybe_dups = False
-            only = rows[0] if batch == 1 else None
-            view_base = only.blocks[0] * B if only is not None and only.is_contiguous else None
-            self._step = _Step(start, end, writers, dup_of, view_base)
-        self._after_change()
+                last = rows[r].blocks[-1]
+                holders.setdefault(last, pool.allocator.refcount(last) - dropped[last])
+                if holders[last] > 1:  # another holder still reads it: copy before writing
+                    cow.append(r)
+                    holders[last] -= 1
+        pool.reserve(n_new * len(writers) + len(cow))  # may raise PoolExhaustedError; nothing changed yet
+        # Apply.
+        for r in dup_of:
+            pool.free(rows[r].blocks)  # never frees: the writer row holds the same blocks
+        src, dst = [], []
+        for r in cow:
+            row = rows[r]
+            new = pool.allocate(1, after=row.blocks[-2] if len(row.blocks) > 1 else None)[0]
+            src.append(row.replace_last(new))
+            dst.append(new)
+        pool.store.copy_blocks(src, dst)
+        pool.free(src)  # each copied block keeps its other holders
+        for r in writers:
+            row = rows[r]
+            if n_new:
+                row.append(pool.allocate(n_new, after=row.blocks[-1] if row.blocks else None))
+            row.num_tokens = end
+            self._set_table(r, start // B)
+        for r, w in dup_of.items():
+            rows[r] = rows[w].copy()
+            pool.incref(rows[r].blocks)
+            self._table[r] = self._table[w]
+        self._num_tokens = end
+        self._maybe_dups = False
+        only = rows[0] if batch == 1 else None
+        view_base = only.blocks[0] * B if only is not None and only.is_contiguous else None
+        self._step = _Step(start, end, writers, dup_of, view_base)
 
     def _find_duplicates(self, key_states: torch.Tensor, value_states: torch.Tensor) -> dict[int, int]:
         """Rows with identical block tables and bit-identical new K/V in this layer -> the first such row."""

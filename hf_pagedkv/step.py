@@ -136,9 +136,11 @@ class StepMixin:
 
     def _find_duplicates(self, key_states: torch.Tensor, value_states: torch.Tensor) -> dict[int, int]:
         """Rows with identical block tables and bit-identical new K/V in this layer -> the first such row."""
-        groups: dict[tuple[int, ...], list[int]] = {}
+        # A cheap fingerprint first (bit-identical rows have equal sums), so distinct rows are not compared pairwise.
+        sums = torch.stack([key_states.flatten(1).sum(1), value_states.flatten(1).sum(1)], 1).tolist()
+        groups: dict[tuple, list[int]] = {}
         for r, row in enumerate(self._rows):
-            groups.setdefault(tuple(row.blocks), []).append(r)
+            groups.setdefault((tuple(row.blocks), *sums[r]), []).append(r)
         dup_of = {}
         for members in groups.values():
             firsts: list[int] = []

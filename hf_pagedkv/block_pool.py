@@ -70,8 +70,8 @@ class BlockPool:
             `config=model.config` to `PagedCache` when the cache is created lazily). Exclusive with `num_blocks`.
         debug (`bool`, *optional*, defaults to `False`): poison freed blocks with NaN.
 
-    With neither `num_blocks` nor `max_memory`, the pool grows on demand by chunks (at least 64 blocks, and
-    at least half its size), copying its storage once per growth.
+    With neither `num_blocks` nor `max_memory`, the pool grows on demand by chunks: what is needed plus a headroom
+    of half its size (at least 64 blocks), copying its storage once per growth, so growth is amortised O(1).
 
     Raises:
         ValueError: `block_size` or `num_blocks` not a positive int; both `num_blocks` and `max_memory`
@@ -181,7 +181,7 @@ class BlockPool:
                     "or use num_blocks=None to let the pool grow."
                 )
             cur = self.num_blocks
-            self._add_blocks(max(n - free, cur // 2, _MIN_GROWTH_BLOCKS))
+            self._add_blocks(n - free + max(cur // 2, _MIN_GROWTH_BLOCKS))  # headroom: next steps need no copy
             logger.debug("BlockPool grew from %d to %d blocks", cur, self.num_blocks)
 
     def allocate(self, n: int, after: int | None = None) -> list[int]:

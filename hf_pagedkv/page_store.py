@@ -59,8 +59,9 @@ class PageStore:
 
     def _new(self, spec: LayerSpec, dim: int, num_blocks: int) -> torch.Tensor:
         shape = (spec.num_kv_heads, num_blocks * self.block_size, dim)
-        fill = float("nan") if self.debug and spec.dtype.is_floating_point else 0
-        return torch.full(shape, fill, dtype=spec.dtype, device=spec.device)
+        if self.debug and spec.dtype.is_floating_point:
+            return torch.full(shape, float("nan"), dtype=spec.dtype, device=spec.device)
+        return torch.empty(shape, dtype=spec.dtype, device=spec.device)  # never read before written
 
     def add_layer(self, layer_idx: int, spec: LayerSpec) -> None:
         assert layer_idx not in self.specs, f"layer {layer_idx} already has storage"

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .block_table import num_blocks_for
+from .errors import PoolExhaustedError
 
 
 @dataclass
@@ -76,6 +77,8 @@ class StepMixin:
         B = self.block_size
         pool = self.pool
         with pool.lock:
+            num_rows = len(self._rows)
+            forked = self._num_tokens > 0 and batch != num_rows  # _match_batch expands the rows by forking
             self._match_batch(batch)
             rows = self._rows
             start, end = self._num_tokens, self._num_tokens + q
@@ -91,10 +94,16 @@ class StepMixin:
                 for r in writers:
                     last = rows[r].blocks[-1]
                     holders.setdefault(last, pool.allocator.refcount(last) - dropped[last])
-                    if holders[last] > 1:  # another holder still reads it: copy before writing
+                    # another holder still reads it, or the prefix index names its content: copy before writing
+                    if holders[last] > 1 or pool.is_published(last):
                         cow.append(r)
                         holders[last] -= 1
-            pool.reserve(n_new * len(writers) + len(cow))  # may raise PoolExhaustedError; nothing changed yet
+            try:
+                pool.reserve(n_new * len(writers) + len(cow))  # may raise PoolExhaustedError; nothing changed yet
+            except PoolExhaustedError:
+                if forked:  # undo the expansion, so the pool is exactly as it was
+                    self._select(list(range(0, batch, batch // num_rows)), 0)
+                raise
             # Apply.
             for r in dup_of:
                 pool.free(rows[r].blocks)  # never frees: the writer row holds the same blocks
@@ -104,8 +113,8 @@ class StepMixin:
                 new = pool.allocate(1, after=row.blocks[-2] if len(row.blocks) > 1 else None)[0]
                 src.append(row.replace_last(new))
                 dst.append(new)
-            pool.store.copy_blocks(src, dst)
-            pool.free(src)  # each copied block keeps its other holders
+            pool.copy_on_write(src, dst)
+            pool.free(src)  # each copied block keeps its other holders (or stays cached if published)
             for r in writers:
                 row = rows[r]
                 if n_new:
@@ -149,7 +158,7 @@ class StepMixin:
             pool.reserve(len(row.blocks) - first)
             old = row.truncate(first)
             row.append(pool.allocate(len(old), after=row.blocks[-1] if row.blocks else None))
-            pool.store.copy_blocks(old, row.blocks[first:])  # earlier layers were identical, so this is exact
+            pool.copy_on_write(old, row.blocks[first:])  # earlier layers were identical, so this is exact
             pool.free(old)  # still held by the writer row
             self._set_table(r, first)
         del step.dup_of[r]

@@ -323,10 +323,10 @@ class BlockPool:
                 bytes_per_block=self.store.bytes_per_block,
                 num_sequences=len(rows),
                 blocks_cached=self.allocator.num_idle_blocks,
-                lookups=index.num_lookups if index else 0,
-                lookup_tokens=index.num_lookup_tokens if index else 0,
-                hit_tokens=index.num_hit_tokens if index else 0,
-                evictions=index.num_evictions if index else 0,
+                lookups=index.num_lookups if index is not None else 0,
+                lookup_tokens=index.num_lookup_tokens if index is not None else 0,
+                hit_tokens=index.num_hit_tokens if index is not None else 0,
+                evictions=index.num_evictions if index is not None else 0,
                 cow_copies=self.num_cow_copies,
             )
 
@@ -345,7 +345,7 @@ class BlockPool:
             self._drain()
             alloc, index = self.allocator, self.prefix_index
             free = alloc.free_blocks()
-            idle = set(index.idle_blocks()) if index else set()
+            idle = set(index.idle_blocks()) if index is not None else set()
             rc = [alloc.refcount(b) for b in range(alloc.num_blocks)]
             bad = [b for b in range(alloc.num_blocks) if (b in free) + (b in idle) + (rc[b] > 0) != 1 or rc[b] < 0]
             if bad:

@@ -79,7 +79,8 @@ class PrefixIndex:
         """Whether `block` is published (holds a named full prefix)."""
         return block in self._by_block
 
-    def __len__(self) -> int:
+    @property
+    def num_published_blocks(self) -> int:
         return len(self._by_block)
 
     @property

@@ -33,10 +33,10 @@ def _tiny(name: str):
     elif name == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     elif name == "gemma2":  # alternating sliding-window (window 8) and full layers
-        model = Gemma2ForCausalLM(Gemma2Config(**common, head_dim=16, sliding_window=8, num_hidden_layers=4))
+        model = Gemma2ForCausalLM(Gemma2Config(**{**common, "num_hidden_layers": 4}, head_dim=16, sliding_window=8))
     elif name == "gemma3":
-        model = Gemma3ForCausalLM(Gemma3TextConfig(**common, head_dim=16, sliding_window=8, num_hidden_layers=4,
-                                                    sliding_window_pattern=2))
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**{**common, "num_hidden_layers": 4}, head_dim=16,
+                                                    sliding_window=8, sliding_window_pattern=2))
     elif name == "gpt2":
         model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=512,
                                            pad_token_id=0, bos_token_id=1, eos_token_id=2))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import DynamicCache
 
@@ -9,6 +10,16 @@ from hf_pagedkv import PagedCache
 
 LOGIT_TOL = 1e-5  # a prefix hit reassociates float sums (a short prefill after a long one): logits agree to this
 GEN = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_logits=True)
+
+
+@pytest.fixture(autouse=True)
+def tiny_single_thread():
+    """Run tiny models on one intra-op thread: their ops are too small to split, and on a shared machine extra
+    threads only spin (the fuzz test runs ~8x faster). Import this fixture into a test module to use it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def fresh_generate(model, input_ids: torch.Tensor, **kwargs):

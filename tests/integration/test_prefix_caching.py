@@ -7,6 +7,7 @@ import hf_pagedkv
 from hf_pagedkv import BlockPool, PagedCache, PoolExhaustedError
 from tests.conftest import ids, tiny_model
 from tests.prefix_utils import GEN, Request, assert_same_output, fresh_generate, fresh_greedy
+from tests.prefix_utils import tiny_single_thread  # noqa: F401 (autouse fixture)
 
 B = 4
 

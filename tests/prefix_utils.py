@@ -9,7 +9,7 @@ from transformers import DynamicCache
 from hf_pagedkv import PagedCache
 
 LOGIT_TOL = 1e-5  # a prefix hit reassociates float sums (a short prefill after a long one): logits agree to this
-GEN = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_logits=True)
+GEN = {"max_new_tokens": 6, "do_sample": False, "return_dict_in_generate": True, "output_logits": True}
 
 
 @pytest.fixture(autouse=True)

@@ -8,8 +8,12 @@ import torch
 import hf_pagedkv
 from hf_pagedkv import BlockPool
 from tests.conftest import ids, tiny_model
-from tests.prefix_utils import GEN, assert_same_output, fresh_generate
-from tests.prefix_utils import tiny_single_thread  # noqa: F401 (autouse fixture)
+from tests.prefix_utils import (
+    GEN,
+    assert_same_output,
+    fresh_generate,
+    tiny_single_thread,  # noqa: F401 (autouse fixture)
+)
 
 B = 4
 THREADS, PER_THREAD = 4, 20

@@ -15,8 +15,12 @@ import torch
 
 from hf_pagedkv import BlockPool, PagedCache, PoolExhaustedError
 from tests.conftest import VOCAB, ids, tiny_model
-from tests.prefix_utils import LOGIT_TOL, Request, fresh_greedy
-from tests.prefix_utils import tiny_single_thread  # noqa: F401 (autouse fixture)
+from tests.prefix_utils import (
+    LOGIT_TOL,
+    Request,
+    fresh_greedy,
+    tiny_single_thread,  # noqa: F401 (autouse fixture)
+)
 
 B = 4
 NEW_TOKENS = 4
@@ -45,7 +49,7 @@ def test_fuzz_admit_decode_finish_abort(seed):
     pending: deque[int] = deque(range(len(prompts)))
     active: dict[int, Request] = {}
     finished: dict[int, Request] = {}
-    counts = dict(admit=0, wait=0, decode=0, preempt=0, finish=0, abort=0)
+    counts = {"admit": 0, "wait": 0, "decode": 0, "preempt": 0, "finish": 0, "abort": 0}
 
     def release(i: int) -> Request:
         req = active.pop(i)

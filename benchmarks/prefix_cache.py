@@ -140,8 +140,8 @@ def main() -> None:
         hf_pagedkv.generate(model, prompt(doc[:64], suffixes[0], 8), pool=BlockPool(prefix_caching=True),
                             max_new_tokens=2, do_sample=False)
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
-          f"({torch.get_num_threads()} threads), {type(model).__name__} {model.dtype}, block_size={args.block_size}, "
-          f"text: {source}")
+          f"({torch.get_num_threads()} threads), load average {os.getloadavg()[0]:.1f}, {type(model).__name__} "
+          f"{model.dtype}, block_size={args.block_size}, text: {source}")
     t = ttft(model, doc, suffixes, args)
     print(f"TTFT {args.prefix_tokens}+{args.suffix_tokens} tokens (median of {args.repeats}): "
           f"no hit {t['miss']:.3f} s, hit {t['hit']:.3f} s ({t['hit_tokens_per_request']:.0f} tokens hit), "

@@ -3,9 +3,12 @@
 from .block_pool import BlockPool, PoolStats
 from .cache import PagedCache
 from .errors import CacheReleasedError, InvariantError, PoolExhaustedError
+from .generation import generate
 from .layer import PagedLayer
+from .prefix_index import BlockHash
 
 __all__ = [
+    "BlockHash",
     "BlockPool",
     "CacheReleasedError",
     "InvariantError",
@@ -13,5 +16,6 @@ __all__ = [
     "PagedLayer",
     "PoolExhaustedError",
     "PoolStats",
+    "generate",
 ]
 __version__ = "0.1.0"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 
 
 class BlockAllocator:
@@ -12,10 +12,13 @@ class BlockAllocator:
     Every id in ``range(num_blocks)`` is in exactly one state:
 
     - **free**: refcount 0, in the free set, may be handed out;
-    - **in use**: refcount >= 1, named by that many live block-table entries.
+    - **in use**: refcount >= 1, named by that many live block-table entries;
+    - **cached-idle**: refcount 0 but kept out of the free set because the prefix index still names it
+      (`decref(..., keep=index)`); it returns to use by `revive` or to the free set by `add_free` (eviction).
 
-    Invariants (checked by `BlockPool.check_invariants`): the free set names no block in use and every block
-    with refcount 0 is free; `refcount[b]` equals the number of live block-table entries naming `b`.
+    Invariants (checked by `BlockPool.check_invariants`): the free set names no block in use; a block with
+    refcount 0 is free or cached-idle, never both; `refcount[b]` equals the number of live block-table entries
+    naming `b`.
 
     Allocation is "ask, then do": `can_allocate` has no side effects, and `allocate` either hands out all the
     blocks asked for or returns `None` without changing anything. It prefers the id right after `after` (the
@@ -27,6 +30,7 @@ class BlockAllocator:
         self._refcount: list[int] = []  # refcount[b]: live block-table entries naming b; changed here only
         self._free: set[int] = set()  # the free blocks (the truth); changed here only
         self._free_heap: list[int] = []  # min-heap index over _free; may hold stale ids, skipped on pop
+        self._num_idle = 0  # blocks with refcount 0 kept out of _free (cached-idle); changed here only
 
     @property
     def num_blocks(self) -> int:
@@ -39,7 +43,13 @@ class BlockAllocator:
 
     @property
     def num_used_blocks(self) -> int:
-        return len(self._refcount) - len(self._free)
+        """Blocks with refcount >= 1."""
+        return len(self._refcount) - len(self._free) - self._num_idle
+
+    @property
+    def num_idle_blocks(self) -> int:
+        """Blocks with refcount 0 that are not free (cached-idle)."""
+        return self._num_idle
 
     def refcount(self, block: int) -> int:
         return self._refcount[block]
@@ -90,18 +100,38 @@ class BlockAllocator:
             assert rc[b] > 0, f"incref of free block {b}"
             rc[b] += 1
 
-    def decref(self, blocks: Iterable[int]) -> list[int]:
-        """Drop one reference from each block; return the blocks that became free, in order."""
+    def decref(self, blocks: Iterable[int], keep: Container[int] = ()) -> list[int]:
+        """Drop one reference from each block; return the blocks that became free, in order.
+
+        Blocks in `keep` (the prefix index) that reach refcount 0 become cached-idle instead of free.
+        """
         rc = self._refcount
         freed = []
         for b in blocks:
             assert rc[b] > 0, f"decref of free block {b} (double free)"
             rc[b] -= 1
             if rc[b] == 0:
+                if b in keep:
+                    self._num_idle += 1
+                    continue
                 self._free.add(b)
                 heapq.heappush(self._free_heap, b)
                 freed.append(b)
         return freed
+
+    def revive(self, block: int) -> None:
+        """A cached-idle block is in use again (refcount 0 -> 1): a prefix lookup hit it."""
+        assert self._refcount[block] == 0 and block not in self._free, f"revive of block {block}: not idle"
+        self._refcount[block] = 1
+        self._num_idle -= 1
+
+    def add_free(self, blocks: Iterable[int]) -> None:
+        """Cached-idle blocks become free (their hashes were evicted)."""
+        for b in blocks:
+            assert self._refcount[b] == 0 and b not in self._free, f"add_free of block {b}: not idle"
+            self._free.add(b)
+            heapq.heappush(self._free_heap, b)
+            self._num_idle -= 1
 
     def free_blocks(self) -> set[int]:
         """A copy of the free set (for checks and tests)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from .block_allocator import BlockAllocator
@@ -13,6 +13,7 @@ from .block_table import BlockTable, num_blocks_for
 from .config import check_positive_int, parse_bytes
 from .errors import InvariantError, PoolExhaustedError
 from .page_store import LayerSpec, PageStore
+from .prefix_index import BlockHash, PrefixIndex
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,17 @@ class PoolStats:
     tokens_stored: int  # tokens held in blocks in use; a block shared by several sequences counts once
     bytes_per_block: int  # bytes of one block across all layers
     num_sequences: int  # live block tables (batch rows of live caches)
+    blocks_cached: int = 0  # cached-idle blocks: refcount 0, still in the prefix index, evicted when space is needed
+    lookups: int = 0  # prefix lookups (one per request attached with `PagedCache.from_prefix`)
+    lookup_tokens: int = 0  # tokens those lookups asked about
+    hit_tokens: int = 0  # tokens served from cached blocks instead of being computed
+    evictions: int = 0  # cached-idle blocks evicted (hash dropped) to make room
+    cow_copies: int = 0  # blocks copied because a shared (or published) block was about to be written
+
+    @property
+    def hit_rate(self) -> float:
+        """hit_tokens / lookup_tokens, in [0, 1] (0 before any lookup)."""
+        return 0.0 if self.lookup_tokens == 0 else self.hit_tokens / self.lookup_tokens
 
     @property
     def bytes_in_use(self) -> int:
@@ -69,9 +81,17 @@ class BlockPool:
             layers' keys and values; turned into `num_blocks` once the layer shapes are known (pass
             `config=model.config` to `PagedCache` when the cache is created lazily). Exclusive with `num_blocks`.
         debug (`bool`, *optional*, defaults to `False`): poison freed blocks with NaN.
+        prefix_caching (`bool`, *optional*, defaults to `False`): keep a prefix index (`PrefixIndex`) so that
+            requests sharing a prompt prefix share its full blocks (`PagedCache.from_prefix`, `cache.publish`,
+            `hf_pagedkv.generate`). Published blocks whose refcount drops to 0 stay cached-idle until space is
+            needed, then are evicted least-recently-used.
 
     With neither `num_blocks` nor `max_memory`, the pool grows on demand by chunks: what is needed plus a headroom
     of half its size (at least 64 blocks), copying its storage once per growth, so growth is amortised O(1).
+    Cached-idle blocks are evicted before the pool grows or raises `PoolExhaustedError`.
+
+    Thread safety: every bookkeeping change happens under `lock` (an `RLock`), so several threads may each run
+    their own caches on one pool. A cache itself is used by one thread at a time.
 
     Raises:
         ValueError: `block_size` or `num_blocks` not a positive int; both `num_blocks` and `max_memory`
@@ -95,6 +115,7 @@ class BlockPool:
         num_blocks: int | None = None,
         max_memory: int | str | None = None,
         debug: bool = False,
+        prefix_caching: bool = False,
     ) -> None:
         check_positive_int("block_size", block_size)
         if num_blocks is not None:
@@ -109,6 +130,9 @@ class BlockPool:
         self.store = PageStore(block_size, debug=debug)  # the tensors
         self._tables: dict[int, list[BlockTable]] = {}  # owner token -> that cache's rows; for checks and stats
         self._tokens = itertools.count()  # owner tokens
+        self._pending_release: deque[int] = deque()  # owners garbage-collected without release(); freed by _drain
+        self.prefix_index = PrefixIndex() if prefix_caching else None  # full-block hashes -> blocks, or None
+        self.num_cow_copies = 0  # blocks copied before a write (copy-on-write); changed by copy_on_write only
         if num_blocks is not None:
             self._add_blocks(num_blocks)
 
@@ -165,21 +189,30 @@ class BlockPool:
 
     # -- allocation --------------------------------------------------------------------------------------------------
     def reserve(self, n: int) -> None:
-        """Make sure `n` blocks are free: grow a growable pool, else raise. Changes no refcount.
+        """Make sure `n` blocks are free: evict cached-idle blocks (LRU), then grow a growable pool, else raise.
+        Changes no refcount.
 
         Raises:
-            PoolExhaustedError: a fixed pool has fewer than `n` free blocks.
+            PoolExhaustedError: a fixed pool has fewer than `n` free plus cached-idle blocks (nothing changed).
         """
         with self.lock:
+            self._drain()
             free = self.allocator.num_free_blocks
             if n <= free:
                 return
-            if not self.growable:
+            idle = self.allocator.num_idle_blocks
+            if not self.growable and n > free + idle:
+                idle_note = f" and {idle} cached-idle" if self.prefix_index is not None else ""
                 raise PoolExhaustedError(
-                    f"BlockPool is full: {n} blocks needed, {free} free of {self.num_blocks} "
+                    f"BlockPool is full: {n} blocks needed, {free} free{idle_note} of {self.num_blocks} "
                     f"(block_size={self.block_size}). Raise num_blocks / max_memory, release finished caches, "
                     "or use num_blocks=None to let the pool grow."
                 )
+            if idle:  # evict before growing or raising: idle blocks are only a cache
+                self._evict(min(n - free, idle))
+                free = self.allocator.num_free_blocks
+                if n <= free:
+                    return
             cur = self.num_blocks
             self._add_blocks(n - free + max(cur // 2, _MIN_GROWTH_BLOCKS))  # headroom: next steps need no copy
             logger.debug("BlockPool grew from %d to %d blocks", cur, self.num_blocks)
@@ -198,30 +231,91 @@ class BlockPool:
 
     def free(self, blocks: list[int]) -> None:
         """Drop one reference from each block; blocks that reach refcount 0 return to the free set (and are
-        poisoned in debug mode)."""
+        poisoned in debug mode), or, when published in the prefix index, become cached-idle."""
         with self.lock:
-            freed = self.allocator.decref(blocks)
+            if self.prefix_index is None:
+                freed = self.allocator.decref(blocks)
+            else:
+                freed = self.prefix_index.release(blocks, self.allocator)
             self.store.poison(freed)
+
+    def copy_on_write(self, src: list[int], dst: list[int]) -> None:
+        """Copy whole blocks `src[i]` -> `dst[i]` in every layer (before writing to a shared or published block)."""
+        with self.lock:
+            self.store.copy_blocks(src, dst)
+            self.num_cow_copies += len(src)
+
+    # -- prefix caching --------------------------------------------------------------------------------------------
+    def is_published(self, block: int) -> bool:
+        """Whether `block` holds a published full prefix (it must then be copied before any write)."""
+        return self.prefix_index is not None and block in self.prefix_index
+
+    def acquire_prefix(self, hashes: list[BlockHash], num_tokens: int) -> list[int]:
+        """Take one reference to each block of the longest published prefix of `hashes` (reviving idle ones).
+
+        Args:
+            hashes (`list[BlockHash]`): chain hashes of the full blocks a request may reuse.
+            num_tokens (`int`): tokens of the request (for `hit_rate`).
+
+        Returns:
+            `list[int]`: the hit blocks, in order; the caller's block table must name them (one reference each).
+        """
+        with self.lock:
+            self._drain()
+            return self.prefix_index.acquire(hashes, self.allocator, num_tokens)
+
+    def publish_blocks(self, hashes: list[BlockHash], blocks: list[int]) -> int:
+        """Publish `blocks[i]` under `hashes[i]` (blocks held by the caller, fully written in every layer).
+
+        Returns:
+            `int`: blocks newly published (a hash already published by another block is skipped).
+        """
+        with self.lock:
+            rc = self.allocator.refcount
+            assert all(rc(b) > 0 for b in blocks), "publish of a block the caller does not hold"
+            return sum(self.prefix_index.publish(h, b) for h, b in zip(hashes, blocks))
+
+    def _evict(self, n: int) -> None:
+        self.store.poison(self.prefix_index.evict(n, self.allocator))
+        logger.debug("BlockPool evicted %d cached-idle blocks", n)
 
     # -- owners (live block tables) --------------------------------------------------------------------------------
     def _register(self, rows: list[BlockTable]) -> int:
         with self.lock:
+            self._drain()
             token = next(self._tokens)
             self._tables[token] = rows
             return token
 
-    def _release_owner(self, token: int) -> None:
-        """Free every block of one owner's rows and forget them (release, or the cache was garbage collected)."""
+    def _unregister(self, token: int) -> None:
+        """Forget an owner whose rows are already empty (an explicit `PagedCache.release()`)."""
         with self.lock:
             rows = self._tables.pop(token, None)
+            assert not rows, "unregister of an owner that still holds blocks"
+
+    def _release_owner(self, token: int) -> None:
+        """Free every block of one owner's rows and forget them (the cache was released or garbage collected).
+
+        NOTE: this runs from a `weakref.finalize`, which the garbage collector may call in any thread at any point,
+        even inside a pool method holding `lock` (an RLock lets it in). So it only queues the owner; the blocks are
+        freed at the start of the next pool operation (`_drain`), never in the middle of one.
+        """
+        self._pending_release.append(token)  # deque.append is atomic
+
+    def _drain(self) -> None:
+        """Free the blocks of owners queued by `_release_owner`. Called with `lock` held."""
+        while self._pending_release:
+            rows = self._tables.pop(self._pending_release.popleft(), None)
             if rows:
                 self.free([b for row in rows for b in row.blocks])
                 rows.clear()
 
     # -- observation -------------------------------------------------------------------------------------------------
     def stats(self) -> PoolStats:
-        """A consistent snapshot of occupancy (see `PoolStats`)."""
+        """A consistent snapshot of occupancy and prefix-cache counters (see `PoolStats`)."""
         with self.lock:
+            self._drain()
+            index = self.prefix_index
             fill: dict[int, int] = {}
             rows = [row for rows in self._tables.values() for row in rows]
             for row in rows:
@@ -235,24 +329,41 @@ class BlockPool:
                 tokens_stored=sum(fill.values()),
                 bytes_per_block=self.store.bytes_per_block,
                 num_sequences=len(rows),
+                blocks_cached=self.allocator.num_idle_blocks,
+                lookups=index.num_lookups if index is not None else 0,
+                lookup_tokens=index.num_lookup_tokens if index is not None else 0,
+                hit_tokens=index.num_hit_tokens if index is not None else 0,
+                evictions=index.num_evictions if index is not None else 0,
+                cow_copies=self.num_cow_copies,
             )
 
     def check_invariants(self) -> None:
         """Check the pool invariants of DESIGN.md; raise `InvariantError` naming the broken one and the blocks.
 
-        1. every block is free (refcount 0, in the free set) or in use (refcount >= 1), never both;
+        1. every block is in exactly one state: free (refcount 0, in the free set), in use (refcount >= 1), or
+           cached-idle (refcount 0, published in the prefix index and in its idle LRU); the prefix index is
+           consistent (hash <-> block maps inverse) and names no free block;
         2. `refcount[b]` equals the number of live block-table entries naming `b`;
         3. a table holding `n` tokens has exactly ``ceil(n / block_size)`` blocks and names no block twice;
         5. the free queue has no duplicates and names no block in use (a set, so no duplicates by construction);
         6. with no live tables, no block is in use (a leak) -- implied by 2.
         """
         with self.lock:
-            alloc = self.allocator
+            self._drain()
+            alloc, index = self.allocator, self.prefix_index
             free = alloc.free_blocks()
+            idle = set(index.idle_blocks()) if index is not None else set()
             rc = [alloc.refcount(b) for b in range(alloc.num_blocks)]
-            bad = [b for b in range(alloc.num_blocks) if (b in free) != (rc[b] == 0) or rc[b] < 0]
+            bad = [b for b in range(alloc.num_blocks) if (b in free) + (b in idle) + (rc[b] > 0) != 1 or rc[b] < 0]
             if bad:
-                raise InvariantError(f"invariant 1/5 (free xor in use) broken for blocks {bad[:20]}")
+                detail = ", ".join(f"{b}: refcount {rc[b]}, free {b in free}, idle {b in idle}" for b in bad[:10])
+                raise InvariantError(f"invariant 1/5 (free xor in use xor cached-idle) broken: {detail}")
+            if len(idle) != alloc.num_idle_blocks:
+                raise InvariantError(f"invariant 1 broken: {len(idle)} idle blocks in the prefix index, "
+                                     f"{alloc.num_idle_blocks} counted by the allocator")
+            problems = index.check(free, alloc.num_blocks) if index is not None else []
+            if problems:
+                raise InvariantError(f"invariant 1 (prefix index) broken: {'; '.join(problems)}")
             stray = sorted(b for b in free if not 0 <= b < alloc.num_blocks)
             if stray:
                 raise InvariantError(f"invariant 5 (free queue names only real blocks) broken: {stray[:20]}")

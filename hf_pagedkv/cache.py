@@ -14,12 +14,13 @@ from .config import check_positive_int
 from .errors import CacheReleasedError
 from .layer import PagedLayer
 from .page_store import LayerSpec
+from .prefix_cache import PrefixMixin
 from .step import StepMixin
 
 logger = logging.getLogger(__name__)
 
 
-class PagedCache(StepMixin, Cache):
+class PagedCache(StepMixin, PrefixMixin, Cache):
     """A paged, refcounted KV cache for `generate()` and `forward()`, exact against `DynamicCache`.
 
     Each batch row has a block table into a `BlockPool`; on each forward step the first layer's `update`
@@ -29,6 +30,8 @@ class PagedCache(StepMixin, Cache):
     identical (the rows `num_return_sequences` and `num_beams` expand the prompt into) are detected from their
     K/V, checked layer by layer, and stored once. A cache pre-filled with `b` rows that is then given `k * b`
     rows (for example `generate(num_beams=k)` after a prompt was cached) expands itself by forking its rows.
+    With a `BlockPool(prefix_caching=True)`, `from_prefix` and `publish` share prompt prefixes across requests
+    (see `PrefixMixin`).
 
     Args:
         block_size (`int`, *optional*, defaults to 16, or the pool's): tokens per block.
@@ -93,8 +96,8 @@ class PagedCache(StepMixin, Cache):
         self._step: _Step | None = None  # the current forward step, set by its first layer
         self._maybe_dups = False  # rows were just forked, so identical rows may be deduplicated next step
         self._released = False
-        token = pool._register(self._rows)
-        self._finalizer = weakref.finalize(self, pool._release_owner, token)  # frees blocks if never released
+        self._owner = pool._register(self._rows)  # this cache's token in the pool's table registry
+        self._finalizer = weakref.finalize(self, pool._release_owner, self._owner)  # frees blocks if never released
 
     # -- transformers entry points -----------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -137,7 +140,8 @@ class PagedCache(StepMixin, Cache):
             for row in self._rows:
                 self.pool.free(row.truncate(keep))
                 row.num_tokens = new_len
-                if self.pool.debug and new_len % self.block_size and self.pool.allocator.refcount(row.blocks[-1]) == 1:
+                if self.pool.debug and new_len % self.block_size and self.pool.allocator.refcount(row.blocks[-1]) == 1 \
+                        and not self.pool.is_published(row.blocks[-1]):  # a published block's content stays intact
                     base = row.blocks[-1] * self.block_size
                     tail.extend(range(base + new_len % self.block_size, base + self.block_size))
             self.pool.store.poison_slots(tail)  # stale tokens past the crop must never be read
@@ -200,7 +204,8 @@ class PagedCache(StepMixin, Cache):
         if self._released:
             return
         self.reset()
-        self._finalizer()  # unregisters the (now empty) rows
+        self._finalizer.detach()
+        self.pool._unregister(self._owner)  # the rows are empty now
         self._released = True
 
     def __enter__(self) -> PagedCache:

@@ -103,7 +103,8 @@ class StepMixin:
             for r in writers:
                 last = rows[r].blocks[-1]
                 holders.setdefault(last, pool.allocator.refcount(last) - dropped[last])
-                if holders[last] > 1:  # another holder still reads it: copy before writing
+                # another holder still reads it, or the prefix index names its content: copy before writing
+                if holders[last] > 1 or pool.is_published(last):
                     cow.append(r)
                     holders[last] -= 1
         pool.reserve(n_new * len(writers) + len(cow))  # may raise PoolExhaustedError; nothing changed yet
@@ -116,8 +117,8 @@ class StepMixin:
             new = pool.allocate(1, after=row.blocks[-2] if len(row.blocks) > 1 else None)[0]
             src.append(row.replace_last(new))
             dst.append(new)
-        pool.store.copy_blocks(src, dst)
-        pool.free(src)  # each copied block keeps its other holders
+        pool.copy_on_write(src, dst)
+        pool.free(src)  # each copied block keeps its other holders (or stays cached if published)
         for r in writers:
             row = rows[r]
             if n_new:
@@ -162,7 +163,7 @@ class StepMixin:
             pool.reserve(len(row.blocks) - first)
             old = row.truncate(first)
             row.append(pool.allocate(len(old), after=row.blocks[-1] if row.blocks else None))
-            pool.store.copy_blocks(old, row.blocks[first:])  # earlier layers were identical, so this is exact
+            pool.copy_on_write(old, row.blocks[first:])  # earlier layers were identical, so this is exact
             pool.free(old)  # still held by the writer row
             self._set_table(r, first)
         del step.dup_of[r]

@@ -12,6 +12,8 @@ from .block_allocator import BlockAllocator
 from .block_table import BlockTable, num_blocks_for
 from .config import check_positive_int, parse_bytes
 from .errors import InvariantError, PoolExhaustedError
+from .events import EventLog
+from .metrics import Health, PoolMetrics
 from .page_store import LayerSpec, PageStore
 
 logger = logging.getLogger(__name__)
@@ -109,6 +111,8 @@ class BlockPool:
         self.store = PageStore(block_size, debug=debug)  # the tensors
         self._tables: dict[int, list[BlockTable]] = {}  # owner token -> that cache's rows; for checks and stats
         self._tokens = itertools.count()  # owner tokens
+        self.metrics = PoolMetrics(self)  # counters, step latency, alerts (metrics.py); updated by the hooks below
+        self.events = EventLog(self)  # block event log, off by default (events.py)
         if num_blocks is not None:
             self._add_blocks(num_blocks)
 
@@ -175,6 +179,7 @@ class BlockPool:
             if n <= free:
                 return
             if not self.growable:
+                self.metrics.count_failure(n)
                 raise PoolExhaustedError(
                     f"BlockPool is full: {n} blocks needed, {free} free of {self.num_blocks} "
                     f"(block_size={self.block_size}). Raise num_blocks / max_memory, release finished caches, "
@@ -190,16 +195,20 @@ class BlockPool:
             self.reserve(n)
             blocks = self.allocator.allocate(n, after)
             assert blocks is not None
+            self.metrics.count_allocation(n, self.allocator.num_used_blocks)
+            self.events.emit("allocate", blocks)
             return blocks
 
     def incref(self, blocks: list[int]) -> None:
         with self.lock:
+            self.events.emit("fork", blocks)
             self.allocator.incref(blocks)
 
     def free(self, blocks: list[int]) -> None:
         """Drop one reference from each block; blocks that reach refcount 0 return to the free set (and are
         poisoned in debug mode)."""
         with self.lock:
+            self.events.emit("free", blocks)
             freed = self.allocator.decref(blocks)
             self.store.poison(freed)
 
@@ -236,6 +245,10 @@ class BlockPool:
                 bytes_per_block=self.store.bytes_per_block,
                 num_sequences=len(rows),
             )
+
+    def health(self) -> Health:
+        """Check the alerts now (occupancy, allocation failures, prefix hit rate, step latency; see `metrics.py`)."""
+        return self.metrics.check_alerts()
 
     def check_invariants(self) -> None:
         """Check the pool invariants of DESIGN.md; raise `InvariantError` naming the broken one and the blocks.

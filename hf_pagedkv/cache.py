@@ -94,6 +94,7 @@ class PagedCache(StepMixin, Cache):
         self._maybe_dups = False  # rows were just forked, so identical rows may be deduplicated next step
         self._released = False
         token = pool._register(self._rows)
+        self.seq_id = token  # this cache's owner id in its pool; names it in the block event log
         self._finalizer = weakref.finalize(self, pool._release_owner, token)  # frees blocks if never released
 
     # -- transformers entry points -----------------------------------------------------------------------------

@@ -98,7 +98,8 @@ def analyze(records: list[dict], header: dict | None = None) -> TraceReport:
         kind, delta = record["kind"], EVENT_KINDS[record["kind"]]
         for i, b in enumerate(record["blocks"]):
             before = rc.get(b, 0 if baseline_known else None)
-            if delta == "set":
+            if delta == "set":  # a state record: the refcount is given, not derived
+                before = None
                 after = (record.get("refcounts") or [None] * len(record["blocks"]))[i]
             elif kind == "allocate":
                 if before:

@@ -27,7 +27,8 @@ class AlertThresholds:
     """Alert settings of one pool (`pool.metrics.configure(occupancy=0.9)` changes them).
 
     Args:
-        occupancy (`float`, defaults to 0.85): fire when blocks in use / blocks held exceeds this.
+        occupancy (`float`, defaults to 0.85): fire when blocks in use / blocks held exceeds this; only for a
+            fixed-size pool (a growable pool is often exactly full, and grows).
         failure_rate (`float`, defaults to 0.001): fire when failed / all allocation requests in the window
             exceeds this.
         hit_rate (`float`, defaults to 0.8): fire when the prefix hit rate falls below this; only for a pool
@@ -153,6 +154,9 @@ def default_rules(t: AlertThresholds) -> list[AlertRule]:
     def hit_rate(s: MetricsSnapshot) -> float | None:
         return s.prefix_hit_rate if s.prefix_caching and s.prefix_lookups >= t.min_lookups else None
 
+    def occupancy(s: MetricsSnapshot) -> float | None:
+        return None if s.growable else s.occupancy
+
     def latency(s: MetricsSnapshot) -> float | None:
         return s.step_p99 if s.window_steps >= t.min_window_steps else None
 
@@ -161,7 +165,7 @@ def default_rules(t: AlertThresholds) -> list[AlertRule]:
 
     h = t.hysteresis
     return [
-        AlertRule("occupancy", lambda s: s.occupancy, lambda s: t.occupancy, True, h,
+        AlertRule("occupancy", occupancy, lambda s: t.occupancy, True, h,
                   "pool occupancy {value:.1%} > {threshold:.1%}: raise num_blocks / max_memory or admit fewer "
                   "sequences"),
         AlertRule("allocation_failure_rate", lambda s: s.failure_rate, lambda s: t.failure_rate, True, h,

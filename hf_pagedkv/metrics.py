@@ -93,6 +93,7 @@ class MetricsSnapshot:
     blocks_allocated: int  # blocks handed out
     failure_rate: float | None  # failures / requests in the window
     allocations_per_s: float  # requests per second in the window
+    growable: bool  # the pool grows on demand (occupancy is then no alarm, and allocation never fails)
     prefix_caching: bool  # whether the pool has a prefix index
     prefix_lookups: int
     prefix_hit_tokens: int
@@ -263,6 +264,7 @@ class PoolMetrics:
             blocks_allocated=self.num_blocks_allocated,
             failure_rate=d_fail / d_req if d_req else None,
             allocations_per_s=d_req / span if span > 0 else 0.0,
+            growable=pool.growable,
             prefix_caching=bool(getattr(pool, "prefix_caching", False)),
             prefix_lookups=_counter(stats, "lookups"),
             prefix_hit_tokens=_counter(stats, "hit_tokens"),

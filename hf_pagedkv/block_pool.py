@@ -12,6 +12,8 @@ from .block_allocator import BlockAllocator
 from .block_table import BlockTable, num_blocks_for
 from .config import check_positive_int, parse_bytes
 from .errors import InvariantError, PoolExhaustedError
+from .events import EventLog
+from .metrics import Health, PoolMetrics
 from .page_store import LayerSpec, PageStore
 from .prefix_index import BlockHash, PrefixIndex
 
@@ -133,6 +135,8 @@ class BlockPool:
         self._pending_release: deque[int] = deque()  # owners garbage-collected without release(); freed by _drain
         self.prefix_index = PrefixIndex() if prefix_caching else None  # full-block hashes -> blocks, or None
         self.num_cow_copies = 0  # blocks copied before a write (copy-on-write); changed by copy_on_write only
+        self.metrics = PoolMetrics(self)  # counters, step latency, alerts (metrics.py); updated by the hooks below
+        self.events = EventLog(self)  # block event log, off by default (events.py)
         if num_blocks is not None:
             self._add_blocks(num_blocks)
 
@@ -145,6 +149,11 @@ class BlockPool:
     @debug.setter
     def debug(self, value: bool) -> None:
         self.store.debug = bool(value)
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether this pool keeps a prefix index (`BlockPool(prefix_caching=True)`)."""
+        return self.prefix_index is not None
 
     @property
     def num_blocks(self) -> int:
@@ -203,6 +212,7 @@ class BlockPool:
             idle = self.allocator.num_idle_blocks
             if not self.growable and n > free + idle:
                 idle_note = f" and {idle} cached-idle" if self.prefix_index is not None else ""
+                self.metrics.count_failure(n)
                 raise PoolExhaustedError(
                     f"BlockPool is full: {n} blocks needed, {free} free{idle_note} of {self.num_blocks} "
                     f"(block_size={self.block_size}). Raise num_blocks / max_memory, release finished caches, "
@@ -223,16 +233,20 @@ class BlockPool:
             self.reserve(n)
             blocks = self.allocator.allocate(n, after)
             assert blocks is not None
+            self.metrics.count_allocation(n, self.allocator.num_used_blocks)
+            self.events.emit("allocate", blocks)
             return blocks
 
     def incref(self, blocks: list[int]) -> None:
         with self.lock:
+            self.events.emit("fork", blocks)
             self.allocator.incref(blocks)
 
     def free(self, blocks: list[int]) -> None:
         """Drop one reference from each block; blocks that reach refcount 0 return to the free set (and are
         poisoned in debug mode), or, when published in the prefix index, become cached-idle."""
         with self.lock:
+            self.events.emit("free", blocks)
             if self.prefix_index is None:
                 freed = self.allocator.decref(blocks)
             else:
@@ -262,7 +276,9 @@ class BlockPool:
         """
         with self.lock:
             self._drain()
-            return self.prefix_index.acquire(hashes, self.allocator, num_tokens)
+            blocks = self.prefix_index.acquire(hashes, self.allocator, num_tokens)
+            self.events.emit("hit", blocks, tokens=num_tokens)
+            return blocks
 
     def publish_blocks(self, hashes: list[BlockHash], blocks: list[int]) -> int:
         """Publish `blocks[i]` under `hashes[i]` (blocks held by the caller, fully written in every layer).
@@ -273,10 +289,13 @@ class BlockPool:
         with self.lock:
             rc = self.allocator.refcount
             assert all(rc(b) > 0 for b in blocks), "publish of a block the caller does not hold"
+            self.events.emit("publish", blocks)
             return sum(self.prefix_index.publish(h, b) for h, b in zip(hashes, blocks))
 
     def _evict(self, n: int) -> None:
-        self.store.poison(self.prefix_index.evict(n, self.allocator))
+        evicted = self.prefix_index.evict(n, self.allocator)
+        self.events.emit("evict", evicted)
+        self.store.poison(evicted)
         logger.debug("BlockPool evicted %d cached-idle blocks", n)
 
     # -- owners (live block tables) --------------------------------------------------------------------------------
@@ -336,6 +355,10 @@ class BlockPool:
                 evictions=index.num_evictions if index is not None else 0,
                 cow_copies=self.num_cow_copies,
             )
+
+    def health(self) -> Health:
+        """Check the alerts now (occupancy, allocation failures, prefix hit rate, step latency; see `metrics.py`)."""
+        return self.metrics.check_alerts()
 
     def check_invariants(self) -> None:
         """Check the pool invariants of DESIGN.md; raise `InvariantError` naming the broken one and the blocks.

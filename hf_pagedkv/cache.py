@@ -97,6 +97,7 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
         self._maybe_dups = False  # rows were just forked, so identical rows may be deduplicated next step
         self._released = False
         self._owner = pool._register(self._rows)  # this cache's token in the pool's table registry
+        self.seq_id = self._owner  # names this cache in the block event log
         self._finalizer = weakref.finalize(self, pool._release_owner, self._owner)  # frees blocks if never released
 
     # -- transformers entry points -----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import time
 import torch
 
 from . import PagedCache
+from .cli_tools import add_tool_commands, run_tool
 from .models import DEFAULT_MODEL, chat_prompt, default_document, load_model
 from .verify import dynamic_cache_bytes
 
@@ -78,7 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--check", action="store_true", help="also run DynamicCache and compare the outputs")
     g.add_argument("-v", "--verbose", action="store_true")
+    add_tool_commands(sub)  # plan, tune-block-size, trace
     args = parser.parse_args(argv)
+    if args.command != "generate":
+        return run_tool(args, parser)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     if args.max_new_tokens <= 0:
         parser.error(f"--max-new-tokens must be positive, got {args.max_new_tokens}")

@@ -134,6 +134,8 @@ class StepMixin:
         only = rows[0] if batch == 1 else None
         view_base = only.blocks[0] * B if only is not None and only.is_contiguous else None
         self._step = _Step(start, end, writers, dup_of, view_base)
+        pool.events.on_step(self, self._step, cow, src, dst)
+        pool.metrics.on_step(self, q, len(src))
 
     def _find_duplicates(self, key_states: torch.Tensor, value_states: torch.Tensor) -> dict[int, int]:
         """Rows with identical block tables and bit-identical new K/V in this layer -> the first such row."""

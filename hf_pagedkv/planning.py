@@ -1,0 +1,262 @@
+"""Capacity planning: KV bytes per token from a model config, pool size for a workload, and block-size tuning.
+
+The byte formula lives in one function, `kv_bytes_per_head_token`, so the quantized store and the planner count
+the same bytes. The textbook check (a 7B Llama: 32 layers, 32 KV heads, head_dim 128, fp16)::
+
+    2 (K and V) x 32 layers x 32 heads x 128 x 2 bytes = 524,288 bytes = 512 KiB per token
+    4096 tokens x batch 16 x 512 KiB = 32 GiB
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ._compat import layer_plan
+from .config import check_positive_int
+
+#: Quantization presets along the ladder of DESIGN.md: (key_bits, value_bits), None meaning full precision.
+QUANT_PRESETS: dict[str, tuple[int | None, int | None]] = {
+    "fp": (None, None), "v8": (None, 8), "k8v8": (8, 8), "k8v4": (8, 4), "k4v4": (4, 4), "k4v2": (4, 2),
+    "k2v2": (2, 2),
+}
+SCALE_BYTES = 2  # one fp16 scale and one fp16 zero point per quantization group
+POOL_HEADROOM = 1.2  # the pool to set is the peak KV times this
+BLOCK_SIZE_CANDIDATES = (4, 8, 16, 32, 64, 128)
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def kv_bytes_per_head_token(head_dim: int, key_bits: int | None = None, value_bits: int | None = None, *,
+                            block_size: int = 16, value_group_size: int = 32, dtype_bytes: int = 2) -> float:
+    """Bytes one token of one KV head takes in a full block, keys plus values: the formula the planner uses.
+
+    Keys are quantized per channel with the block's `block_size` tokens as the group, values per token in groups
+    of `value_group_size` along `head_dim` (KIVI, arXiv 2402.02750); each group stores an fp16 scale and an fp16
+    zero point (asymmetric)::
+
+        keys:   head_dim * key_bits / 8      + head_dim * 2 * SCALE_BYTES / block_size
+        values: head_dim * value_bits / 8    + ceil(head_dim / value_group_size) * 2 * SCALE_BYTES
+        full precision (bits None): head_dim * dtype_bytes
+
+    Args:
+        head_dim (`int`): channels per head.
+        key_bits, value_bits (`int` or `None`): 8, 4, 2, or None for full precision.
+        block_size (`int`): tokens per block (the key group).
+        value_group_size (`int`): channels per value group.
+        dtype_bytes (`int`): bytes of one full-precision element (2 for fp16/bf16, 4 for fp32).
+
+    Raises:
+        ValueError: bits other than None, 8, 4, 2; a non-positive size.
+    """
+    for name, value in (("head_dim", head_dim), ("block_size", block_size), ("value_group_size", value_group_size),
+                        ("dtype_bytes", dtype_bytes)):
+        check_positive_int(name, value)
+    for name, bits in (("key_bits", key_bits), ("value_bits", value_bits)):
+        if bits not in (None, 8, 4, 2):
+            raise ValueError(f"`{name}` must be None (full precision), 8, 4 or 2, got {bits!r}.")
+    fp = head_dim * dtype_bytes
+    keys = fp if key_bits is None else head_dim * key_bits / 8 + head_dim * 2 * SCALE_BYTES / block_size
+    groups = -(-head_dim // value_group_size)  # value groups per token
+    values = fp if value_bits is None else head_dim * value_bits / 8 + groups * 2 * SCALE_BYTES
+    return keys + values
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the KV size depends on, read from a model config."""
+
+    name: str
+    num_layers: int  # layers that store K/V
+    num_sliding: int  # of which sliding-window (or chunked) layers
+    sliding_window: int | None  # their window in tokens
+    num_kv_heads: int
+    head_dim: int
+    num_params: int | None  # parameters of the whole model (None when it could not be counted)
+
+    @classmethod
+    def from_config(cls, config, name: str = "model") -> ModelShape:
+        """Read the layer types (`_compat.layer_plan`), KV heads and head_dim from a transformers config.
+
+        Raises:
+            ValueError: a layer type PagedCache does not store.
+        """
+        text = config.get_text_config(decoder=True)
+        plan = [(kind, window) for kind, window in layer_plan(config) if kind != "dummy"]
+        windows = [w for _, w in plan if w is not None]
+        heads = text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        return cls(name, len(plan), len(windows), max(windows) if windows else None, kv_heads, head_dim,
+                   _count_params(config))
+
+
+def _count_params(config) -> int | None:
+    """Parameters of the model `config` describes, counted on the meta device (no memory, no download)."""
+    try:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        return sum(p.numel() for p in model.parameters())
+    except Exception:  # noqa: BLE001 -- an architecture without a causal-LM class: report the weights as unknown
+        return None
+
+
+def load_config(model: str | None):
+    """A transformers config from the default model (None or ``"SmolLM2-135M-Instruct"``), a local directory, a
+    ``config.json`` or ``.gguf`` file, a model type (``"llama"``: that class's default config) or a Hub id.
+
+    Raises:
+        ValueError: none of these could be read (the message lists what is accepted).
+    """
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from .models import DEFAULT_MODEL, GGUF_FILE, default_model_dir
+
+    try:
+        if model is None or model == DEFAULT_MODEL:
+            return AutoConfig.from_pretrained(default_model_dir(), gguf_file=GGUF_FILE)
+        if os.path.isfile(model) and model.endswith(".gguf"):
+            folder, file = os.path.split(os.path.abspath(model))
+            return AutoConfig.from_pretrained(folder, gguf_file=file)
+        if os.path.isfile(model):
+            with open(model, encoding="utf-8") as fh:
+                data = json.load(fh)
+            return AutoConfig.for_model(data.pop("model_type"), **data)
+        if os.path.isdir(model):
+            return AutoConfig.from_pretrained(model)
+        if model in CONFIG_MAPPING:
+            return AutoConfig.for_model(model)
+        return AutoConfig.from_pretrained(model)
+    except Exception as e:  # any loader failure becomes one clear message
+        raise ValueError(
+            f"--model {model!r}: could not read a config ({type(e).__name__}: {e}). Give the default "
+            f"{DEFAULT_MODEL!r}, a local directory, a config.json or .gguf file, a model type such as 'llama', "
+            "or a Hub id available offline."
+        ) from e
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    """The KV memory a workload needs and the pool to set. Bytes are keys plus values over all layers."""
+
+    model: ModelShape
+    quant: str  # preset name
+    dtype: str  # full-precision dtype of K/V and weights
+    block_size: int
+    max_seq_len: int  # tokens per sequence
+    batch: int  # sequences at once
+    bytes_per_token: float  # one token, all layers, in a full block (as PagedCache stores it)
+    seq_bytes: int  # one sequence of max_seq_len tokens, whole blocks (the partial last block in full precision)
+    kv_bytes: int  # batch * seq_bytes: the peak KV
+    window_kv_bytes: int  # the same if sliding-window layers kept only their window (DynamicCache(config=...))
+    weight_bytes: int | None  # parameters * dtype bytes
+    pool_blocks: int  # the BlockPool to set: ceil(peak blocks * POOL_HEADROOM)
+    pool_bytes: int  # its bytes
+    memory: int | None  # the memory it must fit in
+    fits: bool | None  # weights + pool <= memory (None without a memory)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan_capacity(model: ModelShape, max_seq_len: int, batch: int, quant: str = "fp", dtype: str = "float16",
+                  block_size: int = 16, value_group_size: int = 32, memory: int | None = None) -> CapacityPlan:
+    """Plan the KV memory of `batch` sequences of `max_seq_len` tokens (see `CapacityPlan`).
+
+    NOTE: `PagedCache` keeps every token in every layer (one block id spans all layers), so sliding-window layers
+    cost as much as full ones here; `window_kv_bytes` shows what a window-trimming cache would hold instead.
+
+    Raises:
+        ValueError: a non-positive length, batch or block size; an unknown `quant` preset or `dtype`.
+    """
+    check_positive_int("max_seq_len", max_seq_len)
+    check_positive_int("batch", batch)
+    check_positive_int("block_size", block_size)
+    if quant not in QUANT_PRESETS:
+        raise ValueError(f"`quant` must be one of {list(QUANT_PRESETS)}, got {quant!r}.")
+    if dtype not in _DTYPES:
+        raise ValueError(f"`dtype` must be one of {sorted(_DTYPES)}, got {dtype!r}.")
+    dtype_bytes = _DTYPES[dtype].itemsize
+    key_bits, value_bits = QUANT_PRESETS[quant]
+    per_head = kv_bytes_per_head_token(model.head_dim, key_bits, value_bits, block_size=block_size,
+                                       value_group_size=value_group_size, dtype_bytes=dtype_bytes)
+    fp_per_head = kv_bytes_per_head_token(model.head_dim, dtype_bytes=dtype_bytes)
+    heads = model.num_layers * model.num_kv_heads
+
+    def seq_bytes(tokens_full: int, tokens_window: int) -> int:
+        """Whole blocks for `tokens_full` tokens in full layers and `tokens_window` in sliding ones."""
+        total = 0.0
+        for layers, tokens in ((model.num_layers - model.num_sliding, tokens_full), (model.num_sliding, tokens_window)):
+            full, partial = divmod(tokens, block_size)
+            total += layers * model.num_kv_heads * block_size * (full * per_head + (fp_per_head if partial else 0))
+        return math.ceil(total)
+
+    one = seq_bytes(max_seq_len, max_seq_len)
+    window = min(max_seq_len, model.sliding_window) if model.sliding_window else max_seq_len
+    blocks = -(-max_seq_len // block_size) * batch
+    pool_blocks = math.ceil(blocks * POOL_HEADROOM)
+    weights = None if model.num_params is None else model.num_params * dtype_bytes
+    pool_bytes = math.ceil(one * batch * POOL_HEADROOM)
+    fits = None if memory is None else (weights or 0) + pool_bytes <= memory
+    return CapacityPlan(model, quant, dtype, block_size, max_seq_len, batch, heads * per_head, one, one * batch,
+                        seq_bytes(max_seq_len, window) * batch, weights, pool_blocks, pool_bytes, memory, fits)
+
+
+@dataclass(frozen=True)
+class BlockSizeRow:
+    """Cost of one block size on a set of sequence lengths."""
+
+    block_size: int
+    fragmentation: float  # unused slots in allocated blocks / allocated slots, at the final lengths
+    mean_entries: float  # block-table entries per sequence
+    max_entries: int
+
+
+def tune_block_size(lengths: list[int], candidates: tuple[int, ...] = BLOCK_SIZE_CANDIDATES,
+                    max_waste: float = 0.05) -> tuple[list[BlockSizeRow], int, str]:
+    """Internal fragmentation and block-table entries per candidate block size, and a recommendation.
+
+    The recommendation is the largest block size whose fragmentation stays at or below `max_waste`: larger blocks
+    mean fewer table entries and allocations, longer contiguous runs (read as views) and, when quantized, fewer
+    key scales per token; smaller blocks waste less memory and let prefix caching share finer prefixes.
+
+    Returns:
+        `(rows, recommended block size, reason)`.
+
+    Raises:
+        ValueError: no lengths, a length that is not a positive int, or a bad candidate / `max_waste`.
+    """
+    if not lengths:
+        raise ValueError("`lengths` is empty: give at least one sequence length (tokens).")
+    bad = [x for x in lengths if isinstance(x, bool) or not isinstance(x, int) or x <= 0]
+    if bad:
+        raise ValueError(f"sequence lengths must be positive ints (tokens), got {bad[:5]}.")
+    for b in candidates:
+        check_positive_int("block size candidate", b)
+    if not 0 <= max_waste < 1:
+        raise ValueError(f"`max_waste` must be in [0, 1), got {max_waste!r}.")
+    total = sum(lengths)
+    rows = []
+    for b in sorted(candidates):
+        entries = [-(-n // b) for n in lengths]
+        rows.append(BlockSizeRow(b, 1 - total / (sum(entries) * b), sum(entries) / len(lengths), max(entries)))
+    ok = [r for r in rows if r.fragmentation <= max_waste]
+    if ok:
+        best = ok[-1]
+        larger = next((r for r in rows if r.block_size > best.block_size), None)
+        reason = (f"the largest block size with internal fragmentation <= {max_waste:.0%} "
+                  f"({best.fragmentation:.1%}, {best.mean_entries:.1f} table entries per sequence)")
+        if larger is not None:
+            reason += f"; {larger.block_size} would waste {larger.fragmentation:.1%}"
+    else:
+        best = rows[0]
+        reason = (f"no candidate keeps fragmentation <= {max_waste:.0%} on sequences this short (median "
+                  f"{sorted(lengths)[len(lengths) // 2]} tokens); the smallest wastes least ({best.fragmentation:.1%})")
+    return rows, best.block_size, reason

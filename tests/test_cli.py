@@ -1,0 +1,135 @@
+"""`hf-pagedkv plan`, `tune-block-size` and `trace` (hf_pagedkv/cli_tools.py, wired into hf_pagedkv/cli.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from hf_pagedkv import BlockPool, PagedCache
+from hf_pagedkv.cli import main
+from tests.conftest import ids, tiny_model
+
+
+def test_plan_textbook_7b(capsys):
+    assert main(["plan", "--model", "llama", "--max-seq-len", "4096", "--batch", "16", "--memory", "64GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "bytes per token: 524,288 B (512.00 KiB) = 32 layers x 32 KV heads" in out
+    assert "total KV: batch 16 -> 32.00 GiB" in out
+    assert "weights: 6,738.4M parameters x 2 B = 12.55 GiB" in out
+    assert "pool to set (peak x 1.2): 4,916 blocks, 38.40 GiB" in out
+    assert "fits" in out
+
+
+def test_plan_that_does_not_fit_says_what_to_change(capsys):
+    argv = ["plan", "--model", "llama", "--max-seq-len", "4096", "--batch", "16", "--memory", "40GiB"]
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    # 40 GiB - 12.55 GiB of weights leaves room for 11 sequences of 2 GiB x 1.2
+    assert "does NOT fit: weights + pool = 50.95 GiB needed, 40.00 GiB available" in out
+    assert "change: --batch 11, or --quant k8v8" in out
+
+
+@pytest.mark.model  # reads SmolLM2's config / tokenizer from the bundled GGUF (a few seconds)
+def test_plan_default_model_json(capsys):
+    assert main(["plan", "--max-seq-len", "2048", "--batch", "4", "--quant", "k8v4", "--json", "--memory", "1GiB"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64; k8v4 = 120 B per head-token (see test_planning)
+    assert (plan["model"]["num_layers"], plan["model"]["num_kv_heads"], plan["model"]["head_dim"]) == (30, 3, 64)
+    assert plan["bytes_per_token"] == 30 * 3 * 120
+    assert plan["kv_bytes"] == 4 * 2048 * 30 * 3 * 120
+
+
+def test_plan_local_config(tmp_path, capsys):
+    LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, hidden_size=64,
+                vocab_size=96).save_pretrained(tmp_path)
+    assert main(["plan", "--model", str(tmp_path / "config.json"), "--max-seq-len", "100", "--batch", "1",
+                 "--dtype", "float32", "--block-size", "8", "--memory", "1GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "bytes per token: 256 B" in out  # 2 layers x 1 head x (16 + 16) x 4 bytes
+    assert "per sequence: 100 tokens -> 26.00 KiB" in out  # 13 blocks of 8 tokens
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "--max-seq-len", "0", "--batch", "1"], "--max-seq-len must be a positive int"),
+    (["plan", "--max-seq-len", "8", "--batch", "1", "--memory", "lots"], "--memory 'lots'"),
+    (["plan", "--model", "/nonexistent/model", "--max-seq-len", "8", "--batch", "1"], "could not read a config"),
+])
+def test_plan_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_tune_block_size_from_lengths(tmp_path, capsys):
+    path = tmp_path / "lengths.txt"
+    path.write_text("100 200\n33, 17\n")
+    assert main(["tune-block-size", "--lengths", str(path), "--candidates", "4,8,16,32"]) == 0
+    out = capsys.readouterr().out
+    assert "4 sequences" in out and "tokens min 17, median 100, max 200" in out
+    assert "        16          12.5%          6.2           13" in out
+    assert "recommended block_size=8:" in out
+    path.write_text("12 x\n")
+    with pytest.raises(SystemExit):
+        main(["tune-block-size", "--lengths", str(path)])
+
+
+@pytest.mark.model  # reads SmolLM2's config / tokenizer from the bundled GGUF (a few seconds)
+def test_tune_block_size_from_text(tmp_path, capsys):
+    pytest.importorskip("datasets")
+    path = tmp_path / "docs.txt"
+    path.write_text("The cat sat on the mat.\n\nA much longer line of text about paged attention.\n")
+    assert main(["tune-block-size", "--text", str(path), "--new-tokens", "5", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["source"].startswith("2 samples of")
+    assert [r["block_size"] for r in result["rows"]] == [4, 8, 16, 32, 64, 128]
+    assert result["recommended"] == 4  # short sequences: only the smallest comes close to 5%
+
+
+def test_trace_reports_a_clean_run_and_a_block_history(tmp_path, capsys):
+    model = tiny_model("llama")
+    pool = BlockPool(block_size=4)
+    pool.events.enable()
+    with PagedCache(pool=pool) as cache, torch.inference_mode():
+        model.generate(ids(1, 10), past_key_values=cache, max_new_tokens=6, num_beams=2, do_sample=False)
+    path = tmp_path / "trace.jsonl"
+    pool.events.dump(path)
+    assert main(["trace", str(path), "--block", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "blocks allocated and never freed: 0" in out and "double frees: 0" in out
+    assert "block 2 refcount history" in out and "allocate 0 -> 1" in out and "-> 0" in out.splitlines()[-1]
+
+
+def test_trace_finds_a_leak_and_a_double_free(tmp_path, capsys):
+    pool = BlockPool(block_size=4, num_blocks=4)
+    pool.events.enable()
+    leaked = pool.allocate(1)
+    freed = pool.allocate(1)
+    pool.free(freed)
+    with pytest.raises(AssertionError):
+        pool.free(freed)
+    path = tmp_path / "trace.jsonl"
+    pool.events.dump(path)
+    assert main(["trace", str(path), "--json", "--block", str(freed[0])]) == 1
+    result = json.loads(capsys.readouterr().out)
+    assert result["never_freed"] == {str(leaked[0]): 1}
+    assert result["double_frees"] == [{"n": 4, "block": freed[0]}]
+    assert [(h["kind"], h["before"], h["after"]) for h in result["history"]] == [
+        ("allocate", 0, 1), ("free", 1, 0), ("free", 0, 0)]
+
+
+def test_trace_bad_file(tmp_path, capsys):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("{oops\n")
+    with pytest.raises(SystemExit) as e:
+        main(["trace", str(path)])
+    assert e.value.code == 2 and "bad.jsonl:1: not a JSON line" in capsys.readouterr().err
+
+
+def test_generate_subcommand_is_still_there(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--help"])
+    assert e.value.code == 0 and "--max-new-tokens" in capsys.readouterr().out

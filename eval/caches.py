@@ -7,6 +7,7 @@ compared with what `record_writes` saw going in).
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import logging
 from collections.abc import Callable
@@ -90,6 +91,26 @@ def release(cache) -> None:
     """Give a `PagedCache`'s blocks back to its pool (other caches are left to the garbage collector)."""
     if isinstance(cache, PagedCache):
         cache.release()
+
+
+def snapshot(cache):
+    """An independent cache in the same state, to branch a second continuation off one prefill.
+
+    `PagedCache`: `fork()` (shares the blocks, copy-on-write). `DynamicCache`: a deep copy. `QuantizedCache`
+    (whose quanto tensors cannot be deep-copied): new layer objects sharing the current tensors. Either way the
+    `record_writes` wrapper is dropped, so the branch's writes are not recorded.
+    """
+    if isinstance(cache, PagedCache):
+        return cache.fork()
+    if any(hasattr(layer, "_quantized_keys") for layer in cache.layers):
+        branch = copy.copy(cache)
+        # NOTE: sharing is safe because QuantizedLayer.update only rebinds its attributes (torch.cat, a new
+        # quantization, `cumulative_length +=` on an int); it never writes into a tensor in place.
+        branch.layers = [copy.copy(layer) for layer in cache.layers]
+    else:
+        branch = copy.deepcopy(cache)
+    branch.__dict__.pop("update", None)
+    return branch
 
 
 def bytes_held(cache) -> int:

@@ -24,7 +24,7 @@ TASK_DATASETS = {"perplexity": "wikitext-2-raw/wiki.test.raw", "summarization": 
 DTYPES = ("float32", "bfloat16", "float16")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: Settings that do not change the numbers of a run, so they are left out of its name.
-_NOT_IN_NAME = ("output_dir", "overwrite", "run_name", "data_dir", "device")
+_NOT_IN_NAME = ("output_dir", "overwrite", "run_name", "data_dir", "device", "num_threads")
 
 
 @dataclass
@@ -39,6 +39,8 @@ class EvalConfig:
             SmolLM2-135M-Instruct (`hf_pagedkv.models.load_model`).
         dtype (`str`, defaults to `"float32"`): model and cache dtype, one of `DTYPES`.
         device (`str`, defaults to `"auto"`): `auto` (the accelerate process's device), `cpu` or `cuda`.
+        num_threads (`int`, defaults to 0): torch CPU threads per process; 0 keeps torch's default. On a busy
+            machine 1 can be several times faster than oversubscribed threads (torchrun sets 1 per process).
         dataset (`str`, *optional*): a local `.txt`/`.raw`/`.json`/`.jsonl` file or directory (absolute, or
             relative to `data_dir`), or a `datasets` name; defaults to the task's file in `TASK_DATASETS`.
         dataset_config (`str`, *optional*), split (`str`, defaults to `"test"`): for `datasets` names.
@@ -67,6 +69,7 @@ class EvalConfig:
     model: str | None = None
     dtype: str = "float32"
     device: str = "auto"
+    num_threads: int = 0
     dataset: str | None = None
     dataset_config: str | None = None
     split: str = "test"
@@ -106,6 +109,8 @@ class EvalConfig:
             _choice("configs", name, PAGED_CONFIGS + REFERENCE_CONFIGS)
         if len(set(self.configs)) != len(self.configs):
             raise ValueError(f"EvalConfig.configs names a config twice: {self.configs}.")
+        if isinstance(self.num_threads, bool) or not isinstance(self.num_threads, int) or self.num_threads < 0:
+            raise ValueError(f"EvalConfig.num_threads must be an int >= 0 (0: torch's default), got {self.num_threads!r}.")
         if not isinstance(self.seed, int):
             raise ValueError(f"EvalConfig.seed must be an int, got {self.seed!r}.")
 
@@ -182,6 +187,7 @@ _HELP = {
     "model": "transformers id, local directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)",
     "dtype": f"model dtype, one of {', '.join(DTYPES)}",
     "device": "auto (the process's accelerate device), cpu or cuda",
+    "num_threads": "torch CPU threads per process, 0 for torch's default (1 is faster on a busy machine)",
     "dataset": f"local .txt/.raw/.json/.jsonl file or directory, or a datasets name (default: {TASK_DATASETS})",
     "dataset_config": "datasets config name (e.g. wikitext-2-raw-v1)",
     "split": "datasets split",

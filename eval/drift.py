@@ -35,7 +35,7 @@ from . import caches
 from .caches import BASELINE
 from .config import EvalConfig, resolve
 from .report import write_report
-from .runner import greedy, teacher_forced_logits
+from .runner import continue_greedy, decode_teacher_forced, greedy, prefill
 from .tasks.perplexity import metrics as ppl_metrics
 from .tasks.perplexity import prepare as ppl_prepare
 from .tasks.summarization import metrics as sum_metrics
@@ -49,12 +49,21 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 # -- one example -------------------------------------------------------------------------------------------------------
 def _perplexity_pass(model, cfg: EvalConfig, name: str, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """Teacher-forced logits `[score_len, vocab]` and the raw record of config `name` on one window `[1, len]`."""
+    """Teacher-forced logits `[score_len, vocab]` and the raw record of config `name` on one window `[1, len]`.
+
+    The window's first `prefill_len` tokens are prefilled once; the greedy continuation runs on a snapshot of
+    that cache (released before the teacher-forced decoding goes on, so the bytes counted are the latter's only).
+    """
     set_seed(cfg.seed)
     cache = caches.build(name, cfg, model.config)
     written = caches.record_writes(cache) if name != BASELINE else {}
-    logits = teacher_forced_logits(model, cache, ids, cfg.prefill_len)
-    record = {"bytes": caches.bytes_held(cache), "tokens": cfg.prefill_len + cfg.score_len}
+    last_logits = prefill(model, cache, ids[:, : cfg.prefill_len])
+    branch = caches.snapshot(cache)
+    gen = continue_greedy(model, branch, last_logits, cfg.gen_len)
+    caches.release(branch)
+    del branch
+    logits = decode_teacher_forced(model, cache, ids, cfg.prefill_len)
+    record = {"gen": gen, "bytes": caches.bytes_held(cache), "tokens": cfg.prefill_len + cfg.score_len}
     terms = {"k_sq_err": [], "k_sq_ref": [], "v_sq_err": [], "v_sq_ref": []}
     for layer_idx in sorted(written):
         keys, values = caches.read_back(cache, layer_idx)
@@ -65,12 +74,7 @@ def _perplexity_pass(model, cfg: EvalConfig, name: str, ids: torch.Tensor) -> tu
             terms[f"{kv}_sq_err"].append(err)
             terms[f"{kv}_sq_ref"].append(ref)
     caches.release(cache)
-    del written
     record.update(terms)
-    set_seed(cfg.seed)
-    cache = caches.build(name, cfg, model.config)
-    record["gen"] = greedy(model, cache, ids[:, : cfg.prefill_len], cfg.gen_len)
-    caches.release(cache)
     return logits, record
 
 
@@ -214,6 +218,8 @@ def run(cfg: EvalConfig, model=None, tokenizer=None) -> dict:
         return json.loads(metrics_path.read_text())
     state = _state(cfg)
     start = time.perf_counter()
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
     if model is None:
         from hf_pagedkv.models import load_model
 

@@ -31,13 +31,22 @@ def teacher_forced_logits(model, cache, window: torch.Tensor, prefill_len: int) 
     Returns:
         `torch.Tensor` of shape `[score_len, vocab]` (float32): logits predicting `window[0, prefill_len + 1:]`.
     """
-    score_len = window.shape[1] - prefill_len - 1
     prefill(model, cache, window[:, :prefill_len])
+    return decode_teacher_forced(model, cache, window, prefill_len)
+
+
+@torch.inference_mode()
+def decode_teacher_forced(model, cache, window: torch.Tensor, start: int) -> torch.Tensor:
+    """Feed `window[:, start:-1]` one token at a time through a cache holding `window[:, :start]`.
+
+    Returns:
+        `torch.Tensor` of shape `[window_len - start - 1, vocab]` (float32): logits predicting `window[0, start + 1:]`.
+    """
     logits = []
-    for t in range(prefill_len, prefill_len + score_len):
+    for t in range(start, window.shape[1] - 1):
         out = model(input_ids=window[:, t: t + 1], past_key_values=cache, use_cache=True)
         logits.append(out.logits[0, -1].float())
-    return torch.stack(logits)  # [score_len, vocab]
+    return torch.stack(logits)  # [window_len - start - 1, vocab]
 
 
 @torch.inference_mode()
@@ -51,11 +60,22 @@ def greedy(model, cache, prompt: torch.Tensor, max_new_tokens: int, eos_token_id
     Returns:
         `list[int]`: the generated token ids.
     """
+    return continue_greedy(model, cache, prefill(model, cache, prompt), max_new_tokens, eos_token_id)
+
+
+@torch.inference_mode()
+def continue_greedy(model, cache, last_logits: torch.Tensor, max_new_tokens: int,
+                    eos_token_id: int | list[int] | None = None) -> list[int]:
+    """Greedy decoding from a cache that already holds the prompt, whose last position gave `last_logits` `[vocab]`.
+
+    Returns:
+        `list[int]`: the generated token ids (see `greedy`).
+    """
     eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
-    token = int(prefill(model, cache, prompt).argmax())
+    token = int(last_logits.argmax())
     tokens = [token]
     while len(tokens) < max_new_tokens and token not in eos:
-        nxt = torch.tensor([[token]], dtype=prompt.dtype, device=prompt.device)
+        nxt = torch.tensor([[token]], dtype=torch.long, device=last_logits.device)
         out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
         token = int(out.logits[0, -1].argmax())
         tokens.append(token)

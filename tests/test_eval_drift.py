@@ -14,9 +14,9 @@ from transformers import DynamicCache
 import hf_pagedkv
 import hf_pagedkv.cli
 from eval import EvalConfig, run
-from eval.caches import unavailable_reason
+from eval.caches import build, record_writes, release, snapshot, unavailable_reason
 from eval.config import PAGED_CONFIGS, resolve
-from eval.runner import greedy, teacher_forced_logits
+from eval.runner import continue_greedy, decode_teacher_forced, greedy, prefill, teacher_forced_logits
 from tests.eval_helpers import DATA_DIR, REPO, tiny_model, tiny_model_dir
 
 HAS_QUANT = hasattr(hf_pagedkv, "QuantConfig")
@@ -53,6 +53,28 @@ def test_teacher_forcing_scores_the_next_tokens():
     want = model.generate(window[:, :30], past_key_values=DynamicCache(config=model.config), max_new_tokens=6,
                           min_new_tokens=6, do_sample=False)[0, 30:].tolist()
     assert greedy(model, DynamicCache(config=model.config), window[:, :30], 6) == want
+
+
+@pytest.mark.parametrize("name", ["baseline", "fp", "quanto-int4", "hqq-int2"])
+def test_greedy_on_a_snapshot_equals_a_fresh_prefill(name, tmp_path):
+    """The perplexity pass branches its greedy continuation off the teacher-forced prefill: same tokens as a fresh
+    prefill, and the branch neither writes into the original cache nor is recorded."""
+    model, _ = tiny_model()
+    cfg = _cfg(tmp_path)
+    if not _available(name, cfg):
+        pytest.skip(f"{name} is not available here")
+    window = torch.randint(3, 500, (1, 50), generator=torch.Generator().manual_seed(1))
+    fresh = greedy(model, build(name, cfg, model.config), window[:, :40], 9)
+    cache = build(name, cfg, model.config)
+    written = record_writes(cache)
+    last = prefill(model, cache, window[:, :40])
+    branch = snapshot(cache)
+    assert continue_greedy(model, branch, last, 9) == fresh
+    release(branch)
+    assert cache.get_seq_length() == 40 and len(written[0]) == 1
+    torch.testing.assert_close(decode_teacher_forced(model, cache, window, 40),
+                               teacher_forced_logits(model, build(name, cfg, model.config), window, 40),
+                               rtol=0, atol=0)
 
 
 def test_fp_shows_zero_drift_and_writes_the_run(tmp_path):

@@ -31,10 +31,11 @@ def describe(name: str, cfg: EvalConfig) -> str:
     """What a config name stands for, for the report."""
     if name == BASELINE:
         return "transformers `DynamicCache` (unquantized, the reference)"
+    size = "" if cfg.block_size is None else f", block_size={cfg.block_size}"
     if name == "fp":
-        return f"`PagedCache(block_size={cfg.block_size})`, unquantized"
+        return f"`PagedCache(config{size})`, unquantized"
     if name in PAGED_CONFIGS:
-        return f"`PagedCache(quant={name!r}, block_size={cfg.block_size})`"
+        return f"`PagedCache(config, quant={name!r}{size})`"
     backend, nbits = _reference(name)
     return (f"transformers `QuantizedCache(backend={backend!r}, nbits={nbits}, q_group_size={cfg.qc_group_size}, "
             f"residual_length={cfg.qc_residual_length})`")
@@ -76,7 +77,7 @@ def build(name: str, cfg: EvalConfig, model_config):
     if name == "fp":
         return PagedCache(block_size=cfg.block_size, config=model_config)
     if name in PAGED_CONFIGS:
-        return PagedCache(block_size=cfg.block_size, config=model_config, quant=name)
+        return PagedCache(block_size=cfg.block_size, config=model_config, quant=name)  # None: PagedCache's default
     if name in REFERENCE_CONFIGS:
         from transformers import QuantizedCache
 

@@ -56,7 +56,8 @@ class EvalConfig:
             summary in tokens (summarization).
         configs (`list[str]`): the cache configurations compared with the `DynamicCache` baseline, from
             `PAGED_CONFIGS` and `REFERENCE_CONFIGS`.
-        block_size (`int`, defaults to 16): `PagedCache` block size in tokens.
+        block_size (`int`, *optional*): `PagedCache` block size in tokens; `None` keeps `PagedCache`'s default
+            (which may differ between unquantized and quantized storage).
         qc_group_size (`int`, defaults to 64), qc_residual_length (`int`, defaults to 128): `QuantizedCache`
             group size and full-precision residual window (tokens) of the reference columns.
         seed (`int`, defaults to 0): seed set before every cache configuration's pass over an example.
@@ -80,7 +81,7 @@ class EvalConfig:
     score_len: int = 256
     gen_len: int = 64
     configs: list[str] = field(default_factory=lambda: list(DEFAULT_CONFIGS))
-    block_size: int = 16
+    block_size: int | None = None
     qc_group_size: int = 64
     qc_residual_length: int = 128
     seed: int = 0
@@ -98,6 +99,8 @@ class EvalConfig:
         for name in ("num_windows", "prefill_len", "score_len", "gen_len", "block_size", "qc_group_size",
                      "qc_residual_length"):
             value = getattr(self, name)
+            if name == "block_size" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"EvalConfig.{name} must be a positive int, got {value!r}.")
         if isinstance(self.configs, str):
@@ -197,7 +200,7 @@ _HELP = {
     "prefill_len": "tokens prefilled before scoring (perplexity); longest prompt (summarization)",
     "score_len": "tokens decoded one at a time through the cache and scored (perplexity)",
     "gen_len": "greedy continuation length (perplexity); longest summary (summarization)",
-    "block_size": "PagedCache tokens per block",
+    "block_size": "PagedCache tokens per block (default: PagedCache's own)",
     "qc_group_size": "QuantizedCache q_group_size of the reference columns",
     "qc_residual_length": "QuantizedCache full-precision residual window (tokens)",
     "seed": "seed set before every pass",
@@ -225,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, dest=f.name, nargs="+", metavar="NAME",
                                 help=f"cache configs to compare, from {', '.join(PAGED_CONFIGS + REFERENCE_CONFIGS)}"
                                      f" (default: {' '.join(DEFAULT_CONFIGS)})")
-        elif f.type == "int":
+        elif f.type in ("int", "int | None"):
             parser.add_argument(flag, dest=f.name, type=int, help=f"{_HELP[f.name]} (default: {f.default})")
         else:
             parser.add_argument(flag, dest=f.name, help=f"{_HELP[f.name]} (default: {f.default})")

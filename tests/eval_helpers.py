@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import functools
+import os
 import tempfile
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-DATA_DIR = REPO.parent / "shared" / "data"  # CI lays shared/ next to the clone; here /work/shared
+# CI lays shared/ next to the clone (here /work/shared); $HF_PAGEDKV_DATA_DIR points elsewhere, as for eval itself
+DATA_DIR = Path(os.environ.get("HF_PAGEDKV_DATA_DIR") or REPO.parent / "shared" / "data")
 
 
 @functools.lru_cache(maxsize=1)

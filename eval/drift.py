@@ -2,7 +2,8 @@
 
 One run evaluates every config in `EvalConfig.configs` and the baseline on the same examples, with the same seed,
 and writes a run directory (`config.yaml`, `predictions.jsonl`, `metrics.json`, `report.md`, plots). A run whose
-`metrics.json` exists is skipped. Under `torchrun`/`accelerate launch` the examples are sharded round-robin over
+`metrics.json` exists is skipped; an interrupted run resumes after its last finished example (the raw records of
+finished examples are kept under `partial/` until the run completes). Under `torchrun`/`accelerate launch` the examples are sharded round-robin over
 the processes; raw per-example values are gathered and reduced once, so N processes give the numbers of one.
 
 Example:
@@ -18,7 +19,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import platform
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -198,6 +201,30 @@ def _prediction_lines(cfg: EvalConfig, records: list[dict], examples: list[dict]
     return lines
 
 
+def _partial_path(partial: Path, example: int) -> Path:
+    return partial / f"example-{example:05d}.pkl"
+
+
+def _load_partial(partial: Path, example: int, names: list[str]) -> list[dict] | None:
+    """The records an interrupted run saved for `example`, if they cover exactly the configs run now."""
+    path = _partial_path(partial, example)
+    if not path.exists():
+        return None
+    with open(path, "rb") as fh:
+        records = pickle.load(fh)  # our own file, written by `_save_partial` for this run directory
+    return records if {r["config"] for r in records} == {BASELINE, *names} else None
+
+
+def _save_partial(partial: Path, example: int, records: list[dict]) -> None:
+    """Keep one example's records, so that an interrupted run resumes after its last finished example."""
+    partial.mkdir(parents=True, exist_ok=True)
+    path = _partial_path(partial, example)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    with open(tmp, "wb") as fh:
+        pickle.dump(records, fh)
+    os.replace(tmp, path)  # atomic: a killed run never leaves a half-written file under the final name
+
+
 def run(cfg: EvalConfig, model=None, tokenizer=None) -> dict:
     """Evaluate every config of `cfg` against the baseline and write the run directory (main process).
 
@@ -236,11 +263,21 @@ def run(cfg: EvalConfig, model=None, tokenizer=None) -> dict:
     names = [n for n in cfg.configs if n not in unavailable]
     mine = examples[state.process_index:: state.num_processes]
     per_example = _perplexity_example if cfg.task == "perplexity" else _summarization_example
+    partial = run_dir / "partial"
+    if cfg.overwrite and state.is_main_process:
+        shutil.rmtree(partial, ignore_errors=True)
+    state.wait_for_everyone()
     records: list[dict] = []
     with tqdm(total=len(mine) * (1 + len(names)), desc=f"{cfg.task} drift", unit="pass",
               disable=not state.is_main_process) as bar:
         for example in mine:
-            records.extend(per_example(model, tokenizer, cfg, example, names, bar))
+            done = _load_partial(partial, example["example"], names)
+            if done is None:
+                done = per_example(model, tokenizer, cfg, example, names, bar)
+                _save_partial(partial, example["example"], done)
+            else:
+                bar.update(1 + len(names))
+            records.extend(done)
     records = _gather(records, state)
     metrics = None
     if state.is_main_process:
@@ -254,6 +291,7 @@ def run(cfg: EvalConfig, model=None, tokenizer=None) -> dict:
                 fh.write(json.dumps(line, ensure_ascii=False) + "\n")
         write_report(run_dir, cfg, metrics)
         metrics_path.write_text(json.dumps(metrics, indent=2) + "\n")  # last: its presence marks the run finished
+        shutil.rmtree(partial, ignore_errors=True)
         logger.info("wrote %s", run_dir)
     state.wait_for_everyone()
     if metrics is None:

@@ -178,3 +178,31 @@ def test_paged_presets_report_not_available_without_quantization(tmp_path):
     for name in PAGED_CONFIGS:
         reason = unavailable_reason(name, cfg, tiny_model()[0].config)
         assert (reason is None) == (name == "fp"), name
+
+
+def test_an_interrupted_run_resumes_after_its_last_finished_window(tmp_path, monkeypatch):
+    import eval.drift as drift
+
+    model, tokenizer = tiny_model()
+    cfg = _cfg(tmp_path / "resumed", num_windows=3, configs=["fp", "hqq-int4"])
+    real = drift._perplexity_example
+    seen = []
+
+    def flaky(model, tokenizer, cfg, example, names, bar):
+        seen.append(example["example"])
+        if example["example"] == 2 and len(seen) == 3:
+            raise KeyboardInterrupt  # the session ends during the third window
+        return real(model, tokenizer, cfg, example, names, bar)
+
+    monkeypatch.setattr(drift, "_perplexity_example", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        run(cfg, model, tokenizer)
+    assert sorted(p.name for p in (cfg.run_dir() / "partial").iterdir()) == ["example-00000.pkl", "example-00001.pkl"]
+    resumed = run(cfg, model, tokenizer)
+    assert seen == [0, 1, 2, 2]  # only the unfinished window ran again
+    assert not (cfg.run_dir() / "partial").exists()
+    monkeypatch.setattr(drift, "_perplexity_example", real)
+    fresh = run(_cfg(tmp_path / "fresh", num_windows=3, configs=["fp", "hqq-int4"]), model, tokenizer)
+    for m in (resumed, fresh):
+        m.pop("environment")
+    assert resumed == fresh

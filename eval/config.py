@@ -113,7 +113,8 @@ class EvalConfig:
         if len(set(self.configs)) != len(self.configs):
             raise ValueError(f"EvalConfig.configs names a config twice: {self.configs}.")
         if isinstance(self.num_threads, bool) or not isinstance(self.num_threads, int) or self.num_threads < 0:
-            raise ValueError(f"EvalConfig.num_threads must be an int >= 0 (0: torch's default), got {self.num_threads!r}.")
+            raise ValueError(f"EvalConfig.num_threads must be an int >= 0 (0: torch's default), "
+                             f"got {self.num_threads!r}.")
         if not isinstance(self.seed, int):
             raise ValueError(f"EvalConfig.seed must be an int, got {self.seed!r}.")
 

@@ -3,8 +3,9 @@
 One run evaluates every config in `EvalConfig.configs` and the baseline on the same examples, with the same seed,
 and writes a run directory (`config.yaml`, `predictions.jsonl`, `metrics.json`, `report.md`, plots). A run whose
 `metrics.json` exists is skipped; an interrupted run resumes after its last finished example (the raw records of
-finished examples are kept under `partial/` until the run completes). Under `torchrun`/`accelerate launch` the examples are sharded round-robin over
-the processes; raw per-example values are gathered and reduced once, so N processes give the numbers of one.
+finished examples are kept under `partial/` until the run completes). Under `torchrun`/`accelerate launch` the
+examples are sharded round-robin over the processes; raw per-example values are gathered and reduced once, so N
+processes give the numbers of one.
 
 Example:
 
@@ -193,7 +194,8 @@ def _prediction_lines(cfg: EvalConfig, records: list[dict], examples: list[dict]
             line.update(summary=rec["summary"], rougeL_vs_reference=rec["rougeL_vs_reference"],
                         bytes_per_token=rec["bytes"] / rec["tokens"])
             if rec["config"] == BASELINE:
-                line.update(query=refs[rec["example"]]["query"], reference=refs[rec["example"]]["reference"])
+                ex = refs[rec["example"]]
+                line.update(query=ex["query"], reference=ex["reference"], prompt_tokens=len(ex["ids"]))
             else:
                 line.update(rougeL_vs_baseline=rec["rougeL_vs_baseline"], gen_match=rec["gen_match"],
                             first_div=rec["first_div"])

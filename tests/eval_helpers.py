@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -39,6 +41,7 @@ def tiny_model_dir() -> str:
             if p.dim() == 2:
                 p.normal_(0, 0.15)
     path = tempfile.mkdtemp(prefix="hf_pagedkv_tiny_")
+    atexit.register(shutil.rmtree, path, True)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

@@ -66,9 +66,24 @@ def _generate(args: argparse.Namespace) -> int:
     return status
 
 
+def _eval(argv: list[str]) -> int:
+    """`hf-pagedkv eval ...`: the drift suite, `python -m eval.drift ...` (the `eval` package of the repository)."""
+    try:
+        from eval.drift import main as eval_main
+    except ImportError as exc:
+        raise ImportError(f"`hf-pagedkv eval` needs the repository's eval/ package and its extra ({exc}): run it "
+                          "from a clone with `pip install -e '.[eval]'`.") from exc
+    return eval_main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["eval"]:  # all of its flags go to eval.drift's own parser
+        return _eval(argv[1:])
     parser = argparse.ArgumentParser(prog="hf-pagedkv", description="Paged, refcounted KV cache for transformers.")
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("eval", add_help=False, help="drift of cache configs vs DynamicCache on a dataset "
+                                                "(hf-pagedkv eval --help)")
     g = sub.add_parser("generate", help="generate through a PagedCache and report the memory it held")
     g.add_argument("--model", default=DEFAULT_MODEL, help="transformers id, local path or .gguf (default: %(default)s)")
     src = g.add_mutually_exclusive_group()

@@ -1,0 +1,5 @@
+import sys
+
+from .drift import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Task folders of the drift suite; each has `README.md`, `prepare.py` (examples) and `metrics.py` (definitions)."""

@@ -1,0 +1,86 @@
+"""EvalConfig layering (defaults < YAML < CLI), validation, data resolution and run-directory naming."""
+
+import json
+
+import pytest
+import yaml
+
+from eval.config import DEFAULT_CONFIGS, EvalConfig, resolve
+from eval.data import load_text, resolve_local, tokenize_prefix
+from tests.eval_helpers import DATA_DIR, tiny_model
+
+
+def test_defaults_then_yaml_then_cli(tmp_path):
+    path = tmp_path / "x.yaml"
+    path.write_text(yaml.safe_dump({"num_windows": 5, "prefill_len": 4096, "configs": ["fp", "k8v4"], "seed": 3}))
+    cfg, _ = resolve([])
+    assert (cfg.num_windows, cfg.prefill_len, cfg.configs) == (20, 1792, list(DEFAULT_CONFIGS))
+    cfg, _ = resolve(["--config", str(path)])
+    assert (cfg.num_windows, cfg.prefill_len, cfg.configs, cfg.seed, cfg.score_len) == (5, 4096, ["fp", "k8v4"], 3, 256)
+    # a flag beats the file; settings neither names keep the default
+    cfg, _ = resolve(["--config", str(path), "--num-windows", "7", "--configs", "fp,k4v4", "hqq-int2", "--overwrite"])
+    assert (cfg.num_windows, cfg.prefill_len, cfg.configs, cfg.overwrite) == (7, 4096, ["fp", "k4v4", "hqq-int2"], True)
+    assert cfg.gen_len == 64 and cfg.overwrite is True
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"num_windows": 0}, "num_windows must be a positive int, got 0"),
+    ({"prefill_len": "2048"}, "prefill_len must be a positive int"),
+    ({"task": "qa"}, "task: 'qa' is not one of perplexity, summarization"),
+    ({"configs": ["fp", "int3"]}, "configs: 'int3' is not one of"),
+    ({"configs": ["fp", "fp"]}, "names a config twice"),
+    ({"configs": []}, "configs is empty"),
+    ({"dtype": "float64"}, "dtype: 'float64' is not one of"),
+])
+def test_bad_settings_name_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EvalConfig(**kwargs)
+
+
+def test_yaml_unknown_key_is_rejected(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("num_window: 3\n")
+    with pytest.raises(ValueError, match=r"unknown settings \['num_window'\]"):
+        resolve(["--config", str(path)])
+
+
+def test_run_dir_name_follows_the_settings():
+    cfg = EvalConfig(num_windows=20, prefill_len=1792, output_dir="out")
+    name = cfg.run_dir_name()
+    assert name.startswith("perplexity-wiki.test-SmolLM2-135M-Instruct-w20-p1792-s256-g64-")
+    assert cfg.run_dir().parent.name == "out"
+    # paths and switches do not change the name; anything that changes the numbers does
+    assert EvalConfig(output_dir="elsewhere", overwrite=True, data_dir="/d").run_dir_name() == name
+    assert EvalConfig(configs=["fp"]).run_dir_name() != name
+    assert EvalConfig(qc_group_size=32).run_dir_name() != name
+    assert EvalConfig(run_name="mine").run_dir_name() == "mine"
+    assert EvalConfig(task="summarization").run_dir_name().startswith("summarization-test-SmolLM2")
+
+
+def test_data_dir_is_a_setting(tmp_path, monkeypatch):
+    (tmp_path / "a.txt").write_text("hello world\n" * 10)
+    cfg = EvalConfig(dataset="a.txt", data_dir=str(tmp_path))
+    assert resolve_local(cfg) == tmp_path / "a.txt"
+    assert load_text(cfg) == "hello world\n" * 10
+    monkeypatch.setenv("HF_PAGEDKV_DATA_DIR", str(tmp_path))
+    assert resolve_local(EvalConfig(dataset="a.txt")) == tmp_path / "a.txt"
+    with pytest.raises(ValueError, match="no such file.*--data-dir"):
+        resolve_local(EvalConfig(dataset="missing.jsonl", data_dir=str(tmp_path)))
+
+
+def test_jsonl_rows_are_joined_and_text_field_checked(tmp_path):
+    rows = [{"body": "first row"}, {"body": "second row"}]
+    (tmp_path / "r.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    assert load_text(EvalConfig(dataset="r.jsonl", data_dir=str(tmp_path), text_field="body")) == \
+        "first row\n\nsecond row"
+    with pytest.raises(ValueError, match="text_field='text' is not a column"):
+        load_text(EvalConfig(dataset="r.jsonl", data_dir=str(tmp_path)))
+
+
+def test_tokenize_prefix_equals_whole_text_tokenization():
+    _, tokenizer = tiny_model()
+    text = (DATA_DIR / "wikitext-2-raw" / "wiki.test.raw").read_text()[:60_000]
+    whole = tokenizer(text, add_special_tokens=False)["input_ids"]
+    part = tokenize_prefix(text, tokenizer, 1000)
+    assert len(part) >= 1000
+    assert part == whole[: len(part)]

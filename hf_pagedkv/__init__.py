@@ -2,6 +2,7 @@
 
 from .block_pool import BlockPool, PoolStats
 from .cache import PagedCache
+from .config import QuantConfig
 from .errors import CacheReleasedError, InvariantError, PoolExhaustedError
 from .layer import PagedLayer
 
@@ -13,5 +14,6 @@ __all__ = [
     "PagedLayer",
     "PoolExhaustedError",
     "PoolStats",
+    "QuantConfig",
 ]
 __version__ = "0.1.0"

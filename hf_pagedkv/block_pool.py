@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 from .block_allocator import BlockAllocator
 from .block_table import BlockTable, num_blocks_for
-from .config import check_positive_int, parse_bytes
+from .config import DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, QuantConfig, check_positive_int, parse_bytes
 from .errors import InvariantError, PoolExhaustedError
 from .page_store import LayerSpec, PageStore
+from .quantized_store import QuantizedPageStore
 
 logger = logging.getLogger(__name__)
 
@@ -28,18 +29,10 @@ class PoolStats:
     blocks_in_use: int  # blocks with refcount >= 1
     blocks_free: int  # blocks that can be handed out
     tokens_stored: int  # tokens held in blocks in use; a block shared by several sequences counts once
-    bytes_per_block: int  # bytes of one block across all layers
+    bytes_per_block: int  # bytes of one block across all layers (quantized: codes + scales)
     num_sequences: int  # live block tables (batch rows of live caches)
-
-    @property
-    def bytes_in_use(self) -> int:
-        """Bytes of the blocks in use, all layers."""
-        return self.blocks_in_use * self.bytes_per_block
-
-    @property
-    def bytes_reserved(self) -> int:
-        """Bytes of storage the pool has allocated, in use or not."""
-        return self.num_blocks * self.bytes_per_block
+    bytes_in_use: int  # bytes of the blocks in use, all layers (quantized: + the full-precision partial blocks)
+    bytes_reserved: int  # bytes of storage the pool has allocated, in use or not (quantized: + its staging area)
 
     @property
     def fragmentation(self) -> float:
@@ -62,20 +55,23 @@ class BlockPool:
     copied before it is written (copy-on-write).
 
     Args:
-        block_size (`int`, *optional*, defaults to 16): tokens per block.
+        block_size (`int`, *optional*, defaults to 16, 32 when quantized): tokens per block (for a quantized pool,
+            also the key quantization group).
         num_blocks (`int`, *optional*): a fixed number of blocks, preallocated once per layer. When they are
             all in use, allocation raises `PoolExhaustedError`.
         max_memory (`int` or `str`, *optional*): a fixed budget in bytes (``"4GiB"``, ``"512MB"``) for all
             layers' keys and values; turned into `num_blocks` once the layer shapes are known (pass
             `config=model.config` to `PagedCache` when the cache is created lazily). Exclusive with `num_blocks`.
         debug (`bool`, *optional*, defaults to `False`): poison freed blocks with NaN.
+        quant (`QuantConfig` or `str`, *optional*): store K/V quantized (`QuantConfig`, or a preset such as
+            ``"k8v4"``); `None` or ``"fp"`` for full precision. Fixed for the pool's lifetime.
 
     With neither `num_blocks` nor `max_memory`, the pool grows on demand by chunks (at least 64 blocks, and
     at least half its size), copying its storage once per growth.
 
     Raises:
         ValueError: `block_size` or `num_blocks` not a positive int; both `num_blocks` and `max_memory`
-            given; `max_memory` not a size.
+            given; `max_memory` not a size; an invalid `quant`.
 
     Example:
 
@@ -91,11 +87,15 @@ class BlockPool:
 
     def __init__(
         self,
-        block_size: int = 16,
+        block_size: int | None = None,
         num_blocks: int | None = None,
         max_memory: int | str | None = None,
         debug: bool = False,
+        quant: QuantConfig | str | None = None,
     ) -> None:
+        self.quant = QuantConfig.resolve(quant)  # storage format; fixed
+        if block_size is None:
+            block_size = DEFAULT_QUANT_BLOCK_SIZE if self.quant.is_quantized else DEFAULT_BLOCK_SIZE
         check_positive_int("block_size", block_size)
         if num_blocks is not None:
             check_positive_int("num_blocks", num_blocks)
@@ -106,7 +106,8 @@ class BlockPool:
         self.growable = num_blocks is None and max_memory is None  # grow on demand instead of raising
         self.lock = threading.RLock()  # guards all bookkeeping; held by a cache for a whole step's extension
         self.allocator = BlockAllocator()  # block ids and refcounts
-        self.store = PageStore(block_size, debug=debug)  # the tensors
+        self.store = (QuantizedPageStore(block_size, self.quant, debug=debug) if self.quant.is_quantized
+                      else PageStore(block_size, debug=debug))  # the tensors
         self._tables: dict[int, list[BlockTable]] = {}  # owner token -> that cache's rows; for checks and stats
         self._tokens = itertools.count()  # owner tokens
         if num_blocks is not None:
@@ -153,7 +154,7 @@ class BlockPool:
                         "BlockPool(max_memory=...) needs the number of layers to size itself: create the cache "
                         "as PagedCache(config=model.config, pool=pool), or use num_blocks= instead."
                     )
-                per_block = spec.bytes_per_token * self.block_size * num_layers
+                per_block = self.store.block_bytes(spec) * num_layers
                 n = self.max_memory // per_block
                 if n == 0:
                     raise ValueError(
@@ -201,7 +202,7 @@ class BlockPool:
         poisoned in debug mode)."""
         with self.lock:
             freed = self.allocator.decref(blocks)
-            self.store.poison(freed)
+            self.store.release(freed)
 
     # -- owners (live block tables) --------------------------------------------------------------------------------
     def _register(self, rows: list[BlockTable]) -> int:
@@ -235,6 +236,8 @@ class BlockPool:
                 tokens_stored=sum(fill.values()),
                 bytes_per_block=self.store.bytes_per_block,
                 num_sequences=len(rows),
+                bytes_in_use=self.store.bytes_in_use(self.allocator.num_used_blocks),
+                bytes_reserved=self.store.bytes_reserved(),
             )
 
     def check_invariants(self) -> None:

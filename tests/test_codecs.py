@@ -82,20 +82,20 @@ def test_fast_path_equals_reference(bits, axis):
     assert torch.equal(out[:, 1:6], ref.decode(cr, sr, torch.empty_like(x)))
 
 
-def test_packing_order_low_bits_first_split_parts():
-    q = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]])
-    packed4 = pack(q, 4)  # byte j: channel j (low nibble), channel j + 8 (high nibble)
-    assert packed4.tolist() == [[0 | 8 << 4, 1 | 9 << 4, 2 | 10 << 4, 3 | 11 << 4, 4 | 12 << 4, 5 | 13 << 4,
-                                 6 | 14 << 4, 7 | 15 << 4]]
+def test_packing_order_low_bits_first_token_parts():
+    q = torch.arange(16).view(8, 2)  # one block of 8 tokens x 2 channels, q[t, c] = 2 t + c
+    packed4 = pack(q, 4)  # byte (t, c): token t (low nibble), token t + 4 (high nibble) of channel c
+    assert packed4.tolist() == [[q[t, c].item() | q[t + 4, c].item() << 4 for c in range(2)] for t in range(4)]
+    assert packed4[1, 0].item() == 2 | 10 << 4
     q2 = q % 4
-    packed2 = pack(q2, 2)  # byte j: channels j, j + 4, j + 8, j + 12 in bits 0-1, 2-3, 4-5, 6-7
-    assert packed2[0, 1].item() == 1 | (5 % 4) << 2 | (9 % 4) << 4 | (13 % 4) << 6
+    packed2 = pack(q2, 2)  # byte (t, c): tokens t, t + 2, t + 4, t + 6 in bits 0-1, 2-3, 4-5, 6-7
+    assert packed2[1, 1].item() == (3 % 4) | (7 % 4) << 2 | (11 % 4) << 4 | (15 % 4) << 6
     for bits, p, src in ((4, packed4, q), (2, packed2, q2)):
-        assert torch.equal(unpack_into(p, bits, torch.empty(1, 16)), src.float())
+        assert torch.equal(unpack_into(p, bits, torch.empty(8, 2)), src.float())
     # through the codec: a group spanning exactly 0..15 has s = 1 and m = 0, so the codes are the values
-    x = torch.tensor([0.0, 15, 3, 4, 5, 6, 7, 8]).repeat(2, 1).view(1, 2, 8)  # [blocks, B=2, D=8]
-    codes, scales = Int4Codec(axis="token", group_size=8).encode(x)
-    assert codes[0, :4].tolist() == [0 | 5 << 4, 15 | 6 << 4, 3 | 7 << 4, 4 | 8 << 4]
+    x = torch.tensor([[0.0, 15, 3], [15, 0, 7]]).view(1, 2, 3)  # [blocks, B=2, D=3], one group per token
+    codes, scales = Int4Codec(axis="token", group_size=3).encode(x)
+    assert codes[0].tolist() == [0 | 15 << 4, 15 | 0 << 4, 3 | 7 << 4]  # byte c: token 0 low, token 1 high
     assert scales[0].tolist() == [1.0, 1.0, 0.0, 0.0]  # scales first, then minimums
 
 

@@ -75,13 +75,18 @@ class Codec(ABC):
         if self.axis == "channel":
             return x, -2  # groups: [..., B, D] reduced over B
         g = self.group(x.shape[-1])
+        if g == x.shape[-1]:
+            return x, -1  # one group per token: [..., B, D] reduced over D
         return x.unflatten(-1, (x.shape[-1] // g, g)), -1  # [..., B, D // g, g] reduced over g
 
     def stats_view(self, stats: torch.Tensor, block_size: int, dim: int) -> torch.Tensor:
         """Flat per-group statistics `[..., num_groups]` -> broadcastable against `grouped(x)`."""
         if self.axis == "channel":
             return stats.unsqueeze(-2)  # [..., 1, D]
-        return stats.unflatten(-1, (block_size, dim // self.group(dim))).unsqueeze(-1)  # [..., B, D // g, 1]
+        g = self.group(dim)
+        if g == dim:
+            return stats.unsqueeze(-1)  # [..., B, 1]
+        return stats.unflatten(-1, (block_size, dim // g)).unsqueeze(-1)  # [..., B, D // g, 1]
 
     # -- interface -------------------------------------------------------------------------------------------------
     @abstractmethod

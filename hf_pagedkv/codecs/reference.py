@@ -17,8 +17,8 @@ class ReferenceCodec(Codec):
       up), ``q = round((x - m) / s)``, ``x_hat = q * s + m``. Scales: all `s`, then all `m`, fp16.
     - Groups: ``axis="channel"``: the block's tokens of one channel; ``axis="token"``: `group_size` consecutive
       channels of one token. Groups are numbered channel-major (channel axis) or token-major (token axis).
-    - Packing (4 and 2 bits): ``k = 8 // bits`` codes per byte; channel `c` of a token goes to byte ``c % (D / k)``,
-      bits ``(c // (D / k)) * bits`` upwards, lowest bits first.
+    - Packing (4 and 2 bits): ``k = 8 // bits`` codes per byte; token `t` of channel `c` goes to byte
+      ``(t % (B / k), c)`` of the `[B / k, D]` code array, bits ``(t // (B / k)) * bits`` upwards (lowest first).
     - Error bound: ``|x - x_hat| <= s / 2`` per element (plus fp32 rounding).
 
     Args:
@@ -36,6 +36,8 @@ class ReferenceCodec(Codec):
 
     def layout(self, block_size: int, dim: int, dtype: torch.dtype) -> BlockLayout:
         per_scale = 1 if self.bits == 8 else 2
+        if block_size % (8 // self.bits):
+            raise ValueError(f"{8 // self.bits} tokens share a byte: block_size={block_size} must be a multiple.")
         groups = self.num_groups(block_size, dim)
         return BlockLayout(block_size * dim * self.bits // 8, torch.uint8, per_scale * groups, torch.float16)
 
@@ -65,9 +67,9 @@ class ReferenceCodec(Codec):
         q = torch.round((rows - m.float().unsqueeze(-1)) / torch.where(s == 0, 1.0, s.float()).unsqueeze(-1))
         q = self._ungroup(q.clamp(0, qmax), B, D).to(torch.int64)  # [..., B, D]
         k = 8 // self.bits
-        packed = torch.zeros((*x.shape[:-1], D // k), dtype=torch.int64)
-        for c in range(D):  # one channel at a time, as the docstring says
-            packed[..., c % (D // k)] |= q[..., c] << ((c // (D // k)) * self.bits)
+        packed = torch.zeros((*x.shape[:-2], B // k, D), dtype=torch.int64)
+        for t in range(B):  # one token at a time, as the docstring says
+            packed[..., t % (B // k), :] |= q[..., t, :] << ((t // (B // k)) * self.bits)
         return packed.to(torch.uint8).reshape(*x.shape[:-2], -1), torch.cat((s, m), -1)
 
     def decode(self, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -77,9 +79,9 @@ class ReferenceCodec(Codec):
             x = self._ungroup(self._groups(q) * scales.float().unsqueeze(-1), B, D)
             return out.copy_(x)
         k = 8 // self.bits
-        byte = codes.to(torch.int64).reshape(*codes.shape[:-1], B, D // k)
+        byte = codes.to(torch.int64).reshape(*codes.shape[:-1], B // k, D)
         q = torch.empty((*codes.shape[:-1], B, D))
-        for c in range(D):
-            q[..., c] = ((byte[..., c % (D // k)] >> ((c // (D // k)) * self.bits)) & (2**self.bits - 1)).float()
+        for t in range(B):
+            q[..., t, :] = ((byte[..., t % (B // k), :] >> ((t // (B // k)) * self.bits)) & (2**self.bits - 1)).float()
         s, m = scales.float().chunk(2, dim=-1)  # [..., groups]
         return out.copy_(self._ungroup(self._groups(q) * s.unsqueeze(-1) + m.unsqueeze(-1), B, D))

@@ -110,9 +110,12 @@ def main() -> None:
                         "its history every 128)")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved speed rounds; the best one counts")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--data", default=DATA)
     args = parser.parse_args()
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, tokenizer = load_model()
     cfg = model.config
     with open(args.data, encoding="utf-8") as fh:
@@ -160,26 +163,22 @@ def main() -> None:
           f"seed {args.seed}; memory/speed at {args.context} tokens, {args.steps} steps, best of {args.rounds}; "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
           f"({torch.get_num_threads()} threads)")
-    ref_tps = {k: rows.get(k, {}).get("tps") for k in ("dynamic", "quanto-int4")}
-    head = f"{'method':12s} {'bytes/fp16':>10s} {'mean KL':>9s} {'p99 KL':>8s} {'top-1':>7s} {'ppl':>7s} " \
-           f"{'d ppl':>7s} {'tok/s':>6s} {'xDynamic':>8s} {'xquanto4':>8s}"
-    print(head + "\n" + "-" * len(head))
     ppl0 = rows["dynamic"].get("ppl")
-
-    def fmt(v, spec):
-        return format(v, spec) if v is not None else "-"
-
+    tps_dyn, tps_quanto = rows["dynamic"].get("tps"), rows.get("quanto-int4", {}).get("tps")
+    cols = [("method", 12, lambda m, r: m), ("bytes/fp16", 10, lambda m, r: r.get("mem") and f"{r['mem']:.3f}"),
+            ("mean KL", 9, lambda m, r: r.get("kl") is not None and f"{r['kl']:.2e}"),
+            ("p99 KL", 9, lambda m, r: r.get("kl99") is not None and f"{r['kl99']:.2e}"),
+            ("top-1", 7, lambda m, r: r.get("top1") is not None and f"{100 * r['top1']:.2f}%"),
+            ("ppl", 7, lambda m, r: r.get("ppl") and f"{r['ppl']:.3f}"),
+            ("d ppl", 7, lambda m, r: m != "dynamic" and r.get("ppl") and f"{r['ppl'] - ppl0:+.3f}"),
+            ("tok/s", 6, lambda m, r: r.get("tps") and f"{r['tps']:.2f}"),
+            ("xDynamic", 8, lambda m, r: r.get("tps") and tps_dyn and f"{r['tps'] / tps_dyn:.2f}"),
+            ("xquanto4", 8, lambda m, r: r.get("tps") and tps_quanto and f"{r['tps'] / tps_quanto:.2f}")]
+    print("  ".join(f"{name:>{w}s}" if i else f"{name:{w}s}" for i, (name, w, _) in enumerate(cols)))
     for m, r in rows.items():
-        if not r:
-            continue
-        tps = r.get("tps")
-        print(f"{m:12s} {fmt(r.get('mem'), '10.3f')} {fmt(r.get('kl'), '9.2e')} {fmt(r.get('kl99'), '8.2e')} "
-              f"{fmt(r.get('top1') and 100 * r['top1'], '6.2f') + ('%' if 'top1' in r else ''):>7s} "
-              f"{fmt(r.get('ppl'), '7.3f')} "
-              f"{fmt(r.get('ppl') and ppl0 and r['ppl'] - ppl0 if m != 'dynamic' else None, '+7.3f')} "
-              f"{fmt(tps, '6.1f')} {fmt(tps and ref_tps['dynamic'] and tps / ref_tps['dynamic'], '8.2f')} "
-              f"{fmt(tps and ref_tps['quanto-int4'] and tps / ref_tps['quanto-int4'], '8.2f')}")
-
+        if r:
+            cells = [get(m, r) or "-" for _, _, get in cols]
+            print("  ".join(f"{c:>{w}s}" if i else f"{c:{w}s}" for i, (c, (_, w, _)) in enumerate(zip(cells, cols))))
 
 if __name__ == "__main__":
     main()

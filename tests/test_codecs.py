@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_pagedkv.codecs import CODECS, Int2Codec, Int4Codec, Int8Codec, ReferenceCodec, make_codec
-from hf_pagedkv.codecs.int_codecs import pack, unpack_into
+from hf_pagedkv.codecs.affine import pack, unpack_into
 
 FAST = {8: Int8Codec, 4: Int4Codec, 2: Int2Codec}
 AXES = ["channel", "token"]

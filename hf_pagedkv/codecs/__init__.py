@@ -7,7 +7,9 @@ from functools import partial
 from .base import AXES, BlockLayout, Codec, check_finite
 from .bnb import BnbCodec
 from .identity import IdentityCodec
-from .int_codecs import Int2Codec, Int4Codec, Int8Codec
+from .int2 import Int2Codec
+from .int4 import Int4Codec
+from .int8 import Int8Codec
 from .reference import ReferenceCodec
 
 #: name -> constructor taking (axis, group_size)
@@ -55,5 +57,5 @@ def make_codec(name: str, axis: str, group_size: int = 64) -> Codec:
     return CODECS[name](axis=axis, group_size=group_size)
 
 
-__all__ = ["AXES", "BlockLayout", "CODECS", "Codec", "BnbCodec", "IdentityCodec", "Int2Codec", "Int4Codec",
+__all__ = ["AXES", "CODECS", "BlockLayout", "BnbCodec", "Codec", "IdentityCodec", "Int2Codec", "Int4Codec",
            "Int8Codec", "ReferenceCodec", "check_finite", "codec_name", "make_codec"]

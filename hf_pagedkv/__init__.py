@@ -2,6 +2,7 @@
 
 from .block_pool import BlockPool, PoolStats
 from .cache import PagedCache
+from .config import QuantConfig
 from .errors import CacheReleasedError, InvariantError, PoolExhaustedError
 from .generation import generate
 from .layer import PagedLayer
@@ -16,6 +17,7 @@ __all__ = [
     "PagedLayer",
     "PoolExhaustedError",
     "PoolStats",
+    "QuantConfig",
     "generate",
 ]
 __version__ = "0.1.0"

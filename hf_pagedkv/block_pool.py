@@ -10,12 +10,13 @@ from dataclasses import dataclass
 
 from .block_allocator import BlockAllocator
 from .block_table import BlockTable, num_blocks_for
-from .config import check_positive_int, parse_bytes
+from .config import DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, QuantConfig, check_positive_int, parse_bytes
 from .errors import InvariantError, PoolExhaustedError
 from .events import EventLog
 from .metrics import Health, PoolMetrics
 from .page_store import LayerSpec, PageStore
 from .prefix_index import BlockHash, PrefixIndex
+from .quantized_store import QuantizedPageStore
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +32,10 @@ class PoolStats:
     blocks_in_use: int  # blocks with refcount >= 1
     blocks_free: int  # blocks that can be handed out
     tokens_stored: int  # tokens held in blocks in use; a block shared by several sequences counts once
-    bytes_per_block: int  # bytes of one block across all layers
+    bytes_per_block: int  # bytes of one block across all layers (quantized: codes + scales)
     num_sequences: int  # live block tables (batch rows of live caches)
+    bytes_in_use: int  # bytes of the blocks in use, all layers (quantized: + the full-precision partial blocks)
+    bytes_reserved: int  # bytes of storage the pool has allocated, in use or not (quantized: + its staging area)
     blocks_cached: int = 0  # cached-idle blocks: refcount 0, still in the prefix index, evicted when space is needed
     lookups: int = 0  # prefix lookups (one per request attached with `PagedCache.from_prefix`)
     lookup_tokens: int = 0  # tokens those lookups asked about
@@ -44,16 +47,6 @@ class PoolStats:
     def hit_rate(self) -> float:
         """hit_tokens / lookup_tokens, in [0, 1] (0 before any lookup)."""
         return 0.0 if self.lookup_tokens == 0 else self.hit_tokens / self.lookup_tokens
-
-    @property
-    def bytes_in_use(self) -> int:
-        """Bytes of the blocks in use, all layers."""
-        return self.blocks_in_use * self.bytes_per_block
-
-    @property
-    def bytes_reserved(self) -> int:
-        """Bytes of storage the pool has allocated, in use or not."""
-        return self.num_blocks * self.bytes_per_block
 
     @property
     def fragmentation(self) -> float:
@@ -76,7 +69,8 @@ class BlockPool:
     copied before it is written (copy-on-write).
 
     Args:
-        block_size (`int`, *optional*, defaults to 16): tokens per block.
+        block_size (`int`, *optional*, defaults to 16, 32 when quantized): tokens per block (for a quantized pool,
+            also the key quantization group).
         num_blocks (`int`, *optional*): a fixed number of blocks, preallocated once per layer. When they are
             all in use, allocation raises `PoolExhaustedError`.
         max_memory (`int` or `str`, *optional*): a fixed budget in bytes (``"4GiB"``, ``"512MB"``) for all
@@ -87,6 +81,8 @@ class BlockPool:
             requests sharing a prompt prefix share its full blocks (`PagedCache.from_prefix`, `cache.publish`,
             `hf_pagedkv.generate`). Published blocks whose refcount drops to 0 stay cached-idle until space is
             needed, then are evicted least-recently-used.
+        quant (`QuantConfig` or `str`, *optional*): store K/V quantized (`QuantConfig`, or a preset such as
+            ``"k8v4"``); `None` or ``"fp"`` for full precision. Fixed for the pool's lifetime.
 
     With neither `num_blocks` nor `max_memory`, the pool grows on demand by chunks: what is needed plus a headroom
     of half its size (at least 64 blocks), copying its storage once per growth, so growth is amortised O(1).
@@ -97,7 +93,7 @@ class BlockPool:
 
     Raises:
         ValueError: `block_size` or `num_blocks` not a positive int; both `num_blocks` and `max_memory`
-            given; `max_memory` not a size.
+            given; `max_memory` not a size; an invalid `quant`.
 
     Example:
 
@@ -113,12 +109,16 @@ class BlockPool:
 
     def __init__(
         self,
-        block_size: int = 16,
+        block_size: int | None = None,
         num_blocks: int | None = None,
         max_memory: int | str | None = None,
         debug: bool = False,
         prefix_caching: bool = False,
+        quant: QuantConfig | str | None = None,
     ) -> None:
+        self.quant = QuantConfig.resolve(quant)  # storage format; fixed
+        if block_size is None:
+            block_size = DEFAULT_QUANT_BLOCK_SIZE if self.quant.is_quantized else DEFAULT_BLOCK_SIZE
         check_positive_int("block_size", block_size)
         if num_blocks is not None:
             check_positive_int("num_blocks", num_blocks)
@@ -129,7 +129,8 @@ class BlockPool:
         self.growable = num_blocks is None and max_memory is None  # grow on demand instead of raising
         self.lock = threading.RLock()  # guards all bookkeeping; held by a cache for a whole step's extension
         self.allocator = BlockAllocator()  # block ids and refcounts
-        self.store = PageStore(block_size, debug=debug)  # the tensors
+        self.store = (QuantizedPageStore(block_size, self.quant, debug=debug) if self.quant.is_quantized
+                      else PageStore(block_size, debug=debug))  # the tensors
         self._tables: dict[int, list[BlockTable]] = {}  # owner token -> that cache's rows; for checks and stats
         self._tokens = itertools.count()  # owner tokens
         self._pending_release: deque[int] = deque()  # owners garbage-collected without release(); freed by _drain
@@ -186,7 +187,7 @@ class BlockPool:
                         "BlockPool(max_memory=...) needs the number of layers to size itself: create the cache "
                         "as PagedCache(config=model.config, pool=pool), or use num_blocks= instead."
                     )
-                per_block = spec.bytes_per_token * self.block_size * num_layers
+                per_block = self.store.block_bytes(spec) * num_layers
                 n = self.max_memory // per_block
                 if n == 0:
                     raise ValueError(
@@ -251,7 +252,7 @@ class BlockPool:
                 freed = self.allocator.decref(blocks)
             else:
                 freed = self.prefix_index.release(blocks, self.allocator)
-            self.store.poison(freed)
+            self.store.release(freed)
 
     def copy_on_write(self, src: list[int], dst: list[int]) -> None:
         """Copy whole blocks `src[i]` -> `dst[i]` in every layer (before writing to a shared or published block)."""
@@ -295,7 +296,7 @@ class BlockPool:
     def _evict(self, n: int) -> None:
         evicted = self.prefix_index.evict(n, self.allocator)
         self.events.emit("evict", evicted)
-        self.store.poison(evicted)
+        self.store.release(evicted)
         logger.debug("BlockPool evicted %d cached-idle blocks", n)
 
     # -- owners (live block tables) --------------------------------------------------------------------------------
@@ -348,6 +349,8 @@ class BlockPool:
                 tokens_stored=sum(fill.values()),
                 bytes_per_block=self.store.bytes_per_block,
                 num_sequences=len(rows),
+                bytes_in_use=self.store.bytes_in_use(self.allocator.num_used_blocks),
+                bytes_reserved=self.store.bytes_reserved(),
                 blocks_cached=self.allocator.num_idle_blocks,
                 lookups=index.num_lookups if index is not None else 0,
                 lookup_tokens=index.num_lookup_tokens if index is not None else 0,

@@ -10,7 +10,7 @@ import torch
 from ._compat import Cache, DummyLayer, layer_plan
 from .block_pool import BlockPool
 from .block_table import BlockTable, num_blocks_for
-from .config import check_positive_int
+from .config import QuantConfig, check_positive_int
 from .errors import CacheReleasedError
 from .layer import PagedLayer
 from .page_store import LayerSpec
@@ -34,7 +34,7 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
     (see `PrefixMixin`).
 
     Args:
-        block_size (`int`, *optional*, defaults to 16, or the pool's): tokens per block.
+        block_size (`int`, *optional*, defaults to 16 (32 when quantized), or the pool's): tokens per block.
         pool (`BlockPool`, *optional*): a pool to share with other caches of the same model; a new growable
             pool by default.
         debug (`bool`, *optional*, defaults to `False`): check `pool.check_invariants()` after every step and
@@ -43,10 +43,15 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
             sliding windows (like `DynamicCache(config=...)`) and lets `max_memory` size the pool.
         num_blocks (`int`, *optional*), max_memory (`int` or `str`, *optional*): size of the new pool (see
             `BlockPool`); not allowed together with `pool`.
+        quant (`QuantConfig` or `str`, *optional*): quantized storage, e.g. ``"k8v4"`` or
+            ``QuantConfig(key_bits=8, value_bits=4)`` (see `QuantConfig`); ``"fp"`` for full precision. `None`
+            (default) means the pool's setting, full precision for a new pool. The last, partial block of each row
+            stays in full precision; `layers[i].keys` / `.values` return de-quantized tensors.
 
     Raises:
         ValueError: `block_size` not a positive int or different from the pool's; `pool` not a `BlockPool`;
-            `num_blocks`/`max_memory` given with `pool`; a layer type it does not store (by name).
+            `num_blocks`/`max_memory` given with `pool`; `quant` invalid or different from the pool's; a layer
+            type it does not store (by name).
 
     Example:
 
@@ -68,17 +73,24 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
         *,
         num_blocks: int | None = None,
         max_memory: int | str | None = None,
+        quant: QuantConfig | str | None = None,
     ) -> None:
         if block_size is not None:
             check_positive_int("block_size", block_size)
+        if quant is not None:
+            quant = QuantConfig.resolve(quant)
         if pool is None:
-            pool = BlockPool(block_size or 16, num_blocks=num_blocks, max_memory=max_memory, debug=debug)
+            pool = BlockPool(block_size, num_blocks=num_blocks, max_memory=max_memory, debug=debug, quant=quant)
         elif not isinstance(pool, BlockPool):
             raise ValueError(f"`pool` must be a hf_pagedkv.BlockPool, got {type(pool).__name__}.")
         elif num_blocks is not None or max_memory is not None:
             raise ValueError("`num_blocks`/`max_memory` size a new pool; set them on the BlockPool you pass.")
         elif block_size is not None and block_size != pool.block_size:
             raise ValueError(f"block_size={block_size} differs from the pool's block_size={pool.block_size}.")
+        elif quant is not None and quant != pool.quant:
+            raise ValueError(f"quant={quant.name} ({quant}) differs from the pool's quant={pool.quant.name} "
+                             f"({pool.quant}); the quantization is a property of the pool's storage: pass "
+                             "quant=None to use the pool's, or create a BlockPool(quant=...) for this setting.")
         layers = []
         if config is not None:
             for idx, (kind, window) in enumerate(layer_plan(config)):
@@ -225,8 +237,9 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
         return [list(row.blocks) for row in self._rows]
 
     def __repr__(self) -> str:
+        quant = f", quant={self.pool.quant.name}" if self.pool.quant.is_quantized else ""
         return (f"PagedCache(rows={len(self._rows)}, tokens={self._num_tokens}, block_size={self.block_size}, "
-                f"layers={len(self.layers)}{', released' if self._released else ''})")
+                f"layers={len(self.layers)}{quant}{', released' if self._released else ''})")
 
     # -- internals: layers ----------------------------------------------------------------------------------------
     def _check_usable(self) -> None:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import re
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -32,3 +36,122 @@ def parse_bytes(value: int | str) -> int:
     if size <= 0:
         raise ValueError(f"`max_memory` must be positive, got {value!r}.")
     return size
+
+
+# NOTE: keys are grouped per channel over the tokens of one block (KIVI), so each block pays a scale and a minimum
+# (fp16) per channel: 4 / block_size bytes per key element. At 16 tokens that is 0.25 B/element, more than half of
+# what int4 codes cost; at 32 (KIVI's key group size) it is 0.125. Quantized pools default to 32-token blocks.
+DEFAULT_BLOCK_SIZE = 16  # tokens per block of a full-precision pool
+DEFAULT_QUANT_BLOCK_SIZE = 32  # tokens per block of a quantized pool (the key quantization group)
+
+_BITS = (None, 8, 4, 2)
+_BACKENDS = ("torch", "reference", "bitsandbytes")
+_PRESETS = {"fp": (None, None), "v8": (None, 8), "k8v8": (8, 8), "k8v4": (8, 4), "k4v4": (4, 4),
+            "k4v2": (4, 2), "k2v2": (2, 2)}
+_warned: set[tuple[int, int]] = set()  # (key_bits, value_bits) pairs already warned about
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How a `BlockPool` stores keys and values: full precision, or integer codes with fp16 scales.
+
+    Keys are quantized per channel with the tokens of one block as the group, values per token in groups of
+    `value_group_size` channels along `head_dim` (KIVI, Liu et al. 2024, arXiv 2402.02750: keys have outlier
+    channels, values do not). The last, partial block of each sequence stays in full precision and is encoded once,
+    when it fills. Values tolerate fewer bits than keys (keys feed the softmax), hence the preset ladder
+    ``fp -> v8 -> k8v8 -> k8v4 -> k4v4 (-> k4v2 -> k2v2)``.
+
+    Args:
+        key_bits (`int`, *optional*): 8, 4 or 2 bits per key element; `None` keeps keys in full precision.
+        value_bits (`int`, *optional*): 8, 4 or 2 bits per value element; `None` keeps values in full precision.
+        value_group_size (`int`, *optional*, defaults to 64): channels per value quantization group (capped at
+            `head_dim`, which it must divide).
+        backend (`str`, *optional*, defaults to `"torch"`): `"torch"` (vectorised, the default), `"reference"`
+            (plain, slow, the specification) or `"bitsandbytes"` (NF4 / blockwise int8; 4 and 8 bits only).
+
+    Raises:
+        ValueError: bits not in {None, 8, 4, 2}, a non-positive group size, an unknown backend, or a backend that
+            cannot encode the requested bits.
+
+    A config giving keys fewer bits than values (say `k4v8`) is allowed for ablations but logs a warning once.
+
+    Example:
+
+    ```python
+    >>> from hf_pagedkv import PagedCache, QuantConfig
+    >>> cache = PagedCache(quant="k8v4")            # or quant=QuantConfig(key_bits=8, value_bits=4)
+    >>> out = model.generate(input_ids, past_key_values=cache, max_new_tokens=20)
+    >>> cache.pool.stats().bytes_in_use             # codes + scales + full-precision partial blocks
+    ```
+    """
+
+    key_bits: int | None = None
+    value_bits: int | None = None
+    value_group_size: int = 64
+    backend: str = "torch"
+
+    def __post_init__(self) -> None:
+        for name in ("key_bits", "value_bits"):
+            bits = getattr(self, name)
+            if isinstance(bits, bool) or bits not in _BITS:
+                raise ValueError(f"`{name}` must be one of None (full precision), 8, 4, 2; got {bits!r}.")
+        check_positive_int("value_group_size", self.value_group_size)
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"`backend` must be one of {', '.join(_BACKENDS)}; got {self.backend!r}.")
+        if self.backend == "bitsandbytes" and 2 in (self.key_bits, self.value_bits):
+            raise ValueError("backend='bitsandbytes' encodes 8 or 4 bits (blockwise int8, NF4); use backend='torch' "
+                             f"for 2 bits (got key_bits={self.key_bits}, value_bits={self.value_bits}).")
+        k, v = self.key_bits or 16, self.value_bits or 16
+        if k < v and (k, v) not in _warned:
+            _warned.add((k, v))
+            logger.warning(
+                "QuantConfig(key_bits=%s, value_bits=%s) gives keys fewer bits than values. Keys are the fragile "
+                "half (outlier channels, and their error is amplified by the softmax); quantize values first. "
+                "Fine for an ablation.", self.key_bits, self.value_bits)
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> QuantConfig:
+        """A preset along the ladder: `fp`, `v8`, `k8v8`, `k8v4`, `k4v4`, `k4v2`, `k2v2` (or any `k<b>v<b>`).
+
+        Raises:
+            ValueError: an unknown name.
+        """
+        key = str(name).lower()
+        match = re.fullmatch(r"k(8|4|2|16)v(8|4|2|16)", key)
+        if key in _PRESETS:
+            k, v = _PRESETS[key]
+        elif match:
+            k, v = (None if b == "16" else int(b) for b in match.groups())
+        else:
+            raise ValueError(f"Unknown quantization preset {name!r}; use one of {', '.join(_PRESETS)} "
+                             "(or 'k<bits>v<bits>' with bits 8, 4, 2, 16) or a QuantConfig.")
+        return cls(key_bits=k, value_bits=v, **overrides)
+
+    from_preset = preset
+
+    @classmethod
+    def resolve(cls, quant: QuantConfig | str | None) -> QuantConfig:
+        """`None` or a preset name or a `QuantConfig` -> a `QuantConfig` (full precision for `None`).
+
+        Raises:
+            ValueError: not one of those.
+        """
+        if quant is None:
+            return cls()
+        if isinstance(quant, QuantConfig):
+            return quant
+        if isinstance(quant, str):
+            return cls.preset(quant)
+        raise ValueError(f"`quant` must be None, a preset name such as 'k8v4', or a QuantConfig; got {quant!r}.")
+
+    @property
+    def is_quantized(self) -> bool:
+        """Whether keys or values are stored as codes (False for full precision)."""
+        return self.key_bits is not None or self.value_bits is not None
+
+    @property
+    def name(self) -> str:
+        """The preset name such as ``"k8v4"`` or ``"fp"``; otherwise ``k<bits>v<bits>`` with 16 for full precision."""
+        bits = (self.key_bits, self.value_bits)
+        return next((name for name, preset in _PRESETS.items() if preset == bits),
+                    f"k{self.key_bits or 16}v{self.value_bits or 16}")

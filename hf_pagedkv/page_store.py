@@ -44,6 +44,8 @@ class PageStore:
     at once in the logits instead of as silent drift.
     """
 
+    is_quantized = False
+
     def __init__(self, block_size: int, debug: bool = False) -> None:
         self.block_size = block_size  # tokens per block; fixed
         self.debug = debug  # poison freed blocks and new storage with NaN; set by the pool
@@ -56,6 +58,20 @@ class PageStore:
     def bytes_per_block(self) -> int:
         """Bytes one block takes across all known layers, keys plus values."""
         return sum(spec.bytes_per_token for spec in self.specs.values()) * self.block_size
+
+    def block_bytes(self, spec: LayerSpec) -> int:
+        """Bytes of one block of one layer with this spec, keys plus values."""
+        return spec.bytes_per_token * self.block_size
+
+    def bytes_in_use(self, num_used_blocks: int) -> int:
+        return num_used_blocks * self.bytes_per_block
+
+    def bytes_reserved(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    def release(self, blocks: list[int]) -> None:
+        """Blocks whose refcount reached 0 (poisoned in debug mode)."""
+        self.poison(blocks)
 
     def _new(self, spec: LayerSpec, dim: int, num_blocks: int) -> torch.Tensor:
         shape = (spec.num_kv_heads, num_blocks * self.block_size, dim)

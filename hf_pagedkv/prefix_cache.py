@@ -68,7 +68,7 @@ def prefix_key(pool: BlockPool, model=None, config=None) -> bytes:
         ident = model_fingerprint(model)
     else:
         ident = b"config:" + config.to_json_string(use_diff=False).encode()
-    # NOTE: when the quantized page store lands, its codec / QuantConfig must be part of this key.
+    # NOTE: the storage format (QuantConfig, or None for full precision) changes the K/V a block holds.
     codec = repr(getattr(pool, "quant", None)).encode()
     return hashlib.blake2b(ident + b"|" + codec, digest_size=16).digest()
 

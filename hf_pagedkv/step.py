@@ -20,6 +20,7 @@ class _Step:
     dup_of: dict[int, int]  # duplicate row -> the writer row whose blocks it shares (identical K/V so far)
     view_base: int | None  # first slot of the only row when its blocks are consecutive (read as a view)
     tensors: dict = field(default_factory=dict)  # (kind, device) -> slot tensor, built lazily per device
+    planned: bool = False  # a quantized store has seen this step's slot mapping (`plan_write`)
 
 
 class StepMixin:
@@ -56,15 +57,16 @@ class StepMixin:
             for r, w in list(step.dup_of.items()):  # duplicates must stay identical in every layer to share
                 if not (torch.equal(key_states[r], key_states[w]) and torch.equal(value_states[r], value_states[w])):
                     self._unshare(r)
-        device = layer.spec.device
+        device, store = layer.spec.device, self.pool.store
+        new = (step.start, key_states.detach(), value_states.detach())  # this step's tokens, for a quantized read
         if len(step.writers) < len(self._rows):
             rows = self._tensor(step, "writers", device)
             key_states, value_states = key_states.index_select(0, rows), value_states.index_select(0, rows)
         with self.pool.lock:  # a growing pool replaces its tensors; no write may land in the old ones
-            self.pool.store.write(layer.layer_idx, self._tensor(step, "write", device),
-                                  key_states.detach(), value_states.detach())
+            target = self._plan(step, device) if store.is_quantized else self._tensor(step, "write", device)
+            store.write(layer.layer_idx, target, key_states.detach(), value_states.detach())
         layer.num_tokens = step.end
-        return self._read(layer, self._window_start(layer, step.start))
+        return self._read(layer, self._window_start(layer, step.start), new)
 
     @staticmethod
     def _window_start(layer, start: int) -> int:
@@ -194,16 +196,31 @@ class StepMixin:
             step.tensors[key] = t
         return t
 
+    def _plan(self, step: _Step, device: torch.device):
+        """The quantized store's `WritePlan` for this step on `device`, built once (rebuilt after `_unshare`)."""
+        key = ("plan", device)
+        if key not in step.tensors:
+            slots = self._tensor(step, "write", torch.device("cpu"))
+            step.tensors[key] = self.pool.store.plan_write(slots, device, new_step=not step.planned)
+            step.planned = True
+        return step.tensors[key]
+
     def _read_slots(self, end: int) -> torch.Tensor:
         """Slot of each of the first `end` tokens of each row, `[batch, end]` int64 (CPU)."""
         B = self.block_size
         table = self._table[:, : num_blocks_for(end, B)]  # [batch, blocks]
         return (table[:, :, None] * B + torch.arange(B)).reshape(len(self._rows), -1)[:, :end]  # [batch, end]
 
-    def _read(self, layer, lo: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens `lo .. layer.num_tokens - 1` of every row: `[batch, num_kv_heads, seq_len, head_dim]` each."""
+    def _read(self, layer, lo: int, new: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens `lo .. layer.num_tokens - 1` of every row: `[batch, num_kv_heads, seq_len, head_dim]` each.
+        `new` is `(start, key_states, value_states)` of the current step (a quantized store returns those tokens
+        in full precision)."""
         end, idx = layer.num_tokens, layer.layer_idx
         store = self.pool.store
+        if store.is_quantized:
+            row = self._rows[0] if len(self._rows) == 1 else None
+            base = row.blocks[0] if row is not None and row.is_contiguous and row.blocks else None
+            return store.read(idx, self._table[:, : num_blocks_for(end, self.block_size)], lo, end, base, new)
         if len(self._rows) == 1 and self._rows[0].is_contiguous:
             return store.read_view(idx, self._rows[0].blocks[0] * self.block_size + lo, end - lo)
         step = self._step

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import hf_pagedkv
-from hf_pagedkv import BlockPool, PagedCache, PoolExhaustedError
+from hf_pagedkv import BlockPool, PagedCache, PoolExhaustedError, QuantConfig
 from tests.conftest import ids, tiny_model
 from tests.prefix_utils import (
     GEN,
@@ -17,26 +17,31 @@ from tests.prefix_utils import (
 
 B = 4
 
-# Quantization presets the prefix tests run under; None is the unquantized store. When quantization lands, add
-# its presets here (one line) -- each runs every scenario below against a fresh run with the same preset.
+# Quantization presets the prefix tests run under; None is the unquantized store. Each runs every scenario below
+# against a fresh run with the same preset.
 QUANT_PRESETS = [None, "k8v8", "k4v4"]
 
 
 def make_pool(quant=None, **kwargs) -> BlockPool:
     if quant is None:
         return BlockPool(block_size=B, prefix_caching=True, **kwargs)
-    try:
-        from hf_pagedkv import QuantConfig
-    except ImportError:
-        pytest.skip("QuantConfig is not importable yet (quantization is built on another branch)")
     return BlockPool(block_size=B, prefix_caching=True, quant=QuantConfig.from_preset(quant), **kwargs)
 
 
-def fresh(model, x, quant=None, **kwargs):
-    """The reference: no hit. With quantization, a run on a fresh quantized pool; else a DynamicCache."""
+def fresh(model, x, quant=None, steps=(), **kwargs):
+    """The reference: no hit. Unquantized, a DynamicCache run. Quantized, a run on a fresh quantized cache that
+    first computes `x[:, :steps[-1]]` in the same forward steps as the request that published the hit blocks
+    (`steps` are the step ends): a quantized cache returns this step's own tokens in full precision and earlier
+    ones de-quantized, so the hit is exact against the same step boundaries, not against one big prefill."""
     if quant is None:
         return fresh_generate(model, x, **kwargs)
-    return hf_pagedkv.generate(model, x, pool=make_pool(quant), **{**GEN, **kwargs})
+    cache = PagedCache(pool=BlockPool(block_size=B, quant=QuantConfig.from_preset(quant)))
+    start = 0
+    with torch.no_grad():
+        for end in steps:
+            model(x[:, start:end], past_key_values=cache)
+            start = end
+    return model.generate(x, past_key_values=cache, **{**GEN, **kwargs})
 
 
 def run(model, pool, x):
@@ -67,13 +72,14 @@ def test_hit_equals_fresh_run(quant):
     for name, x, want_hit in cases:
         out, hit = run(model, pool, x)
         assert hit == want_hit, name
-        assert_same_output(fresh(model, x, quant), out)
+        assert_same_output(fresh(model, x, quant, steps=[hit] if hit else []), out)
         outputs.append(out)
-    # a and its 6 generated tokens were published (22 cached tokens = 5 full blocks): a follow-up turn hits them
+    # a and its 6 generated tokens were published (22 cached tokens = 5 full blocks): a follow-up turn hits them;
+    # they were computed as a 17-token prefill, then one decode step per token
     x = torch.cat([outputs[0].sequences, ids(1, 3, seed=7)], 1)
     out, hit = run(model, pool, x)
     assert hit == 5 * B
-    assert_same_output(fresh(model, x, quant), out)
+    assert_same_output(fresh(model, x, quant, steps=[17, 18, 19, 20]), out)
     s = pool.stats()
     assert s.lookups == len(cases) + 1 and s.hit_rate > 0.3
 

@@ -1,0 +1,184 @@
+"""Quantized KV storage on SmolLM2 / WikiText-2: memory, drift against the unquantized cache, and decode speed.
+
+Drift: every scored token is predicted by a decode step whose whole context is read from the cache under test --
+prefill `--prefill` tokens, then `--decode` teacher-forced single-token steps -- and compared with `DynamicCache` on
+the same windows (seeded): mean and p99 KL(p_fp || p_quant), top-1 agreement, perplexity of the true next tokens.
+Memory: bytes the cache holds at a `--context`-token sequence, relative to the same tokens in fp16
+(tokens * layers * 2 * kv_heads * head_dim * 2 bytes; the model itself runs fp32). Speed: decode tokens/s at
+`--context` tokens (`--steps` steps after a prefill, best of `--rounds` interleaved rounds). transformers'
+`QuantizedCache` (quanto and HQQ, int4, its defaults: residual 128, group 64) runs side by side on the same windows.
+
+    python benchmarks/quant_drift.py                  # 2 windows; ~10 min on 2 CPU cores
+    python benchmarks/quant_drift.py --windows 8 --methods k8v8,k8v4,k4v4,quanto-int4
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import time
+
+import torch
+from transformers import DynamicCache, QuantizedCache
+
+from hf_pagedkv import PagedCache
+from hf_pagedkv.models import load_model
+from hf_pagedkv.verify import dynamic_cache_bytes
+
+DATA = "/work/shared/data/wikitext-2-raw/wiki.test.raw"
+PAGED = ["fp", "v8", "k8v8", "k8v4", "k4v4", "k4v2", "k2v2", "k4v16", "k16v4"]  # k4v16 / k16v4: K-only / V-only
+EXTERNAL = ["quanto-int4", "hqq-int4", "quanto-int2"]
+DEFAULT_DRIFT = "v8,k8v8,k8v4,k4v4,k4v2,k2v2,k4v16,k16v4,quanto-int4,hqq-int4"
+DEFAULT_SPEED = "dynamic,fp,k8v4,k4v4,quanto-int4,hqq-int4"
+
+
+def make_cache(method: str, model):
+    if method == "dynamic":
+        return DynamicCache(config=model.config)
+    if method in PAGED:
+        return PagedCache(config=model.config, quant=method)
+    backend, bits = method.split("-int")
+    return QuantizedCache(backend=backend, config=model.config, nbits=int(bits))
+
+
+def tensor_bytes(obj) -> int:
+    """Bytes of every tensor reachable from `obj` (tensor subclasses such as quanto's are flattened)."""
+    if isinstance(obj, torch.Tensor):
+        if type(obj) is not torch.Tensor and hasattr(obj, "__tensor_flatten__"):
+            names, _ = obj.__tensor_flatten__()
+            return sum(tensor_bytes(getattr(obj, n)) for n in names)
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(o) for o in obj)
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(o) for o in obj.values())
+    return 0
+
+
+def cache_bytes(cache) -> int:
+    """Bytes a cache holds for its K/V: the pool's bytes in use, or the tensors of a transformers cache."""
+    if isinstance(cache, PagedCache):
+        return cache.pool.stats().bytes_in_use
+    if isinstance(cache, QuantizedCache):
+        return sum(tensor_bytes([layer._quantized_keys, layer._quantized_values, layer.keys, layer.values])
+                   for layer in cache.layers)
+    return dynamic_cache_bytes(cache)
+
+
+def release(cache) -> None:
+    if isinstance(cache, PagedCache):
+        cache.release()
+
+
+@torch.inference_mode()
+def score(model, method: str, window: torch.Tensor, prefill: int) -> torch.Tensor:
+    """Log-probs `[decode, vocab]` of decode steps `prefill .. len - 2`, each reading its context from the cache."""
+    cache = make_cache(method, model)
+    model(window[:, :prefill], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = [model(window[:, t: t + 1], past_key_values=cache, use_cache=True).logits[:, -1].float().log_softmax(-1)
+           for t in range(prefill, window.shape[1] - 1)]
+    release(cache)
+    return torch.cat(out)
+
+
+@torch.inference_mode()
+def decode_run(model, method: str, ids: torch.Tensor, context: int, steps: int) -> tuple[int, float]:
+    """(bytes held after a `context`-token prefill, decode tokens/s over the next `steps` steps)."""
+    cache = make_cache(method, model)
+    model(ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    held = cache_bytes(cache)
+    model(ids[:, context: context + 1], past_key_values=cache, use_cache=True)  # warm-up step
+    t0 = time.perf_counter()
+    for t in range(context + 1, context + 1 + steps):
+        model(ids[:, t: t + 1], past_key_values=cache, use_cache=True)
+    seconds = time.perf_counter() - t0
+    release(cache)
+    return held, steps / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--windows", type=int, default=2, help="text windows for the drift measurement")
+    parser.add_argument("--prefill", type=int, default=1024, help="tokens prefilled before the scored decode steps")
+    parser.add_argument("--decode", type=int, default=256, help="teacher-forced decode steps scored per window")
+    parser.add_argument("--methods", default=DEFAULT_DRIFT, help=f"drift methods, from {PAGED + EXTERNAL}")
+    parser.add_argument("--speed-methods", default=DEFAULT_SPEED, help="memory/speed methods ('' to skip)")
+    parser.add_argument("--context", type=int, default=2048, help="sequence length for memory and speed")
+    parser.add_argument("--steps", type=int, default=128, help="timed decode steps (QuantizedCache re-quantizes "
+                        "its history every 128)")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved speed rounds; the best one counts")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--data", default=DATA)
+    args = parser.parse_args()
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_model()
+    cfg = model.config
+    with open(args.data, encoding="utf-8") as fh:
+        ids = tokenizer(fh.read(), return_tensors="pt").input_ids  # the whole file as one string
+    rng = random.Random(args.seed)
+    span = args.prefill + args.decode + 1
+    starts = [rng.randrange(0, ids.shape[1] - max(span, args.context + args.steps + 2)) for _ in range(args.windows)]
+    methods = [m for m in args.methods.split(",") if m]
+    speed_methods = [m for m in args.speed_methods.split(",") if m]
+    rows: dict[str, dict] = {m: {} for m in ["dynamic"] + methods + speed_methods}
+
+    # -- drift ---------------------------------------------------------------------------------------------------
+    base, logps = [], {m: [] for m in methods}
+    for w, start in enumerate(starts):
+        window = ids[:, start: start + span]
+        base.append(score(model, "dynamic", window, args.prefill))
+        for m in methods:
+            logps[m].append(score(model, m, window, args.prefill))
+        print(f"window {w + 1}/{len(starts)} (tokens {start}..{start + span - 1}) done", flush=True)
+    targets = torch.cat([ids[:, s + args.prefill + 1: s + span] for s in starts], 1).reshape(-1)
+    if starts:
+        lp0 = torch.cat(base)
+        nll0 = -lp0.gather(-1, targets[:, None]).mean()
+        rows["dynamic"].update(ppl=float(nll0.exp()))
+        for m in methods:
+            lp = torch.cat(logps[m])
+            kl = (lp0.exp() * (lp0 - lp)).sum(-1).clamp_min(0)
+            rows[m].update(kl=float(kl.mean()), kl99=float(torch.quantile(kl, 0.99)),
+                           top1=float((lp.argmax(-1) == lp0.argmax(-1)).float().mean()),
+                           ppl=float((-lp.gather(-1, targets[:, None]).mean()).exp()))
+
+    # -- memory and speed ----------------------------------------------------------------------------------------
+    fp16 = args.context * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * (
+        getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads) * 2
+    long_ids = ids[:, starts[0]:] if starts else ids
+    for _ in range(args.rounds):
+        for m in speed_methods:
+            held, tps = decode_run(model, m, long_ids, args.context, args.steps)
+            rows[m]["mem"] = held / fp16
+            rows[m]["tps"] = max(tps, rows[m].get("tps", 0.0))
+
+    # -- one summary table -----------------------------------------------------------------------------------------
+    print(f"\nSmolLM2-135M-Instruct (fp32) on WikiText-2 test ({os.path.basename(args.data)}, whole file as one "
+          f"string); drift: {len(starts)} windows x {args.decode} decode steps after a {args.prefill}-token prefill, "
+          f"seed {args.seed}; memory/speed at {args.context} tokens, {args.steps} steps, best of {args.rounds}; "
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
+          f"({torch.get_num_threads()} threads)")
+    ppl0 = rows["dynamic"].get("ppl")
+    tps_dyn, tps_quanto = rows["dynamic"].get("tps"), rows.get("quanto-int4", {}).get("tps")
+    cols = [("method", 12, lambda m, r: m), ("bytes/fp16", 10, lambda m, r: r.get("mem") and f"{r['mem']:.3f}"),
+            ("mean KL", 9, lambda m, r: r.get("kl") is not None and f"{r['kl']:.2e}"),
+            ("p99 KL", 9, lambda m, r: r.get("kl99") is not None and f"{r['kl99']:.2e}"),
+            ("top-1", 7, lambda m, r: r.get("top1") is not None and f"{100 * r['top1']:.2f}%"),
+            ("ppl", 7, lambda m, r: r.get("ppl") and f"{r['ppl']:.3f}"),
+            ("d ppl", 7, lambda m, r: m != "dynamic" and r.get("ppl") and f"{r['ppl'] - ppl0:+.3f}"),
+            ("tok/s", 6, lambda m, r: r.get("tps") and f"{r['tps']:.2f}"),
+            ("xDynamic", 8, lambda m, r: r.get("tps") and tps_dyn and f"{r['tps'] / tps_dyn:.2f}"),
+            ("xquanto4", 8, lambda m, r: r.get("tps") and tps_quanto and f"{r['tps'] / tps_quanto:.2f}")]
+    print("  ".join(f"{name:>{w}s}" if i else f"{name:{w}s}" for i, (name, w, _) in enumerate(cols)))
+    for m, r in rows.items():
+        if r:
+            cells = [get(m, r) or "-" for _, _, get in cols]
+            print("  ".join(f"{c:>{w}s}" if i else f"{c:{w}s}" for i, (c, (_, w, _)) in enumerate(zip(cells, cols))))
+
+if __name__ == "__main__":
+    main()

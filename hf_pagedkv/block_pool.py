@@ -5,59 +5,23 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections import Counter, deque
-from dataclasses import dataclass
+from collections import deque
 
 from .block_allocator import BlockAllocator
-from .block_table import BlockTable, num_blocks_for
+from .block_table import BlockTable
 from .config import DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, QuantConfig, check_positive_int, parse_bytes
-from .errors import InvariantError, PoolExhaustedError
+from .errors import PoolExhaustedError
 from .events import EventLog
+from .invariants import check_pool_invariants
 from .metrics import Health, PoolMetrics
 from .page_store import LayerSpec, PageStore
+from .pool_stats import PoolStats
 from .prefix_index import BlockHash, PrefixIndex
 from .quantized_store import QuantizedPageStore
 
 logger = logging.getLogger(__name__)
 
 _MIN_GROWTH_BLOCKS = 64  # a growable pool never grows by less than this many blocks at once
-
-
-@dataclass(frozen=True)
-class PoolStats:
-    """A snapshot of a pool's occupancy. Bytes count keys plus values of all layers."""
-
-    block_size: int  # tokens per block
-    num_blocks: int  # blocks the pool holds storage for (free + in use)
-    blocks_in_use: int  # blocks with refcount >= 1
-    blocks_free: int  # blocks that can be handed out
-    tokens_stored: int  # tokens held in blocks in use; a block shared by several sequences counts once
-    bytes_per_block: int  # bytes of one block across all layers (quantized: codes + scales)
-    num_sequences: int  # live block tables (batch rows of live caches)
-    bytes_in_use: int  # bytes of the blocks in use, all layers (quantized: + the full-precision partial blocks)
-    bytes_reserved: int  # bytes of storage the pool has allocated, in use or not (quantized: + its staging area)
-    blocks_cached: int = 0  # cached-idle blocks: refcount 0, still in the prefix index, evicted when space is needed
-    lookups: int = 0  # prefix lookups (one per request attached with `PagedCache.from_prefix`)
-    lookup_tokens: int = 0  # tokens those lookups asked about
-    hit_tokens: int = 0  # tokens served from cached blocks instead of being computed
-    evictions: int = 0  # cached-idle blocks evicted (hash dropped) to make room
-    cow_copies: int = 0  # blocks copied because a shared (or published) block was about to be written
-
-    @property
-    def hit_rate(self) -> float:
-        """hit_tokens / lookup_tokens, in [0, 1] (0 before any lookup)."""
-        return 0.0 if self.lookup_tokens == 0 else self.hit_tokens / self.lookup_tokens
-
-    @property
-    def fragmentation(self) -> float:
-        """Unused slots inside allocated blocks / allocated slots (0 when nothing is allocated)."""
-        slots = self.blocks_in_use * self.block_size
-        return 0.0 if slots == 0 else 1.0 - self.tokens_stored / slots
-
-    @property
-    def usage(self) -> float:
-        """Blocks in use / blocks held, in [0, 1]."""
-        return 0.0 if self.num_blocks == 0 else self.blocks_in_use / self.num_blocks
 
 
 class BlockPool:
@@ -374,43 +338,7 @@ class BlockPool:
         5. the free queue has no duplicates and names no block in use (a set, so no duplicates by construction);
         6. with no live tables, no block is in use (a leak) -- implied by 2.
         """
-        with self.lock:
-            self._drain()
-            alloc, index = self.allocator, self.prefix_index
-            free = alloc.free_blocks()
-            idle = set(index.idle_blocks()) if index is not None else set()
-            rc = [alloc.refcount(b) for b in range(alloc.num_blocks)]
-            bad = [b for b in range(alloc.num_blocks) if (b in free) + (b in idle) + (rc[b] > 0) != 1 or rc[b] < 0]
-            if bad:
-                detail = ", ".join(f"{b}: refcount {rc[b]}, free {b in free}, idle {b in idle}" for b in bad[:10])
-                raise InvariantError(f"invariant 1/5 (free xor in use xor cached-idle) broken: {detail}")
-            if len(idle) != alloc.num_idle_blocks:
-                raise InvariantError(f"invariant 1 broken: {len(idle)} idle blocks in the prefix index, "
-                                     f"{alloc.num_idle_blocks} counted by the allocator")
-            problems = index.check(free, alloc.num_blocks) if index is not None else []
-            if problems:
-                raise InvariantError(f"invariant 1 (prefix index) broken: {'; '.join(problems)}")
-            stray = sorted(b for b in free if not 0 <= b < alloc.num_blocks)
-            if stray:
-                raise InvariantError(f"invariant 5 (free queue names only real blocks) broken: {stray[:20]}")
-            entries: Counter[int] = Counter()
-            for rows in self._tables.values():
-                for row in rows:
-                    want = num_blocks_for(row.num_tokens, self.block_size)
-                    if len(row.blocks) != want:
-                        raise InvariantError(
-                            f"invariant 3 (table of {row.num_tokens} tokens owns ceil(n/B)={want} blocks) broken: "
-                            f"it owns {len(row.blocks)} blocks {row.blocks[-5:]}"
-                        )
-                    if len(set(row.blocks)) != len(row.blocks):
-                        dup = [b for b, c in Counter(row.blocks).items() if c > 1]
-                        raise InvariantError(f"invariant 3 (a table names a block once) broken for blocks {dup}")
-                    entries.update(row.blocks)
-            wrong = [b for b in range(alloc.num_blocks) if rc[b] != entries.get(b, 0)]
-            if wrong:
-                detail = ", ".join(f"{b}: refcount {rc[b]} vs {entries.get(b, 0)} entries" for b in wrong[:10])
-                kind = "a leak" if not self._tables else "refcount mismatch"
-                raise InvariantError(f"invariant 2 (refcount == live table entries) broken ({kind}): {detail}")
+        check_pool_invariants(self)
 
 
 def _describe(spec: LayerSpec) -> str:

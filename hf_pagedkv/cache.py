@@ -15,7 +15,7 @@ from .errors import CacheReleasedError
 from .layer import PagedLayer
 from .page_store import LayerSpec
 from .prefix_cache import PrefixMixin
-from .step import StepMixin
+from .step import StepMixin, _Step
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ class QuantizedPageStore(QuantizedWriteMixin, QuantizedReadMixin):
 
     Layout, per layer, head-major so that a row whose blocks have consecutive ids reads its codes as a view::
 
-        codes[layer]  = [key_codes, value_codes]:    [num_kv_heads, num_blocks, code_size]   uint8 (identity: model dtype)
+        codes[layer]  = [key_codes, value_codes]:    [num_kv_heads, num_blocks, code_size]   uint8 (identity: dtype)
         scales[layer] = [key_scales, value_scales]:  [num_kv_heads, num_blocks, scale_size]  fp16
 
     where one block of one head is encoded by the layer's codec (`codecs/`, see `layouts`): keys per channel over the

@@ -65,7 +65,9 @@ def read_trace(path: str | os.PathLike) -> tuple[dict, list[dict]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not a JSON line ({e.msg}); expected a dump of EventLog.dump()") from e
+                raise ValueError(
+                    f"{path}:{lineno}: not a JSON line ({e.msg}); expected a dump of EventLog.dump()"
+                ) from e
             if record.get("kind") == "header":
                 header = record
                 continue

@@ -1,0 +1,42 @@
+"""`PoolStats`: a snapshot of a pool's occupancy and prefix-cache counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """A snapshot of a pool's occupancy. Bytes count keys plus values of all layers."""
+
+    block_size: int  # tokens per block
+    num_blocks: int  # blocks the pool holds storage for (free + in use)
+    blocks_in_use: int  # blocks with refcount >= 1
+    blocks_free: int  # blocks that can be handed out
+    tokens_stored: int  # tokens held in blocks in use; a block shared by several sequences counts once
+    bytes_per_block: int  # bytes of one block across all layers (quantized: codes + scales)
+    num_sequences: int  # live block tables (batch rows of live caches)
+    bytes_in_use: int  # bytes of the blocks in use, all layers (quantized: + the full-precision partial blocks)
+    bytes_reserved: int  # bytes of storage the pool has allocated, in use or not (quantized: + its staging area)
+    blocks_cached: int = 0  # cached-idle blocks: refcount 0, still in the prefix index, evicted when space is needed
+    lookups: int = 0  # prefix lookups (one per request attached with `PagedCache.from_prefix`)
+    lookup_tokens: int = 0  # tokens those lookups asked about
+    hit_tokens: int = 0  # tokens served from cached blocks instead of being computed
+    evictions: int = 0  # cached-idle blocks evicted (hash dropped) to make room
+    cow_copies: int = 0  # blocks copied because a shared (or published) block was about to be written
+
+    @property
+    def hit_rate(self) -> float:
+        """hit_tokens / lookup_tokens, in [0, 1] (0 before any lookup)."""
+        return 0.0 if self.lookup_tokens == 0 else self.hit_tokens / self.lookup_tokens
+
+    @property
+    def fragmentation(self) -> float:
+        """Unused slots inside allocated blocks / allocated slots (0 when nothing is allocated)."""
+        slots = self.blocks_in_use * self.block_size
+        return 0.0 if slots == 0 else 1.0 - self.tokens_stored / slots
+
+    @property
+    def usage(self) -> float:
+        """Blocks in use / blocks held, in [0, 1]."""
+        return 0.0 if self.num_blocks == 0 else self.blocks_in_use / self.num_blocks

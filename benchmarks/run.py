@@ -34,6 +34,8 @@ import torch
 import transformers
 from transformers import DynamicCache
 
+_now = time.perf_counter  # the clock; `--clock cpu` switches to process CPU time (steadier on a shared machine)
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -121,12 +123,12 @@ def decode_run(model, prompt: torch.Tensor, kind: str, steps: int) -> dict:
     out = model(prompt, past_key_values=cache, logits_to_keep=1)
     token = out.logits[:, -1:].argmax(-1)
     tokens = [token]
-    t0 = time.perf_counter()
+    t0 = _now()
     for _ in range(steps):
         out = model(token, past_key_values=cache, logits_to_keep=1)
         token = out.logits[:, -1:].argmax(-1)
         tokens.append(token)
-    seconds = time.perf_counter() - t0
+    seconds = _now() - t0
     result = {"tok_s": steps / seconds, "step_ms": 1000 * seconds / steps, "bytes": kv_bytes(cache),
               "tokens": torch.cat(tokens, 1)}
     if isinstance(cache, PagedCache):
@@ -140,10 +142,10 @@ def generate_run(model, prompt: torch.Tensor, kind: str, new_tokens: int, seed: 
     """Time one `generate` call; KV bytes held at its end (and the paged pool's peak)."""
     cache = make_cache(kind, model)
     torch.manual_seed(seed)
-    t0 = time.perf_counter()
+    t0 = _now()
     out = model.generate(prompt, past_key_values=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                          **gen)
-    seconds = time.perf_counter() - t0
+    seconds = _now() - t0
     result = {"seconds": seconds, "bytes": kv_bytes(cache), "sequences": out}
     if isinstance(cache, PagedCache):
         result["peak_bytes"] = cache.pool.metrics.snapshot().peak_blocks_in_use * cache.pool.stats().bytes_per_block
@@ -179,23 +181,23 @@ def prefix_ttft(model, ids: torch.Tensor, prefix_len: int, suffix_len: int, repe
         pool = BlockPool(prefix_caching=True)
         with torch.inference_mode():
             if gen is not None:
-                t0 = time.perf_counter()
+                t0 = _now()
                 gen(model, first, pool=pool, max_new_tokens=1, do_sample=False)
-                miss.append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
+                miss.append(_now() - t0)
+                t0 = _now()
                 gen(model, second, pool=pool, max_new_tokens=1, do_sample=False)
-                hit.append(time.perf_counter() - t0)
+                hit.append(_now() - t0)
             else:
                 cache = PagedCache(pool=pool)
-                t0 = time.perf_counter()
+                t0 = _now()
                 model(first, past_key_values=cache, logits_to_keep=1)
-                miss.append(time.perf_counter() - t0)
+                miss.append(_now() - t0)
                 cache.publish(first)
                 cache.release()
-                t0 = time.perf_counter()
+                t0 = _now()
                 cache = PagedCache.from_prefix(pool, second)
                 model(second[:, cache.get_seq_length():], past_key_values=cache, logits_to_keep=1)
-                hit.append(time.perf_counter() - t0)
+                hit.append(_now() - t0)
                 cache.release()
     return {"miss_s": statistics.median(miss), "hit_s": statistics.median(hit)}
 
@@ -207,16 +209,16 @@ def hook_overhead(model, prompt: torch.Tensor, step_ms: float, calls: int = 2000
     with torch.inference_mode():
         model(prompt, past_key_values=cache, logits_to_keep=1)
     m, ev = pool.metrics, pool.events
-    t0 = time.perf_counter()
+    t0 = _now()
     for _ in range(calls):
         m.on_step(cache, 1, 0)
         ev.on_step(cache, None, [], [], [])
         ev.emit("free", [])
-    hook_us = 1e6 * (time.perf_counter() - t0) / calls
-    t0 = time.perf_counter()
+    hook_us = 1e6 * (_now() - t0) / calls
+    t0 = _now()
     for _ in range(20):
         m.check_alerts()
-    check_us = 1e6 * (time.perf_counter() - t0) / 20
+    check_us = 1e6 * (_now() - t0) / 20
     cache.release()
     # alerts are checked at most once per `check_interval` (1 s): that cost is spread over a second of steps
     per_step_us = hook_us + check_us * (step_ms / 1000) / m.thresholds.check_interval
@@ -261,7 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, help="interleaved repeats, median taken (default: 3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="directory for RESULTS.md and plots (default: benchmarks/, quick: benchmarks/quick/)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall time, or this process's CPU time (steadier when other jobs share the machine)")
     args = p.parse_args(argv)
+    global _now
+    _now = time.process_time if args.clock == "cpu" else time.perf_counter
     defaults = ("512,2048", 8, 8, 1) if args.quick else ("512,1024,2048,4096", 32, 32, 3)
     for name, value in zip(("lengths", "decode_tokens", "new_tokens", "repeats"), defaults, strict=True):
         if getattr(args, name) is None:
@@ -271,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
     machine = describe_machine()
+    machine["clock"] = "process CPU time" if args.clock == "cpu" else "wall time"
     for k, v in machine.items():
         print(f"{k}: {v}", flush=True)
     model, tokenizer = load_model()

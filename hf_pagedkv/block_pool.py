@@ -146,6 +146,12 @@ class BlockPool:
                     )
                 return
             if self.max_memory is not None and self.allocator.num_blocks == 0:
+                total = _device_memory(spec.device)
+                if total is not None and self.max_memory > total:
+                    raise ValueError(
+                        f"max_memory={self.max_memory} bytes is more than {spec.device} has ({total} bytes in all); "
+                        "preallocating it would fail or get the process killed. Lower max_memory."
+                    )
                 if num_layers is None:
                     raise ValueError(
                         "BlockPool(max_memory=...) needs the number of layers to size itself: create the cache "
@@ -344,3 +350,19 @@ class BlockPool:
 def _describe(spec: LayerSpec) -> str:
     return (f"[num_kv_heads={spec.num_kv_heads}, head_dim={spec.key_dim}/{spec.value_dim}] "
             f"{str(spec.dtype).removeprefix('torch.')} on {spec.device}")
+
+
+def _device_memory(device) -> int | None:
+    """Total bytes of memory on `device` (physical RAM for the CPU), or None when it cannot be told."""
+    import os
+
+    import torch
+
+    try:
+        if device.type == "cuda":
+            return torch.cuda.mem_get_info(device)[1]
+        if device.type == "cpu":
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, RuntimeError, AttributeError):
+        pass
+    return None

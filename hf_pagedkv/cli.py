@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
@@ -18,9 +19,14 @@ MiB = 2**20
 
 
 def _generate(args: argparse.Namespace) -> int:
+    if args.file is not None and not os.path.isfile(args.file):
+        print(f"hf-pagedkv generate: --file {args.file!r} is not a readable file", file=sys.stderr)
+        return 2
     model, tokenizer = load_model(args.model)
     if args.prompt is not None:
-        prompt = chat_prompt(tokenizer, "user prompt", args.prompt) if args.chat else args.prompt
+        messages = [{"role": "user", "content": args.prompt}]
+        prompt = (tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) if args.chat
+                  else args.prompt)
         source = "--prompt"
     elif args.file is not None:
         with open(args.file, encoding="utf-8") as fh:
@@ -87,11 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     g = sub.add_parser("generate", help="generate through a PagedCache and report the memory it held")
     g.add_argument("--model", default=DEFAULT_MODEL, help="transformers id, local path or .gguf (default: %(default)s)")
     src = g.add_mutually_exclusive_group()
-    src.add_argument("--prompt", help="prompt text (default: summarise a ~2,300-token document Python ships)")
+    src.add_argument("--prompt", help="a chat message to answer (default: summarise a ~2,300-token document Python "
+                     "ships)")
     src.add_argument("--file", help="summarise this text file")
     g.add_argument("--no-chat", dest="chat", action="store_false", help="send --prompt as raw text, no chat template")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: %(default)s)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
     g.add_argument("--check", action="store_true", help="also run DynamicCache and compare the outputs")
     g.add_argument("-v", "--verbose", action="store_true")
     add_tool_commands(sub)  # plan, tune-block-size, trace

@@ -31,8 +31,9 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-seq-len", type=int, required=True, help="tokens per sequence (prompt + generated)")
     p.add_argument("--batch", type=int, required=True, help="sequences held at once")
     p.add_argument("--quant", default="fp", choices=list(QUANT_PRESETS), help="KV format (default: %(default)s)")
-    p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"],
-                   help="full-precision dtype of K/V and weights (default: %(default)s)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
+                   help="full-precision dtype of K/V and weights (default: auto = what hf_pagedkv.models.load_model "
+                        "uses for the bundled model, float32; else the config's dtype, or float16)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--value-group-size", type=int, default=32, help="channels per value quantization group")
     p.add_argument("--memory", help="memory to fit in, e.g. 24GiB (default: this machine's RAM)")
@@ -85,6 +86,17 @@ def _machine_memory() -> tuple[int, str]:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
 
 
+def _auto_dtype(model: str) -> str:
+    """float32 for the bundled model (`load_model` de-quantizes the GGUF to float32), else the config's dtype."""
+    if model in (None, DEFAULT_MODEL):
+        return "float32"
+    try:
+        dtype = str(getattr(load_config(model), "dtype", None) or "").removeprefix("torch.")
+    except ValueError:
+        dtype = ""
+    return dtype if dtype in ("float16", "bfloat16", "float32") else "float16"
+
+
 def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for name in ("max_seq_len", "batch", "block_size", "value_group_size"):
         if getattr(args, name) <= 0:
@@ -97,6 +109,8 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         model = ModelShape.from_config(load_config(args.model), name=args.model)
     except ValueError as e:
         parser.error(str(e))
+    if args.dtype == "auto":
+        args.dtype = _auto_dtype(args.model)
     plan = plan_capacity(model, args.max_seq_len, args.batch, quant=args.quant, dtype=args.dtype,
                          block_size=args.block_size, value_group_size=args.value_group_size, memory=memory)
     if args.json:

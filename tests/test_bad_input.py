@@ -296,3 +296,14 @@ def test_batch_mismatch():
     assert torch.equal(model(nxt, past_key_values=cache).logits, model(nxt, past_key_values=ref).logits)
     cache.release()
     assert cache.pool.stats().blocks_in_use == 0
+
+
+def test_max_memory_beyond_the_device_is_refused_before_allocating():
+    cfg = tiny_model("llama").config
+    pool = BlockPool(max_memory="10TB")
+    cache = PagedCache(pool=pool, config=cfg)
+    k = torch.zeros(1, cfg.num_key_value_heads, 3, cfg.head_dim)
+    with pytest.raises(ValueError, match=r"max_memory=10000000000000 bytes is more than cpu has .* Lower max_memory"):
+        cache.update(k, k, 0)
+    assert pool.num_blocks == 0 and pool.stats().blocks_in_use == 0
+    cache.release()

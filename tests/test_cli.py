@@ -133,3 +133,11 @@ def test_generate_subcommand_is_still_there(capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", "--help"])
     assert e.value.code == 0 and "--max-new-tokens" in capsys.readouterr().out
+
+
+def test_generate_with_a_missing_file_fails_before_loading_the_model(monkeypatch, capsys):
+    from hf_pagedkv import cli
+
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("the model must not be loaded"))
+    assert cli.main(["generate", "--file", "/nonexistent/notes.txt"]) == 2
+    assert "--file '/nonexistent/notes.txt' is not a readable file" in capsys.readouterr().err

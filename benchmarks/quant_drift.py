@@ -19,15 +19,16 @@ import os
 import platform
 import random
 import time
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache, QuantizedCache
 
 from hf_pagedkv import PagedCache
 from hf_pagedkv.models import load_model
-from hf_pagedkv.verify import dynamic_cache_bytes
+from hf_pagedkv.verify import dynamic_cache_bytes, tensor_bytes
 
-DATA = "/work/shared/data/wikitext-2-raw/wiki.test.raw"
+DATA = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw")
 PAGED = ["fp", "v8", "k8v8", "k8v4", "k4v4", "k4v2", "k2v2", "k4v16", "k16v4"]  # k4v16 / k16v4: K-only / V-only
 EXTERNAL = ["quanto-int4", "hqq-int4", "quanto-int2"]
 DEFAULT_DRIFT = "v8,k8v8,k8v4,k4v4,k4v2,k2v2,k4v16,k16v4,quanto-int4,hqq-int4"
@@ -41,20 +42,6 @@ def make_cache(method: str, model):
         return PagedCache(config=model.config, quant=method)
     backend, bits = method.split("-int")
     return QuantizedCache(backend=backend, config=model.config, nbits=int(bits))
-
-
-def tensor_bytes(obj) -> int:
-    """Bytes of every tensor reachable from `obj` (tensor subclasses such as quanto's are flattened)."""
-    if isinstance(obj, torch.Tensor):
-        if type(obj) is not torch.Tensor and hasattr(obj, "__tensor_flatten__"):
-            names, _ = obj.__tensor_flatten__()
-            return sum(tensor_bytes(getattr(obj, n)) for n in names)
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (list, tuple)):
-        return sum(tensor_bytes(o) for o in obj)
-    if isinstance(obj, dict):
-        return sum(tensor_bytes(o) for o in obj.values())
-    return 0
 
 
 def cache_bytes(cache) -> int:

@@ -17,7 +17,7 @@ from transformers import DynamicCache
 
 import hf_pagedkv
 from hf_pagedkv import PagedCache
-from hf_pagedkv.verify import dynamic_cache_bytes
+from hf_pagedkv.verify import dynamic_cache_bytes, tensor_bytes
 
 from .config import PAGED_CONFIGS, REFERENCE_CONFIGS, EvalConfig
 
@@ -126,23 +126,8 @@ def bytes_held(cache) -> int:
     total = dynamic_cache_bytes(cache)
     for layer in cache.layers:
         for attr in ("_quantized_keys", "_quantized_values"):
-            total += _storage_bytes(getattr(layer, attr, None))
+            total += tensor_bytes(getattr(layer, attr, None))
     return total
-
-
-def _storage_bytes(obj) -> int:
-    """Bytes of the tensors inside `obj`: tensor subclasses (quanto) through `__tensor_flatten__`, tuples/lists/dicts
-    (HQQ's `(codes, meta)`) item by item."""
-    if isinstance(obj, torch.Tensor):
-        if type(obj) is not torch.Tensor and hasattr(obj, "__tensor_flatten__"):
-            inner, _ = obj.__tensor_flatten__()
-            return sum(_storage_bytes(getattr(obj, name)) for name in inner)
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (tuple, list)):
-        return sum(_storage_bytes(x) for x in obj)
-    if isinstance(obj, dict):
-        return sum(_storage_bytes(x) for x in obj.values())
-    return 0
 
 
 def read_back(cache, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,3 +14,18 @@ def dynamic_cache_bytes(cache: DynamicCache) -> int:
             if isinstance(t, torch.Tensor):
                 total += t.numel() * t.element_size()
     return total
+
+
+def tensor_bytes(obj) -> int:
+    """Bytes of every tensor reachable from `obj`: tensor subclasses (quanto's) through `__tensor_flatten__`,
+    tuples/lists/dicts (HQQ's `(codes, meta)`) item by item; 0 for anything else."""
+    if isinstance(obj, torch.Tensor):
+        if type(obj) is not torch.Tensor and hasattr(obj, "__tensor_flatten__"):
+            inner, _ = obj.__tensor_flatten__()
+            return sum(tensor_bytes(getattr(obj, name)) for name in inner)
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (tuple, list)):
+        return sum(tensor_bytes(x) for x in obj)
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(x) for x in obj.values())
+    return 0

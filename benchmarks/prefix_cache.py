@@ -21,6 +21,7 @@ import os
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
@@ -30,7 +31,7 @@ from hf_pagedkv import BlockPool, PagedCache
 from hf_pagedkv.models import default_document, load_model
 from hf_pagedkv.verify import dynamic_cache_bytes
 
-DATA = "/work/shared/data"
+DATA = str(Path(__file__).resolve().parents[2] / "shared" / "data")  # ../shared/data next to the repo
 MiB = 2**20
 
 

@@ -71,16 +71,17 @@ def score(model, method: str, window: torch.Tensor, prefill: int) -> torch.Tenso
 
 
 @torch.inference_mode()
-def decode_run(model, method: str, ids: torch.Tensor, context: int, steps: int) -> tuple[int, float]:
-    """(bytes held after a `context`-token prefill, decode tokens/s over the next `steps` steps)."""
+def decode_run(model, method: str, ids: torch.Tensor, context: int, steps: int, clock=time.perf_counter
+               ) -> tuple[int, float]:
+    """(bytes held after a `context`-token prefill, decode tokens/s over the next `steps` steps, timed by `clock`)."""
     cache = make_cache(method, model)
     model(ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
     held = cache_bytes(cache)
     model(ids[:, context: context + 1], past_key_values=cache, use_cache=True)  # warm-up step
-    t0 = time.perf_counter()
+    t0 = clock()
     for t in range(context + 1, context + 1 + steps):
         model(ids[:, t: t + 1], past_key_values=cache, use_cache=True)
-    seconds = time.perf_counter() - t0
+    seconds = clock() - t0
     release(cache)
     return held, steps / seconds
 
@@ -99,10 +100,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--data", default=DATA)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="time decode by wall clock, or by this process's CPU time (steadier on a shared machine; "
+                             "use with --threads 1)")
     args = parser.parse_args()
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     model, tokenizer = load_model()
     cfg = model.config
     with open(args.data, encoding="utf-8") as fh:
@@ -122,8 +127,8 @@ def main() -> None:
         for m in methods:
             logps[m].append(score(model, m, window, args.prefill))
         print(f"window {w + 1}/{len(starts)} (tokens {start}..{start + span - 1}) done", flush=True)
-    targets = torch.cat([ids[:, s + args.prefill + 1: s + span] for s in starts], 1).reshape(-1)
     if starts:
+        targets = torch.cat([ids[:, s + args.prefill + 1: s + span] for s in starts], 1).reshape(-1)
         lp0 = torch.cat(base)
         nll0 = -lp0.gather(-1, targets[:, None]).mean()
         rows["dynamic"].update(ppl=float(nll0.exp()))
@@ -140,14 +145,15 @@ def main() -> None:
     long_ids = ids[:, starts[0]:] if starts else ids
     for _ in range(args.rounds):
         for m in speed_methods:
-            held, tps = decode_run(model, m, long_ids, args.context, args.steps)
+            held, tps = decode_run(model, m, long_ids, args.context, args.steps, clock)
             rows[m]["mem"] = held / fp16
             rows[m]["tps"] = max(tps, rows[m].get("tps", 0.0))
 
     # -- one summary table -----------------------------------------------------------------------------------------
     print(f"\nSmolLM2-135M-Instruct (fp32) on WikiText-2 test ({os.path.basename(args.data)}, whole file as one "
           f"string); drift: {len(starts)} windows x {args.decode} decode steps after a {args.prefill}-token prefill, "
-          f"seed {args.seed}; memory/speed at {args.context} tokens, {args.steps} steps, best of {args.rounds}; "
+          f"seed {args.seed}; memory/speed at {args.context} tokens, {args.steps} steps, best of {args.rounds} "
+          f"({args.clock} clock); "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
           f"({torch.get_num_threads()} threads)")
     ppl0 = rows["dynamic"].get("ppl")

@@ -45,7 +45,7 @@ from hf_pagedkv.planning import QUANT_PRESETS, ModelShape, plan_capacity  # noqa
 from hf_pagedkv.verify import dynamic_cache_bytes  # noqa: E402
 
 MiB = 2**20
-DATA = Path("/work/shared/data/wikitext-2-raw/wiki.test.raw")
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 
 
 # -- setup ---------------------------------------------------------------------------------------------------------

@@ -51,3 +51,8 @@ def check_pool_invariants(pool: BlockPool) -> None:
             detail = ", ".join(f"{b}: refcount {rc[b]} vs {entries.get(b, 0)} entries" for b in wrong[:10])
             kind = "a leak" if not pool._tables else "refcount mismatch"
             raise InvariantError(f"invariant 2 (refcount == live table entries) broken ({kind}): {detail}")
+        if pool.store.is_quantized:
+            live = {b for b in range(alloc.num_blocks) if rc[b] > 0} | idle
+            problems = pool.store.check(live)
+            if problems:
+                raise InvariantError(f"invariant 6 (quantized store stages) broken: {'; '.join(problems)}")

@@ -58,10 +58,22 @@ class QuantizedReadMixin:
                 self._decode_blocks(layer_idx, half, table[:, first: first + full], dst)
             if rest:
                 self._read_partial(layer_idx, half, table[:, start // B].tolist(), rest, buf[:, :, full * B:])
+            if first == 0 and self.sink_tokens and start:  # the sink, in full precision
+                self._read_sinks(layer_idx, half, table[:, 0].tolist(), min(self.sink_tokens, start), buf)
             if new is not None and end > start:
                 buf[:, :, start - first * B:] = new[1 + half].transpose(0, 1)  # [num_kv_heads, batch, q, dim]
             out.append(buf[:, :, lo - first * B:].transpose(0, 1))  # [batch, num_kv_heads, end - lo, dim]
         return out[0], out[1]
+
+    def _read_sinks(self, layer_idx: int, half: int, blocks: list[int], n: int, out: torch.Tensor) -> None:
+        """The first `n` tokens of each row (first blocks `blocks`) from their sink stages into `out`
+        `[num_kv_heads, batch, >= n, dim]`."""
+        store = (self.sinks.keys, self.sinks.values)[half]
+        if len(blocks) == 1:
+            out[:, 0, :n].copy_(self.sinks.block(store, layer_idx, self._sink_of[blocks[0]])[:, :n])
+            return
+        stages = torch.tensor([self._sink_of[b] for b in blocks], device=out.device)
+        out[:, :, :n] = self.sinks.blocks(store, layer_idx)[:, stages, :n]  # [num_kv_heads, batch, n, dim]
 
     def _read_partial(self, layer_idx: int, half: int, blocks: list[int], n: int, out: torch.Tensor) -> None:
         """The first `n` tokens of one partial block per row into `out` `[num_kv_heads, batch, >= n, dim]`: from

@@ -32,6 +32,11 @@ class QuantizedPageStore(QuantizedWriteMixin, QuantizedReadMixin):
       read by decoding; it is never de-quantized and re-quantized. A block encoded in the current step keeps its
       stage until the next step starts (`_pending`), because a mid-step `_unshare` may still need its first tokens.
 
+    Sink: the first `quant.sink_tokens` tokens of each sequence (block 0 of its table, the same block for every
+    sequence sharing it) are also written to a small full-precision `StagingStore` of `sink_tokens`-token stages
+    (`_sink_of[b]`), and reads take them from there instead of the decoded codes. A block keeps its sink stage until
+    it is released; copies (copy-on-write) copy it.
+
     Crop into an encoded block leaves it encoded and readable; the next write into it *reopens* it (decodes its kept
     tokens into a new stage) and it is encoded again when it refills. That is the one case where tokens are quantized
     twice (error up to twice the codec's bound). Debug mode fills freed codes with 0xFF and their scales with NaN, and
@@ -41,17 +46,23 @@ class QuantizedPageStore(QuantizedWriteMixin, QuantizedReadMixin):
     is_quantized = True
 
     def __init__(self, block_size: int, quant: QuantConfig, debug: bool = False) -> None:
+        if quant.sink_tokens > block_size:
+            raise ValueError(f"QuantConfig.sink_tokens={quant.sink_tokens} exceeds the block size {block_size}; "
+                             "use at most one block of sink tokens (or a larger block_size).")
         self.block_size = block_size  # tokens per block; fixed
         self.quant = quant  # the storage format; fixed
         self.key_codec = make_codec(codec_name(quant.backend, quant.key_bits), "channel")  # fixed
         self.value_codec = make_codec(codec_name(quant.backend, quant.value_bits), "token", quant.value_group_size)
         self.staging = StagingStore(block_size, debug)  # full-precision stages of open blocks
+        self.sink_tokens = quant.sink_tokens  # tokens per sink stage; fixed
+        self.sinks = StagingStore(max(1, self.sink_tokens), debug)  # full-precision sink tokens of first blocks
         self.num_blocks = 0  # blocks allocated in every layer's tensors; changed by `grow` only
         self.specs: dict[int, LayerSpec] = {}  # layer_idx -> spec; set once per layer by `add_layer`
         self.layouts: dict[int, tuple[BlockLayout, BlockLayout]] = {}  # layer_idx -> (key, value) block layouts
         self.codes: dict[int, list[torch.Tensor]] = {}  # layer_idx -> [key_codes, value_codes]
         self.scales: dict[int, list[torch.Tensor]] = {}  # layer_idx -> [key_scales, value_scales]
         self._stage_of: dict[int, int] = {}  # block -> its stage (open blocks, and pending ones)
+        self._sink_of: dict[int, int] = {}  # first block of a sequence -> its sink stage
         self._encoded = bytearray()  # _encoded[b] == 1 iff block b's codes hold it
         self._pending: set[int] = set()  # blocks encoded in the current step that still hold a stage
         self._debug = debug
@@ -62,7 +73,7 @@ class QuantizedPageStore(QuantizedWriteMixin, QuantizedReadMixin):
 
     @debug.setter
     def debug(self, value: bool) -> None:
-        self._debug = self.staging.debug = bool(value)
+        self._debug = self.staging.debug = self.sinks.debug = bool(value)
 
     @property
     def codecs(self) -> tuple:
@@ -84,12 +95,14 @@ class QuantizedPageStore(QuantizedWriteMixin, QuantizedReadMixin):
         return sum(self.block_bytes(spec) for spec in self.specs.values())
 
     def bytes_in_use(self, num_used_blocks: int) -> int:
-        """Codes + scales of the blocks in use, plus the full-precision stages of open (partial) blocks."""
+        """Codes + scales of the blocks in use, plus the full-precision stages of open (partial) blocks and sinks."""
         num_open = sum(1 for b in self._stage_of if not self._encoded[b])
-        return num_used_blocks * self.bytes_per_block + num_open * self.staging.bytes_per_stage()
+        return (num_used_blocks * self.bytes_per_block + num_open * self.staging.bytes_per_stage()
+                + len(self._sink_of) * self.sinks.bytes_per_stage())
 
     def bytes_reserved(self) -> int:
-        return self.num_blocks * self.bytes_per_block + self.staging.num_stages * self.staging.bytes_per_stage()
+        return (self.num_blocks * self.bytes_per_block + self.staging.num_stages * self.staging.bytes_per_stage()
+                + self.sinks.num_stages * self.sinks.bytes_per_stage())
 
     def _new(self, layer_idx: int, num_blocks: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         spec, codes, scales = self.specs[layer_idx], [], []
@@ -107,6 +120,7 @@ class QuantizedPageStore(QuantizedWriteMixin, QuantizedReadMixin):
         self.specs[layer_idx], self.layouts[layer_idx] = spec, layouts
         self.codes[layer_idx], self.scales[layer_idx] = self._new(layer_idx, self.num_blocks)
         self.staging.add_layer(layer_idx, spec)
+        self.sinks.add_layer(layer_idx, spec)
 
     def grow(self, num_blocks: int) -> None:
         """Resize every layer to `num_blocks` blocks, keeping the content of the existing ones."""
@@ -126,6 +140,9 @@ class QuantizedPageStore(QuantizedWriteMixin, QuantizedReadMixin):
             stage = self._stage_of.pop(b, None)
             if stage is not None:
                 self.staging.free(stage)
+            sink = self._sink_of.pop(b, None)
+            if sink is not None:
+                self.sinks.free(sink)
             self._encoded[b] = 0
             self._pending.discard(b)
         if self.debug and blocks:
@@ -151,21 +168,38 @@ class QuantizedPageStore(QuantizedWriteMixin, QuantizedReadMixin):
         """Copy blocks `src[i]` -> `dst[i]` (fresh blocks) in every layer: codes, scales, state and stage."""
         if not src:
             return
-        stages = []
+        stages, sinks = [], []
         for s, d in zip(src, dst):
             self._encoded[d] = self._encoded[s]
             if s in self._stage_of:
                 self._stage_of[d] = self.staging.allocate()
                 stages.append((self._stage_of[s], self._stage_of[d]))
+            if s in self._sink_of:
+                self._sink_of[d] = self.sinks.allocate()
+                sinks.append((self._sink_of[s], self._sink_of[d]))
             if s in self._pending:
                 self._pending.add(d)
         for idx in self.specs:
             for t in self.codes[idx] + self.scales[idx]:
                 s_t, d_t = (torch.tensor(x, dtype=torch.long, device=t.device) for x in (src, dst))
                 t.index_copy_(1, d_t, t.index_select(1, s_t))
-            for store in (self.staging.keys, self.staging.values):
-                for s, d in stages:
-                    self.staging.block(store, idx, d).copy_(self.staging.block(store, idx, s))
+            for area, pairs in ((self.staging, stages), (self.sinks, sinks)):
+                for store in (area.keys, area.values):
+                    for s, d in pairs:
+                        area.block(store, idx, d).copy_(area.block(store, idx, s))
+
+    def check(self, live: set[int]) -> list[str]:
+        """Problems with the stage bookkeeping given the `live` blocks (in use or cached-idle): every stage and
+        sink stage is owned by exactly one live block, and no stage is lost."""
+        problems = []
+        for name, owner, area in (("stage", self._stage_of, self.staging), ("sink stage", self._sink_of, self.sinks)):
+            dead = sorted(b for b in owner if b not in live)
+            if dead:
+                problems.append(f"{name}s held by free blocks {dead[:10]}")
+            if len(set(owner.values())) != len(owner) or len(owner) != area.num_used:
+                problems.append(f"{len(owner)} blocks own {len(set(owner.values()))} distinct {name}s, "
+                                f"{area.num_used} in use")
+        return problems
 
     def _release_pending(self) -> None:
         for b in self._pending:

@@ -25,6 +25,8 @@ class WritePlan:
     prefix_stage: torch.Tensor  # [p] those stages
     recode_rank: torch.Tensor  # [r] completed blocks whose earlier tokens are encoded (reopened by a crop)
     recode_blocks: torch.Tensor  # [r] those blocks
+    sink_src: torch.Tensor  # [k] new tokens at positions < sink_tokens (the sink, also kept in full precision)
+    sink_dst: torch.Tensor  # [k] their sink slots (sink stage * sink_tokens + position)
 
 
 class QuantizedWriteMixin:
@@ -37,7 +39,8 @@ class QuantizedWriteMixin:
     """
 
     # -- write -----------------------------------------------------------------------------------------------------
-    def plan_write(self, slots: torch.Tensor, device: torch.device, new_step: bool = True) -> WritePlan:
+    def plan_write(self, slots: torch.Tensor, device: torch.device, new_step: bool = True, start: int = 0,
+                   num_new: int | None = None) -> WritePlan:
         """Route a step's new tokens: to stages, or into the blocks they complete. Updates block states once per
         step (call again with ``new_step=False`` for another device or after the step's rows changed).
 
@@ -45,7 +48,10 @@ class QuantizedWriteMixin:
             slots (`torch.LongTensor` of shape `[rows * num_new_tokens]`, CPU): the slot mapping, row-major.
             device (`torch.device`): where the plan's index tensors go.
             new_step (`bool`): the first plan of a forward step (releases the stages of last step's encoded blocks).
+            start (`int`): position of each row's first new token (tokens the rows held before the step).
+            num_new (`int`, *optional*): new tokens per row (defaults to all of `slots`: one row).
         """
+        num_new = num_new or len(slots)
         B = self.block_size
         if new_step:
             self._release_pending()
@@ -79,6 +85,7 @@ class QuantizedWriteMixin:
         if opens:
             self._reopen(opens)
         n = len(slots)
+        sink_src, sink_dst = self._plan_sinks(slots, start, num_new) if start < self.sink_tokens else ([], [])
         tok_done = complete[inv]  # [n] tokens that land in a completed block
         rank = torch.full((len(ublk),), -1, dtype=torch.long)
         rank[complete] = torch.arange(len(done))
@@ -96,7 +103,21 @@ class QuantizedWriteMixin:
             stage_src=None if len(stage_src) == n else dev(stage_src), stage_dst=dev(stage_dst),
             done_blocks=dev(done), done_src=None if direct else dev(done_src), done_dst=dev(done_dst),
             prefix_rank=dev([r for r, _ in prefix]), prefix_stage=dev([s for _, s in prefix]),
-            recode_rank=dev([r for r, _ in recode]), recode_blocks=dev([b for _, b in recode]))
+            recode_rank=dev([r for r, _ in recode]), recode_blocks=dev([b for _, b in recode]),
+            sink_src=dev(sink_src), sink_dst=dev(sink_dst))
+
+    def _plan_sinks(self, slots: torch.Tensor, start: int, q: int) -> tuple[list[int], list[int]]:
+        """(token indices, sink slots) of the new tokens at positions < `sink_tokens`, giving each first block that
+        lacks one a sink stage. Token `i` of the row-major slot mapping is at position ``start + i % q``."""
+        B, S = self.block_size, self.sink_tokens
+        idx = torch.arange(len(slots)).view(-1, q)[:, : S - start].reshape(-1)  # [rows * (S - start)]
+        src, dst = idx.tolist(), []
+        for slot in slots[idx].tolist():
+            block = slot // B
+            if block not in self._sink_of:
+                self._sink_of[block] = self.sinks.allocate()
+            dst.append(self._sink_of[block] * S + slot % B)
+        return src, dst
 
     def write(self, layer_idx: int, plan: WritePlan, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Write one layer's new tokens as `plan` says: encode the blocks they complete, stage the rest.
@@ -138,3 +159,6 @@ class QuantizedWriteMixin:
             if len(plan.stage_dst):
                 src = flat if plan.stage_src is None else flat.index_select(1, plan.stage_src)
                 store[layer_idx].index_copy_(1, plan.stage_dst, src.to(store[layer_idx].dtype))
+            if len(plan.sink_dst):  # the sink tokens, also in full precision
+                sink = (self.sinks.keys, self.sinks.values)[half][layer_idx]
+                sink.index_copy_(1, plan.sink_dst, flat.index_select(1, plan.sink_src).to(sink.dtype))

@@ -201,7 +201,8 @@ class StepMixin:
         key = ("plan", device)
         if key not in step.tensors:
             slots = self._tensor(step, "write", torch.device("cpu"))
-            step.tensors[key] = self.pool.store.plan_write(slots, device, new_step=not step.planned)
+            step.tensors[key] = self.pool.store.plan_write(
+                slots, device, new_step=not step.planned, start=step.start, num_new=step.end - step.start)
             step.planned = True
         return step.tensors[key]
 

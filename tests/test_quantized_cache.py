@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,13 +131,71 @@ def test_bytes_in_use_counts_codes_scales_and_partial_blocks():
         per_head_block = (8 * 16 + 16 * 2) + (8 * 16 // 2 + 2 * (8 * 16 // 8) * 2)  # int8 keys + int4 values
         encoded = 3 * 2 * per_head_block
         fp_block = 3 * 2 * 8 * 16 * 2 * 4  # keys + values, fp32
+        sink = fp_block // 8  # the first token, kept in full precision (QuantConfig.sink_tokens=1)
         assert stats.bytes_per_block == encoded
-        assert stats.bytes_in_use == 3 * encoded + fp_block
+        assert stats.bytes_in_use == 3 * encoded + fp_block + sink
         with torch.no_grad():
             for t in range(4):  # fill the open block: it is encoded, no full-precision block is left
                 model(ids(1, 1, seed=t), past_key_values=cache)
-        assert cache.pool.stats().bytes_in_use == 3 * encoded
+        assert cache.pool.stats().bytes_in_use == 3 * encoded + sink
         assert cache.pool.store.staging.num_stages <= 8  # sized by sequences, not by the pool
+
+
+@pytest.mark.parametrize("sink", [0, 1, 4])
+def test_sink_tokens_stay_exact_and_cost_their_bytes(sink):
+    """The first `sink_tokens` tokens read back bit-identical to DynamicCache; the next one is quantized. Each
+    costs one full-precision token per sequence; releasing the cache returns every sink stage."""
+    model = tiny_model("llama")  # 3 layers, 2 KV heads, head_dim 16
+    x = ids(1, 21, seed=3)
+    ref = reference_kv(model, x, prefill=19)
+    with PagedCache(block_size=8, quant=QuantConfig.preset("k4v4", sink_tokens=sink)) as cache:
+        feed(model, cache, x, prefill=19)
+        for got, want in zip(cache.layers, ref.layers):
+            for a, b in ((got.keys, want.keys), (got.values, want.values)):
+                assert torch.equal(a[:, :, :sink], b[:, :, :sink])
+                assert not torch.equal(a[:, :, sink], b[:, :, sink])  # quantized
+        encoded_and_open = 3 * cache.pool.stats().bytes_per_block + 3 * 2 * 8 * 16 * 2 * 4  # 3 blocks, 1 staged
+        assert cache.pool.stats().bytes_in_use == encoded_and_open + sink * 3 * 2 * 16 * 2 * 4
+        assert cache.pool.store.sinks.num_used == (1 if sink else 0)
+        cache.pool.check_invariants()
+    assert cache.pool.store.sinks.num_used == 0 and cache.pool.stats().bytes_in_use == 0
+
+
+def test_sink_is_shared_copied_on_write_and_rewritten_after_crop():
+    """A fork shares block 0 and its sink; the first write into the shared partial block copies both; a crop into
+    the sink and new tokens rewrite it. Each cache's first tokens stay exact against DynamicCache on its own tokens."""
+    model = tiny_model("llama")
+    x, y = ids(1, 9, seed=4), ids(1, 3, seed=5)
+    a = PagedCache(block_size=8, quant=QuantConfig.preset("k8v4", sink_tokens=4), debug=True)
+    feed(model, a, x[:, :3], prefill=3)  # 3 tokens: block 0 open, sink partly written
+    b = a.fork()
+    assert a.pool.store.sinks.num_used == 1  # shared with the fork
+    feed(model, a, x[:, 3:], prefill=0)  # a fills block 0 (copy-on-write: its own block 0 and sink) and goes on
+    feed(model, b, y, prefill=0)
+    assert a.pool.store.sinks.num_used == 2
+    for cache, tokens in ((a, x), (b, torch.cat([x[:, :3], y], 1))):
+        ref = reference_kv(model, tokens, prefill=3)
+        for got, want in zip(cache.layers, ref.layers):
+            assert torch.equal(got.keys[:, :, :4], want.keys[:, :, :4])
+            assert torch.equal(got.values[:, :, :4], want.values[:, :, :4])
+    a.crop(-7)  # 9 -> 2 tokens, into the sink; new tokens at positions 2.. rewrite it
+    z = ids(1, 7, seed=6)
+    feed(model, a, z, prefill=0)
+    ref = reference_kv(model, torch.cat([x[:, :2], z], 1), prefill=2)
+    for got, want in zip(a.layers, ref.layers):
+        assert torch.equal(got.keys[:, :, :4], want.keys[:, :, :4])
+    a.pool.check_invariants()
+    a.release()
+    b.release()
+    assert a.pool.store.sinks.num_used == 0 and a.pool.stats().bytes_in_use == 0
+    a.pool.check_invariants()
+
+
+def test_sink_tokens_are_validated():
+    with pytest.raises(ValueError, match="sink_tokens"):
+        QuantConfig(key_bits=8, sink_tokens=-1)
+    with pytest.raises(ValueError, match="sink_tokens=9 exceeds the block size 8"):
+        PagedCache(block_size=8, quant=QuantConfig(key_bits=8, sink_tokens=9))
 
 
 def test_each_block_is_encoded_once(monkeypatch):
@@ -337,8 +396,8 @@ def test_value_only_drifts_less_than_key_only(smollm):
     """Values tolerate quantization better than keys (the reason for the preset ladder): on the real model, at the
     same bits, V-only quantization must drift less than K-only. If not, the value path has a bug."""
     model, tokenizer = smollm
-    with open("/work/shared/data/wikitext-2-raw/wiki.test.raw", encoding="utf-8") as fh:
-        text = fh.read(40_000)
+    path = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
+    text = path.read_text(encoding="utf-8")[:40_000] if path.exists() else Path(torch.__file__).read_text() * 4
     x = tokenizer(text, return_tensors="pt").input_ids[:, 1000:1000 + 320]
     logps = {}
     for name in ("fp", "k2v16", "k16v2"):

@@ -24,12 +24,13 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, QuantizedCache
 
-from hf_pagedkv import PagedCache
+from hf_pagedkv import PagedCache, QuantConfig
 from hf_pagedkv.models import load_model
 from hf_pagedkv.verify import dynamic_cache_bytes, tensor_bytes
 
 DATA = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw")
 PAGED = ["fp", "v8", "k8v8", "k8v4", "k4v4", "k4v2", "k2v2", "k4v16", "k16v4"]  # k4v16 / k16v4: K-only / V-only
+# any PAGED name + "-nosink": the same preset with QuantConfig.sink_tokens=0 (the attention-sink ablation)
 EXTERNAL = ["quanto-int4", "hqq-int4", "quanto-int2"]
 DEFAULT_DRIFT = "v8,k8v8,k8v4,k4v4,k4v2,k2v2,k4v16,k16v4,quanto-int4,hqq-int4"
 DEFAULT_SPEED = "dynamic,fp,k8v4,k4v4,quanto-int4,hqq-int4"
@@ -38,8 +39,9 @@ DEFAULT_SPEED = "dynamic,fp,k8v4,k4v4,quanto-int4,hqq-int4"
 def make_cache(method: str, model):
     if method == "dynamic":
         return DynamicCache(config=model.config)
-    if method in PAGED:
-        return PagedCache(config=model.config, quant=method)
+    if method.removesuffix("-nosink") in PAGED:
+        name = method.removesuffix("-nosink")
+        return PagedCache(config=model.config, quant=QuantConfig.preset(name, sink_tokens=0 if name != method else 1))
     backend, bits = method.split("-int")
     return QuantizedCache(backend=backend, config=model.config, nbits=int(bits))
 

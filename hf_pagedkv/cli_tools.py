@@ -34,8 +34,10 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
                    help="full-precision dtype of K/V and weights (default: auto = what hf_pagedkv.models.load_model "
                         "uses for the bundled model, float32; else the config's dtype, or float16)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--value-group-size", type=int, default=32, help="channels per value quantization group")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per block (default: PagedCache's, 16, or 32 when quantized)")
+    p.add_argument("--value-group-size", type=int, default=64,
+                   help="channels per value quantization group (default: %(default)s)")
     p.add_argument("--memory", help="memory to fit in, e.g. 24GiB (default: this machine's RAM)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=_plan)
@@ -99,7 +101,7 @@ def _auto_dtype(model: str) -> str:
 
 def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for name in ("max_seq_len", "batch", "block_size", "value_group_size"):
-        if getattr(args, name) <= 0:
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be a positive int, got {getattr(args, name)}")
     try:
         memory, where = (parse_bytes(args.memory), "--memory") if args.memory else _machine_memory()

@@ -1,7 +1,7 @@
 """Capacity planning: KV bytes per token from a model config, pool size for a workload, and block-size tuning.
 
-The byte formula lives in one function, `kv_bytes_per_head_token`, so the quantized store and the planner count
-the same bytes. The textbook check (a 7B Llama: 32 layers, 32 KV heads, head_dim 128, fp16)::
+The byte formula lives in one function, `kv_bytes_per_head_token`, which asks the codecs the quantized store uses
+for their block layouts, so the planner and the store count the same bytes. The textbook check (a 7B Llama: 32 layers, 32 KV heads, head_dim 128, fp16)::
 
     2 (K and V) x 32 layers x 32 heads x 128 x 2 bytes = 524,288 bytes = 512 KiB per token
     4096 tokens x batch 16 x 512 KiB = 32 GiB
@@ -17,14 +17,14 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ._compat import layer_plan
-from .config import check_positive_int
+from .codecs import codec_name, make_codec
+from .config import DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, QuantConfig, check_positive_int
 
 #: Quantization presets along the ladder of DESIGN.md: (key_bits, value_bits), None meaning full precision.
 QUANT_PRESETS: dict[str, tuple[int | None, int | None]] = {
     "fp": (None, None), "v8": (None, 8), "k8v8": (8, 8), "k8v4": (8, 4), "k4v4": (4, 4), "k4v2": (4, 2),
     "k2v2": (2, 2),
 }
-SCALE_BYTES = 2  # one fp16 scale and one fp16 zero point per quantization group
 POOL_HEADROOM = 1.2  # the pool to set is the peak KV times this
 BLOCK_SIZE_CANDIDATES = (4, 8, 16, 32, 64, 128)
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
@@ -32,38 +32,42 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.flo
 
 
 def kv_bytes_per_head_token(head_dim: int, key_bits: int | None = None, value_bits: int | None = None, *,
-                            block_size: int = 16, value_group_size: int = 32, dtype_bytes: int = 2) -> float:
-    """Bytes one token of one KV head takes in a full block, keys plus values: the formula the planner uses.
+                            block_size: int = DEFAULT_QUANT_BLOCK_SIZE, value_group_size: int = 64,
+                            dtype_bytes: int = 2) -> float:
+    """Bytes one token of one KV head takes in a full block, keys plus values, as the store lays blocks out.
 
     Keys are quantized per channel with the block's `block_size` tokens as the group, values per token in groups
-    of `value_group_size` along `head_dim` (KIVI, arXiv 2402.02750); each group stores an fp16 scale and an fp16
-    zero point (asymmetric)::
+    of `value_group_size` along `head_dim` (KIVI, arXiv 2402.02750); scales are fp16 (`codecs/`)::
 
-        keys:   head_dim * key_bits / 8      + head_dim * 2 * SCALE_BYTES / block_size
-        values: head_dim * value_bits / 8    + ceil(head_dim / value_group_size) * 2 * SCALE_BYTES
+        keys, int8 (symmetric):  head_dim          + head_dim * 2 / block_size        (one scale per channel)
+        keys, int4/int2:         head_dim * bits/8 + head_dim * 4 / block_size        (scale and minimum)
+        values, int8:            head_dim          + head_dim / value_group_size * 2
+        values, int4/int2:       head_dim * bits/8 + head_dim / value_group_size * 4
         full precision (bits None): head_dim * dtype_bytes
 
     Args:
         head_dim (`int`): channels per head.
         key_bits, value_bits (`int` or `None`): 8, 4, 2, or None for full precision.
         block_size (`int`): tokens per block (the key group).
-        value_group_size (`int`): channels per value group.
+        value_group_size (`int`): channels per value group (capped at `head_dim`, which it must divide).
         dtype_bytes (`int`): bytes of one full-precision element (2 for fp16/bf16, 4 for fp32).
 
     Raises:
-        ValueError: bits other than None, 8, 4, 2; a non-positive size.
+        ValueError: bits other than None, 8, 4, 2; a non-positive size; a group size or block size the codecs
+            cannot pack (say a value group that does not divide `head_dim`).
     """
     for name, value in (("head_dim", head_dim), ("block_size", block_size), ("value_group_size", value_group_size),
                         ("dtype_bytes", dtype_bytes)):
         check_positive_int(name, value)
-    for name, bits in (("key_bits", key_bits), ("value_bits", value_bits)):
+    total = 0.0
+    for name, bits, axis in (("key_bits", key_bits, "channel"), ("value_bits", value_bits, "token")):
         if bits not in (None, 8, 4, 2):
             raise ValueError(f"`{name}` must be None (full precision), 8, 4 or 2, got {bits!r}.")
-    fp = head_dim * dtype_bytes
-    keys = fp if key_bits is None else head_dim * key_bits / 8 + head_dim * 2 * SCALE_BYTES / block_size
-    groups = -(-head_dim // value_group_size)  # value groups per token
-    values = fp if value_bits is None else head_dim * value_bits / 8 + groups * 2 * SCALE_BYTES
-    return keys + values
+        if bits is None:
+            total += head_dim * dtype_bytes
+        else:
+            total += make_codec(codec_name("torch", bits), axis, value_group_size).bytes_per_token(block_size, head_dim)
+    return total
 
 
 @dataclass(frozen=True)
@@ -153,7 +157,8 @@ class CapacityPlan:
     max_seq_len: int  # tokens per sequence
     batch: int  # sequences at once
     bytes_per_token: float  # one token, all layers, in a full block (as PagedCache stores it)
-    seq_bytes: int  # one sequence of max_seq_len tokens, whole blocks (the partial last block in full precision)
+    seq_bytes: int  # one sequence of max_seq_len tokens, whole blocks (quantized: the partial last block also staged
+    #                 in full precision, and the sink tokens)
     kv_bytes: int  # batch * seq_bytes: the peak KV
     window_kv_bytes: int  # the same if sliding-window layers kept only their window (DynamicCache(config=...))
     weight_bytes: int | None  # parameters * dtype bytes
@@ -167,8 +172,11 @@ class CapacityPlan:
 
 
 def plan_capacity(model: ModelShape, max_seq_len: int, batch: int, quant: str = "fp", dtype: str = "float16",
-                  block_size: int = 16, value_group_size: int = 32, memory: int | None = None) -> CapacityPlan:
-    """Plan the KV memory of `batch` sequences of `max_seq_len` tokens (see `CapacityPlan`).
+                  block_size: int | None = None, value_group_size: int = 64, memory: int | None = None
+                  ) -> CapacityPlan:
+    """Plan the KV memory of `batch` sequences of `max_seq_len` tokens (see `CapacityPlan`). `block_size` defaults
+    to what `PagedCache` uses: 16 tokens, 32 when quantized. A quantized sequence also holds its first
+    `QuantConfig.sink_tokens` tokens in full precision.
 
     NOTE: `PagedCache` keeps every token in every layer (one block id spans all layers), so sliding-window layers
     cost as much as full ones here; `window_kv_bytes` shows what a window-trimming cache would hold instead.
@@ -178,9 +186,13 @@ def plan_capacity(model: ModelShape, max_seq_len: int, batch: int, quant: str = 
     """
     check_positive_int("max_seq_len", max_seq_len)
     check_positive_int("batch", batch)
-    check_positive_int("block_size", block_size)
     if quant not in QUANT_PRESETS:
         raise ValueError(f"`quant` must be one of {list(QUANT_PRESETS)}, got {quant!r}.")
+    quantized = QUANT_PRESETS[quant] != (None, None)
+    if block_size is None:
+        block_size = DEFAULT_QUANT_BLOCK_SIZE if quantized else DEFAULT_BLOCK_SIZE
+    check_positive_int("block_size", block_size)
+    sink = min(QuantConfig().sink_tokens, max_seq_len) if quantized else 0  # full-precision tokens per sequence
     if dtype not in _DTYPES:
         raise ValueError(f"`dtype` must be one of {sorted(_DTYPES)}, got {dtype!r}.")
     dtype_bytes = _DTYPES[dtype].itemsize
@@ -195,8 +207,10 @@ def plan_capacity(model: ModelShape, max_seq_len: int, batch: int, quant: str = 
         total = 0.0
         for layers, tokens in ((model.num_layers - model.num_sliding, tokens_full), (model.num_sliding, tokens_window)):
             full, partial = divmod(tokens, block_size)
-            total += layers * model.num_kv_heads * block_size * (full * per_head + (fp_per_head if partial else 0))
-        return math.ceil(total)
+            # a quantized pool holds a partial block twice: its (not yet written) encoded slot and its stage
+            partial_cost = (per_head + fp_per_head if quantized else fp_per_head) if partial else 0
+            total += layers * model.num_kv_heads * block_size * (full * per_head + partial_cost)
+        return math.ceil(total + model.num_layers * model.num_kv_heads * sink * fp_per_head)
 
     one = seq_bytes(max_seq_len, max_seq_len)
     window = min(max_seq_len, model.sliding_window) if model.sliding_window else max_seq_len

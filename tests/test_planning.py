@@ -39,9 +39,10 @@ def test_textbook_7b_example():
 def test_byte_formula_per_head_token():
     assert kv_bytes_per_head_token(64, dtype_bytes=2) == 256  # fp16: (64 + 64) x 2
     assert kv_bytes_per_head_token(64, dtype_bytes=4) == 512
-    # k8v4, B=16, value groups of 32: keys 64 + 64*2*2/16 = 80; values 32 + 2 groups * 4 = 40
-    assert kv_bytes_per_head_token(64, 8, 4, block_size=16, value_group_size=32) == 120
-    assert kv_bytes_per_head_token(64, None, 8, block_size=16, value_group_size=64) == 128 + 64 + 4
+    # k8v4, B=16, value groups of 32: keys 64 + one fp16 scale per channel 64*2/16 = 72 (int8 is symmetric);
+    # values 32 + 2 groups * (scale + minimum) 4 = 40
+    assert kv_bytes_per_head_token(64, 8, 4, block_size=16, value_group_size=32) == 112
+    assert kv_bytes_per_head_token(64, None, 8, block_size=16, value_group_size=64) == 128 + 64 + 2
     assert kv_bytes_per_head_token(128, 2, 2, block_size=32, value_group_size=32) == (32 + 16) + (32 + 16)
     with pytest.raises(ValueError, match="`key_bits` must be None"):
         kv_bytes_per_head_token(64, 3, 4)
@@ -52,11 +53,13 @@ def test_byte_formula_per_head_token():
 def test_quantized_plan_keeps_the_partial_block_in_full_precision():
     shape = ModelShape("m", num_layers=2, num_sliding=0, sliding_window=None, num_kv_heads=3, head_dim=64,
                        num_params=None)
-    plan = plan_capacity(shape, max_seq_len=17, batch=2, quant="k8v4", block_size=16)
-    # one full block quantized (120 B per head-token), the 1-token partial block stored as a whole fp16 block
-    assert plan.seq_bytes == 2 * 3 * 16 * (120 + 256)
+    plan = plan_capacity(shape, max_seq_len=17, batch=2, quant="k8v4", block_size=16, value_group_size=32)
+    # one full block quantized (112 B per head-token); the 1-token partial block holds its encoded slot and a whole
+    # fp16 stage; the sink token (the first) is also kept in fp16
+    assert plan.seq_bytes == 2 * 3 * 16 * (112 + 112 + 256) + 2 * 3 * 256
     assert plan.kv_bytes == 2 * plan.seq_bytes
-    assert plan.bytes_per_token == 2 * 3 * 120
+    assert plan.bytes_per_token == 2 * 3 * 112
+    assert plan_capacity(shape, max_seq_len=17, batch=2, quant="k8v4").block_size == 32  # PagedCache's default
     assert plan.weight_bytes is None and plan.fits is None
 
 
@@ -81,6 +84,18 @@ def test_plan_matches_what_a_paged_cache_holds():
         model(ids(3, 21), past_key_values=cache)
         assert pool.stats().bytes_in_use == plan.kv_bytes
         assert plan.bytes_per_token * 4 == pool.stats().bytes_per_block
+
+
+@pytest.mark.parametrize("quant", ["v8", "k8v8", "k8v4", "k4v4", "k4v2", "k2v2"])
+def test_quantized_plan_matches_what_the_quantized_store_holds(quant):
+    """The planner counts what the store holds: codes, scales, partial blocks and sink tokens, to the byte."""
+    model = tiny_model("llama")
+    plan = plan_capacity(ModelShape.from_config(model.config), max_seq_len=70, batch=3, quant=quant, dtype="float32")
+    with PagedCache(quant=quant) as cache:  # 32-token blocks: 2 encoded + 1 partial per row
+        model(ids(3, 70), past_key_values=cache)
+        stats = cache.pool.stats()
+        assert stats.bytes_in_use == plan.kv_bytes
+        assert plan.bytes_per_token * stats.block_size == stats.bytes_per_block
 
 
 def test_bad_plan_arguments():

@@ -165,14 +165,21 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
         self._after_change()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: row `i` becomes a copy of row `beam_idx[i]`. Moves block ids and refcounts, not tensors."""
-        idx = beam_idx.tolist()
+        """Beam search: row `i` becomes a copy of row `beam_idx[i]` (`beam_idx` may also have another length, as
+        with `DynamicCache`). Moves block ids and refcounts, not tensors.
+
+        Raises:
+            ValueError: an index out of range.
+        """
+        idx = torch.as_tensor(beam_idx).reshape(-1).tolist()
         if idx == list(range(len(self._rows))):
             return
-        nblk = num_blocks_for(self._num_tokens, self.block_size)
-        table = self._table[:, :nblk]
-        same = (table == table[:1]).all(0).tolist()  # block positions where every row names the same block
-        common = same.index(False) if False in same else nblk  # those are untouched by a permutation
+        common = 0
+        if len(idx) == len(self._rows) and idx:  # as many rows after as before: shared leading blocks keep counts
+            nblk = num_blocks_for(self._num_tokens, self.block_size)
+            table = self._table[:, :nblk]
+            same = (table == table[:1]).all(0).tolist()  # block positions where every row names the same block
+            common = same.index(False) if False in same else nblk
         self._select(idx, common)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:

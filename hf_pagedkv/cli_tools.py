@@ -113,8 +113,11 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(str(e))
     if args.dtype == "auto":
         args.dtype = _auto_dtype(args.model)
-    plan = plan_capacity(model, args.max_seq_len, args.batch, quant=args.quant, dtype=args.dtype,
-                         block_size=args.block_size, value_group_size=args.value_group_size, memory=memory)
+    try:
+        plan = plan_capacity(model, args.max_seq_len, args.batch, quant=args.quant, dtype=args.dtype,
+                             block_size=args.block_size, value_group_size=args.value_group_size, memory=memory)
+    except ValueError as e:  # a block size or value group the codecs cannot pack
+        parser.error(f"--quant {args.quant}: {e}")
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
         return 0 if plan.fits else 1
@@ -136,8 +139,9 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
               f"{fmt_bytes(plan.weight_bytes)}")
     else:
         print("weights: unknown (could not count the parameters of this architecture)")
+    quant = "" if plan.quant == "fp" else f", quant={plan.quant!r}"
     print(f"pool to set (peak x 1.2): {plan.pool_blocks:,} blocks, {fmt_bytes(plan.pool_bytes)} -> "
-          f"BlockPool(block_size={plan.block_size}, max_memory=\"{plan.pool_bytes / 2**30:.2f}GiB\")")
+          f"BlockPool(block_size={plan.block_size}{quant}, max_memory={plan.pool_bytes})")
     need = (plan.weight_bytes or 0) + plan.pool_bytes
     if plan.fits:
         print(f"memory: {fmt_bytes(memory)} ({where}): fits, weights + pool = {fmt_bytes(need)} "

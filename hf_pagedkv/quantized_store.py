@@ -53,6 +53,11 @@ class QuantizedPageStore(QuantizedWriteMixin, QuantizedReadMixin):
         self.quant = quant  # the storage format; fixed
         self.key_codec = make_codec(codec_name(quant.backend, quant.key_bits), "channel")  # fixed
         self.value_codec = make_codec(codec_name(quant.backend, quant.value_bits), "token", quant.value_group_size)
+        for codec in self.codecs:  # fail here, not at the first forward pass
+            if codec.bits in (4, 2) and block_size % (8 // codec.bits):
+                raise ValueError(f"{codec.bits}-bit codes pack {8 // codec.bits} tokens per byte: block_size="
+                                 f"{block_size} must be a multiple of {8 // codec.bits} (quantized pools default to "
+                                 "32).")
         self.staging = StagingStore(block_size, debug)  # full-precision stages of open blocks
         self.sink_tokens = quant.sink_tokens  # tokens per sink stage; fixed
         self.sinks = StagingStore(max(1, self.sink_tokens), debug)  # full-precision sink tokens of first blocks

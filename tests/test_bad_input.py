@@ -279,6 +279,30 @@ def test_reorder_with_out_of_range_rows():
     cache.release()
 
 
+@pytest.mark.parametrize("idx", [[0], [0, 1, 1], [2, 2, 0, 1], []])
+def test_reorder_to_another_number_of_rows_keeps_refcounts(idx):
+    """`reorder_cache` with an index of another length (DynamicCache allows it) on rows sharing their leading blocks
+    (identical prompts): rows and refcounts follow the index exactly, and releasing frees everything."""
+    model = tiny_model("llama")
+    x = ids(1, 10, seed=2).repeat(3, 1)  # identical rows: shared blocks
+    cache = PagedCache(block_size=4, debug=True)
+    ref = DynamicCache()
+    model(x, past_key_values=cache), model(x, past_key_values=ref)
+    cache.reorder_cache(torch.tensor(idx, dtype=torch.long))
+    ref.reorder_cache(torch.tensor(idx, dtype=torch.long))
+    cache.pool.check_invariants()
+    assert len(cache._rows) == len(idx)
+    if idx:
+        assert torch.equal(cache.layers[1].keys, ref.layers[1].keys)
+        y = ids(len(idx), 1, seed=3)
+        torch.testing.assert_close(model(y, past_key_values=cache).logits, model(y, past_key_values=ref).logits,
+                                   rtol=0, atol=1e-6)
+        cache.pool.check_invariants()
+    cache.release()
+    assert cache.pool.stats().blocks_in_use == 0
+    cache.pool.check_invariants()
+
+
 def test_batch_mismatch():
     model = tiny_model("llama")
     cache = PagedCache(block_size=4, debug=True)

@@ -141,3 +141,17 @@ def test_generate_with_a_missing_file_fails_before_loading_the_model(monkeypatch
     monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("the model must not be loaded"))
     assert cli.main(["generate", "--file", "/nonexistent/notes.txt"]) == 2
     assert "--file '/nonexistent/notes.txt' is not a readable file" in capsys.readouterr().err
+
+
+def test_plan_pool_line_builds_the_planned_pool(capsys):
+    """The printed `BlockPool(...)` line runs as given, even for a small workload, and builds the planned format."""
+    assert main(["plan", "--max-seq-len", "100", "--batch", "1", "--quant", "k4v4", "--memory", "1GiB"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("pool to set"))
+    pool = eval(line.split("-> ", 1)[1], {"BlockPool": BlockPool})
+    assert pool.quant.name == "k4v4" and pool.block_size == 32 and pool.max_memory > 0
+
+
+def test_plan_refuses_what_the_codecs_cannot_pack(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--max-seq-len", "100", "--batch", "1", "--quant", "k4v4", "--block-size", "3"])
+    assert "int4 packs 2 tokens per byte" in capsys.readouterr().err

@@ -196,6 +196,8 @@ def test_sink_tokens_are_validated():
         QuantConfig(key_bits=8, sink_tokens=-1)
     with pytest.raises(ValueError, match="sink_tokens=9 exceeds the block size 8"):
         PagedCache(block_size=8, quant=QuantConfig(key_bits=8, sink_tokens=9))
+    with pytest.raises(ValueError, match="block_size=6 must be a multiple of 4"):  # at construction, not forward
+        PagedCache(block_size=6, quant="k4v2")
 
 
 def test_each_block_is_encoded_once(monkeypatch):

@@ -22,7 +22,11 @@ def _generate(args: argparse.Namespace) -> int:
     if args.file is not None and not os.path.isfile(args.file):
         print(f"hf-pagedkv generate: --file {args.file!r} is not a readable file", file=sys.stderr)
         return 2
-    model, tokenizer = load_model(args.model)
+    try:
+        model, tokenizer = load_model(args.model)
+    except ValueError as e:
+        print(f"hf-pagedkv generate: --model: {e}", file=sys.stderr)
+        return 2
     if args.prompt is not None:
         messages = [{"role": "user", "content": args.prompt}]
         prompt = (tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) if args.chat

@@ -32,7 +32,11 @@ def parse_bytes(value: int | str) -> int:
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
     if match is None or match.group(2).lower() not in _UNITS:
         raise ValueError(f"`max_memory` must be bytes (int) or a size like '4GiB' or '512MB', got {value!r}.")
-    size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    number = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if _UNITS[match.group(2).lower()] == 1 and number != int(number):  # "4.5" bytes; "0.3GiB" rounds down
+        raise ValueError(f"`max_memory`={value!r} is not a whole number of bytes; give bytes as an int or a size "
+                         "with a unit such as '4.5GiB'.")
+    size = int(number)
     if size <= 0:
         raise ValueError(f"`max_memory` must be positive, got {value!r}.")
     return size

@@ -58,6 +58,9 @@ def load_model(
     Returns:
         `tuple[PreTrainedModel, PreTrainedTokenizerBase]`: the model in eval mode, and its tokenizer with a pad token
         (the EOS token if it had none) and `padding_side="left"`.
+
+    Raises:
+        ValueError: the model or its tokenizer could not be loaded from `name_or_path` (the message says why).
     """
     kwargs: dict = {}
     if name_or_path is None or name_or_path == DEFAULT_MODEL:
@@ -67,8 +70,13 @@ def load_model(
     else:
         path = name_or_path
     start = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    except (OSError, ValueError) as e:  # a missing path, a malformed id, no network for a Hub id
+        raise ValueError(f"Could not load the model {name_or_path!r} ({type(e).__name__}: {str(e).splitlines()[0]}). "
+                         "Give a local directory with config.json, a .gguf file, a Hub id that is cached offline, or "
+                         "nothing for the bundled SmolLM2-135M-Instruct.") from e
     if device is not None:
         model = model.to(device)
     model.eval()

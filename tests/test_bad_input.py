@@ -37,9 +37,9 @@ def test_num_blocks_must_be_a_positive_int(bad):
         PagedCache(num_blocks=bad)
 
 
-@pytest.mark.parametrize("bad", ["lots", "4 parsecs", "-1GB", 0, -5, "0MB", True])
+@pytest.mark.parametrize("bad", ["lots", "4 parsecs", "-1GB", 0, -5, "0MB", True, 4.5, "0.5B"])
 def test_max_memory_must_be_a_size(bad):
-    with pytest.raises(ValueError, match="`max_memory` must be"):
+    with pytest.raises(ValueError, match="`max_memory`"):
         BlockPool(max_memory=bad)
 
 

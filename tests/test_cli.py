@@ -155,3 +155,11 @@ def test_plan_refuses_what_the_codecs_cannot_pack(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--max-seq-len", "100", "--batch", "1", "--quant", "k4v4", "--block-size", "3"])
     assert "int4 packs 2 tokens per byte" in capsys.readouterr().err
+
+
+def test_generate_with_a_model_that_cannot_be_loaded(capsys):
+    from hf_pagedkv import cli
+
+    assert cli.main(["generate", "--model", "/nonexistent/model-dir"]) == 2
+    err = capsys.readouterr().err
+    assert "Could not load the model '/nonexistent/model-dir'" in err and "a local directory with config.json" in err

@@ -36,10 +36,12 @@ def test_plan_that_does_not_fit_says_what_to_change(capsys):
 def test_plan_default_model_json(capsys):
     assert main(["plan", "--max-seq-len", "2048", "--batch", "4", "--quant", "k8v4", "--json", "--memory", "1GiB"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64; k8v4 = 120 B per head-token (see test_planning)
+    # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64; k8v4 at 32-token blocks, value groups of 64: keys
+    # 64 + 64 * 2 / 32 = 68 B, values 32 + 4 = 36 B per head-token; plus the sink token in fp32 (512 B per head)
     assert (plan["model"]["num_layers"], plan["model"]["num_kv_heads"], plan["model"]["head_dim"]) == (30, 3, 64)
-    assert plan["bytes_per_token"] == 30 * 3 * 120
-    assert plan["kv_bytes"] == 4 * 2048 * 30 * 3 * 120
+    assert plan["block_size"] == 32 and plan["dtype"] == "float32"
+    assert plan["bytes_per_token"] == 30 * 3 * 104
+    assert plan["kv_bytes"] == 4 * (2048 * 30 * 3 * 104 + 30 * 3 * 512)
 
 
 def test_plan_local_config(tmp_path, capsys):

@@ -22,6 +22,10 @@ def _generate(args: argparse.Namespace) -> int:
     if args.file is not None and not os.path.isfile(args.file):
         print(f"hf-pagedkv generate: --file {args.file!r} is not a readable file", file=sys.stderr)
         return 2
+    if args.prompt is not None and not args.prompt.strip() and not args.chat:
+        print("hf-pagedkv generate: --prompt is empty and --no-chat adds no template: there is no token to start "
+              "from; give some text", file=sys.stderr)
+        return 2
     try:
         model, tokenizer = load_model(args.model)
     except ValueError as e:

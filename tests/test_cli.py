@@ -165,3 +165,11 @@ def test_generate_with_a_model_that_cannot_be_loaded(capsys):
     assert cli.main(["generate", "--model", "/nonexistent/model-dir"]) == 2
     err = capsys.readouterr().err
     assert "Could not load the model '/nonexistent/model-dir'" in err and "a local directory with config.json" in err
+
+
+def test_generate_with_an_empty_raw_prompt(monkeypatch, capsys):
+    from hf_pagedkv import cli
+
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("the model must not be loaded"))
+    assert cli.main(["generate", "--no-chat", "--prompt", "  "]) == 2
+    assert "--prompt is empty" in capsys.readouterr().err

@@ -50,8 +50,11 @@ DEFAULT_QUANT_BLOCK_SIZE = 32  # tokens per block of a quantized pool (the key q
 
 _BITS = (None, 8, 4, 2)
 _BACKENDS = ("torch", "reference", "bitsandbytes")
-_PRESETS = {"fp": (None, None), "v8": (None, 8), "k8v8": (8, 8), "k8v4": (8, 4), "k4v4": (4, 4),
-            "k4v2": (4, 2), "k2v2": (2, 2)}
+#: The preset ladder: name -> (key_bits, value_bits), None meaning full precision (the planner uses it too).
+PRESETS: dict[str, tuple[int | None, int | None]] = {
+    "fp": (None, None), "v8": (None, 8), "k8v8": (8, 8), "k8v4": (8, 4), "k4v4": (4, 4), "k4v2": (4, 2),
+    "k2v2": (2, 2),
+}
 _warned: set[tuple[int, int]] = set()  # (key_bits, value_bits) pairs already warned about
 
 
@@ -133,12 +136,12 @@ class QuantConfig:
         """
         key = str(name).lower()
         match = re.fullmatch(r"k(8|4|2|16)v(8|4|2|16)", key)
-        if key in _PRESETS:
-            k, v = _PRESETS[key]
+        if key in PRESETS:
+            k, v = PRESETS[key]
         elif match:
             k, v = (None if b == "16" else int(b) for b in match.groups())
         else:
-            raise ValueError(f"Unknown quantization preset {name!r}; use one of {', '.join(_PRESETS)} "
+            raise ValueError(f"Unknown quantization preset {name!r}; use one of {', '.join(PRESETS)} "
                              "(or 'k<bits>v<bits>' with bits 8, 4, 2, 16) or a QuantConfig.")
         return cls(key_bits=k, value_bits=v, **overrides)
 
@@ -168,5 +171,5 @@ class QuantConfig:
     def name(self) -> str:
         """The preset name such as ``"k8v4"`` or ``"fp"``; otherwise ``k<bits>v<bits>`` with 16 for full precision."""
         bits = (self.key_bits, self.value_bits)
-        return next((name for name, preset in _PRESETS.items() if preset == bits),
+        return next((name for name, preset in PRESETS.items() if preset == bits),
                     f"k{self.key_bits or 16}v{self.value_bits or 16}")

@@ -1,7 +1,8 @@
 """Capacity planning: KV bytes per token from a model config, pool size for a workload, and block-size tuning.
 
 The byte formula lives in one function, `kv_bytes_per_head_token`, which asks the codecs the quantized store uses
-for their block layouts, so the planner and the store count the same bytes. The textbook check (a 7B Llama: 32 layers, 32 KV heads, head_dim 128, fp16)::
+for their block layouts, so the planner and the store count the same bytes. The textbook check (a 7B Llama: 32
+layers, 32 KV heads, head_dim 128, fp16)::
 
     2 (K and V) x 32 layers x 32 heads x 128 x 2 bytes = 524,288 bytes = 512 KiB per token
     4096 tokens x batch 16 x 512 KiB = 32 GiB
@@ -18,13 +19,10 @@ import torch
 
 from ._compat import layer_plan
 from .codecs import codec_name, make_codec
-from .config import DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, QuantConfig, check_positive_int
+from .config import DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, PRESETS, QuantConfig, check_positive_int
 
 #: Quantization presets along the ladder of DESIGN.md: (key_bits, value_bits), None meaning full precision.
-QUANT_PRESETS: dict[str, tuple[int | None, int | None]] = {
-    "fp": (None, None), "v8": (None, 8), "k8v8": (8, 8), "k8v4": (8, 4), "k4v4": (4, 4), "k4v2": (4, 2),
-    "k2v2": (2, 2),
-}
+QUANT_PRESETS = PRESETS
 POOL_HEADROOM = 1.2  # the pool to set is the peak KV times this
 BLOCK_SIZE_CANDIDATES = (4, 8, 16, 32, 64, 128)
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 from collections import deque
+
+import torch
 
 from .block_allocator import BlockAllocator
 from .block_table import BlockTable
@@ -146,7 +149,7 @@ class BlockPool:
                     )
                 return
             if self.max_memory is not None and self.allocator.num_blocks == 0:
-                total = _device_memory(spec.device)
+                total = device_memory(spec.device)
                 if total is not None and self.max_memory > total:
                     raise ValueError(
                         f"max_memory={self.max_memory} bytes is more than {spec.device} has ({total} bytes in all); "
@@ -352,12 +355,8 @@ def _describe(spec: LayerSpec) -> str:
             f"{str(spec.dtype).removeprefix('torch.')} on {spec.device}")
 
 
-def _device_memory(device) -> int | None:
+def device_memory(device: torch.device) -> int | None:
     """Total bytes of memory on `device` (physical RAM for the CPU), or None when it cannot be told."""
-    import os
-
-    import torch
-
     try:
         if device.type == "cuda":
             return torch.cuda.mem_get_info(device)[1]

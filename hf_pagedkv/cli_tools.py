@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+from .block_pool import device_memory
 from .config import parse_bytes
 from .models import DEFAULT_MODEL
 from .planning import (
@@ -84,8 +85,8 @@ def _machine_memory() -> tuple[int, str]:
     import torch
 
     if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory, f"{torch.cuda.get_device_name(0)} memory"
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
+        return device_memory(torch.device("cuda", 0)), f"{torch.cuda.get_device_name(0)} memory"
+    return device_memory(torch.device("cpu")), "this machine's RAM"
 
 
 def _auto_dtype(model: str) -> str:

@@ -47,6 +47,9 @@ class QuantizedReadMixin:
         batch, first = table.shape[0], lo // B
         full = max(0, start // B - first)  # blocks entirely before `start`: full, hence encoded
         rest = start % B if start // B >= first else 0  # tokens of the partial block before `start`
+        partial = table[:, start // B].tolist() if rest else None  # each row's partial block
+        n_sink = min(self.sink_tokens, start) if first == 0 else 0  # tokens read from the sink, in full precision
+        sinks = [self._sink_of[b] for b in table[:, 0].tolist()] if n_sink else None  # each row's sink stage
         out = []
         for half, dim in enumerate((spec.key_dim, spec.value_dim)):
             buf = torch.empty((spec.num_kv_heads, batch, end - first * B, dim), dtype=spec.dtype, device=spec.device)
@@ -57,23 +60,23 @@ class QuantizedReadMixin:
                 dst = buf[:, :, : full * B].unflatten(2, (full, B))  # [num_kv_heads, batch, full, B, dim]
                 self._decode_blocks(layer_idx, half, table[:, first: first + full], dst)
             if rest:
-                self._read_partial(layer_idx, half, table[:, start // B].tolist(), rest, buf[:, :, full * B:])
-            if first == 0 and self.sink_tokens and start:  # the sink, in full precision
-                self._read_sinks(layer_idx, half, table[:, 0].tolist(), min(self.sink_tokens, start), buf)
+                self._read_partial(layer_idx, half, partial, rest, buf[:, :, full * B:])
+            if n_sink:
+                self._read_sinks(layer_idx, half, sinks, n_sink, buf)
             if new is not None and end > start:
                 buf[:, :, start - first * B:] = new[1 + half].transpose(0, 1)  # [num_kv_heads, batch, q, dim]
             out.append(buf[:, :, lo - first * B:].transpose(0, 1))  # [batch, num_kv_heads, end - lo, dim]
         return out[0], out[1]
 
-    def _read_sinks(self, layer_idx: int, half: int, blocks: list[int], n: int, out: torch.Tensor) -> None:
-        """The first `n` tokens of each row (first blocks `blocks`) from their sink stages into `out`
+    def _read_sinks(self, layer_idx: int, half: int, stages: list[int], n: int, out: torch.Tensor) -> None:
+        """The first `n` tokens of each row from its sink stage (`stages`, one per row) into `out`
         `[num_kv_heads, batch, >= n, dim]`."""
         store = (self.sinks.keys, self.sinks.values)[half]
-        if len(blocks) == 1:
-            out[:, 0, :n].copy_(self.sinks.block(store, layer_idx, self._sink_of[blocks[0]])[:, :n])
+        if len(stages) == 1:
+            out[:, 0, :n].copy_(self.sinks.block(store, layer_idx, stages[0])[:, :n])
             return
-        stages = torch.tensor([self._sink_of[b] for b in blocks], device=out.device)
-        out[:, :, :n] = self.sinks.blocks(store, layer_idx)[:, stages, :n]  # [num_kv_heads, batch, n, dim]
+        idx = torch.tensor(stages, device=out.device)
+        out[:, :, :n] = self.sinks.blocks(store, layer_idx)[:, idx, :n]  # [num_kv_heads, batch, n, dim]
 
     def _read_partial(self, layer_idx: int, half: int, blocks: list[int], n: int, out: torch.Tensor) -> None:
         """The first `n` tokens of one partial block per row into `out` `[num_kv_heads, batch, >= n, dim]`: from

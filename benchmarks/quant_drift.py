@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, QuantizedCache
 
+from eval.caches import bytes_held, release
+from eval.tasks.perplexity.metrics import token_kl, token_nll, top1_match
 from hf_pagedkv import PagedCache, QuantConfig
 from hf_pagedkv.models import load_model
-from hf_pagedkv.verify import dynamic_cache_bytes, tensor_bytes
 
 DATA = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw")
 PAGED = ["fp", "v8", "k8v8", "k8v4", "k4v4", "k4v2", "k2v2", "k4v16", "k16v4"]  # k4v16 / k16v4: K-only / V-only
@@ -39,34 +40,20 @@ DEFAULT_SPEED = "dynamic,fp,k8v4,k4v4,quanto-int4,hqq-int4"
 def make_cache(method: str, model):
     if method == "dynamic":
         return DynamicCache(config=model.config)
+    if method in PAGED:
+        return PagedCache(config=model.config, quant=method)
     if method.removesuffix("-nosink") in PAGED:
-        name = method.removesuffix("-nosink")
-        return PagedCache(config=model.config, quant=QuantConfig.preset(name, sink_tokens=0 if name != method else 1))
+        return PagedCache(config=model.config, quant=QuantConfig.preset(method.removesuffix("-nosink"), sink_tokens=0))
     backend, bits = method.split("-int")
     return QuantizedCache(backend=backend, config=model.config, nbits=int(bits))
 
 
-def cache_bytes(cache) -> int:
-    """Bytes a cache holds for its K/V: the pool's bytes in use, or the tensors of a transformers cache."""
-    if isinstance(cache, PagedCache):
-        return cache.pool.stats().bytes_in_use
-    if isinstance(cache, QuantizedCache):
-        return sum(tensor_bytes([layer._quantized_keys, layer._quantized_values, layer.keys, layer.values])
-                   for layer in cache.layers)
-    return dynamic_cache_bytes(cache)
-
-
-def release(cache) -> None:
-    if isinstance(cache, PagedCache):
-        cache.release()
-
-
 @torch.inference_mode()
 def score(model, method: str, window: torch.Tensor, prefill: int) -> torch.Tensor:
-    """Log-probs `[decode, vocab]` of decode steps `prefill .. len - 2`, each reading its context from the cache."""
+    """Logits `[decode, vocab]` of decode steps `prefill .. len - 2`, each reading its context from the cache."""
     cache = make_cache(method, model)
     model(window[:, :prefill], past_key_values=cache, use_cache=True, logits_to_keep=1)
-    out = [model(window[:, t: t + 1], past_key_values=cache, use_cache=True).logits[:, -1].float().log_softmax(-1)
+    out = [model(window[:, t: t + 1], past_key_values=cache, use_cache=True).logits[:, -1].float()
            for t in range(prefill, window.shape[1] - 1)]
     release(cache)
     return torch.cat(out)
@@ -78,7 +65,7 @@ def decode_run(model, method: str, ids: torch.Tensor, context: int, steps: int, 
     """(bytes held after a `context`-token prefill, decode tokens/s over the next `steps` steps, timed by `clock`)."""
     cache = make_cache(method, model)
     model(ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
-    held = cache_bytes(cache)
+    held = bytes_held(cache)
     model(ids[:, context: context + 1], past_key_values=cache, use_cache=True)  # warm-up step
     t0 = clock()
     for t in range(context + 1, context + 1 + steps):
@@ -122,24 +109,23 @@ def main() -> None:
     rows: dict[str, dict] = {m: {} for m in ["dynamic"] + methods + speed_methods}
 
     # -- drift ---------------------------------------------------------------------------------------------------
-    base, logps = [], {m: [] for m in methods}
+    base, logits_of = [], {m: [] for m in methods}
     for w, start in enumerate(starts):
         window = ids[:, start: start + span]
         base.append(score(model, "dynamic", window, args.prefill))
         for m in methods:
-            logps[m].append(score(model, m, window, args.prefill))
+            logits_of[m].append(score(model, m, window, args.prefill))
         print(f"window {w + 1}/{len(starts)} (tokens {start}..{start + span - 1}) done", flush=True)
     if starts:
         targets = torch.cat([ids[:, s + args.prefill + 1: s + span] for s in starts], 1).reshape(-1)
-        lp0 = torch.cat(base)
-        nll0 = -lp0.gather(-1, targets[:, None]).mean()
-        rows["dynamic"].update(ppl=float(nll0.exp()))
-        for m in methods:
-            lp = torch.cat(logps[m])
-            kl = (lp0.exp() * (lp0 - lp)).sum(-1).clamp_min(0)
+        base_logits = torch.cat(base)
+        rows["dynamic"].update(ppl=float(token_nll(base_logits, targets).mean().exp()))
+        for m in methods:  # the metric definitions of the eval suite (eval/tasks/perplexity/metrics.py)
+            logits = torch.cat(logits_of[m])
+            kl = token_kl(base_logits, logits)
             rows[m].update(kl=float(kl.mean()), kl99=float(torch.quantile(kl, 0.99)),
-                           top1=float((lp.argmax(-1) == lp0.argmax(-1)).float().mean()),
-                           ppl=float((-lp.gather(-1, targets[:, None]).mean()).exp()))
+                           top1=float(top1_match(base_logits, logits).double().mean()),
+                           ppl=float(token_nll(logits, targets).mean().exp()))
 
     # -- memory and speed ----------------------------------------------------------------------------------------
     fp16 = args.context * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * (

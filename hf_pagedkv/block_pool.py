@@ -1,4 +1,4 @@
-"""`BlockPool`: the public face of a pool of KV blocks (bookkeeping plus its page store), shareable by caches."""
+"""`BlockPool`: the public face of a pool of KV blocks (its layer groups: bookkeeping plus storage), shareable by caches."""
 
 from __future__ import annotations
 
@@ -11,16 +11,16 @@ from collections import deque
 import torch
 
 from .block_allocator import BlockAllocator
+from .block_group import BlockGroup
 from .block_table import BlockTable
 from .config import DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, QuantConfig, check_positive_int, parse_bytes
 from .errors import PoolExhaustedError
 from .events import EventLog
-from .invariants import check_pool_invariants
+from .invariants import check_group_invariants
 from .metrics import Health, PoolMetrics
-from .page_store import LayerSpec, PageStore
-from .pool_stats import PoolStats
+from .page_store import LayerSpec
+from .pool_stats import GroupStats, PoolStats
 from .prefix_index import BlockHash, PrefixIndex
-from .quantized_store import QuantizedPageStore
 
 logger = logging.getLogger(__name__)
 
@@ -30,19 +30,23 @@ _MIN_GROWTH_BLOCKS = 64  # a growable pool never grows by less than this many bl
 class BlockPool:
     """A pool of fixed-size KV blocks shared by one or more `PagedCache` objects of the same model.
 
-    A block holds `block_size` consecutive tokens of one sequence, in every layer (one block id names the same
-    slot range in each layer, as in vLLM), so a sequence needs one block table, not one per layer. Blocks are
-    refcounted: `fork()`, beam reordering and `num_return_sequences` share block ids, and a shared block is
-    copied before it is written (copy-on-write).
+    Layers are split into **layer groups** by how much history they keep (`groups`: group 0 for full attention,
+    one per distinct sliding window), as in vLLM's hybrid KV-cache manager. A block of a group holds `block_size`
+    consecutive tokens of one sequence in every layer of that group (one block id names the same slot range in
+    each of them), so a sequence needs one block table per group, not one per layer; a sliding-window group frees
+    the blocks that leave its window, so hybrid models (Gemma 2/3, gpt-oss, ...) hold only their windows there.
+    Blocks are refcounted: `fork()`, beam reordering and `num_return_sequences` share block ids, and a shared block
+    is copied before it is written (copy-on-write).
 
     Args:
         block_size (`int`, *optional*, defaults to 16, 32 when quantized): tokens per block (for a quantized pool,
             also the key quantization group).
-        num_blocks (`int`, *optional*): a fixed number of blocks, preallocated once per layer. When they are
-            all in use, allocation raises `PoolExhaustedError`.
+        num_blocks (`int`, *optional*): a fixed number of blocks per layer group, preallocated once per layer.
+            When a group's blocks are all in use, allocation raises `PoolExhaustedError`.
         max_memory (`int` or `str`, *optional*): a fixed budget in bytes (``"4GiB"``, ``"512MB"``) for all
-            layers' keys and values; turned into `num_blocks` once the layer shapes are known (pass
-            `config=model.config` to `PagedCache` when the cache is created lazily). Exclusive with `num_blocks`.
+            layers' keys and values; turned into `num_blocks` (the same for every group) once the layer shapes are
+            known (pass `config=model.config` to `PagedCache` when the cache is created lazily). Exclusive with
+            `num_blocks`.
         debug (`bool`, *optional*, defaults to `False`): poison freed blocks with NaN.
         prefix_caching (`bool`, *optional*, defaults to `False`): keep a prefix index (`PrefixIndex`) so that
             requests sharing a prompt prefix share its full blocks (`PagedCache.from_prefix`, `cache.publish`,
@@ -95,60 +99,105 @@ class BlockPool:
         self.max_memory = None if max_memory is None else parse_bytes(max_memory)  # byte budget, or None
         self.growable = num_blocks is None and max_memory is None  # grow on demand instead of raising
         self.lock = threading.RLock()  # guards all bookkeeping; held by a cache for a whole step's extension
-        self.allocator = BlockAllocator()  # block ids and refcounts
-        self.store = (QuantizedPageStore(block_size, self.quant, debug=debug) if self.quant.is_quantized
-                      else PageStore(block_size, debug=debug))  # the tensors
-        self._tables: dict[int, list[BlockTable]] = {}  # owner token -> that cache's rows; for checks and stats
+        self._fixed_blocks = num_blocks  # blocks each layer group gets when it is created, or None
+        self._prefix_caching = prefix_caching  # whether groups keep a prefix index; fixed
+        self._debug = debug  # poison freed blocks; applied to every group's store
+        self.groups: list[BlockGroup] = []  # layer groups; group 0 is full attention; appended by group_for only
+        self._group_of: dict[int | None, int] = {}  # sliding window (None: full attention) -> group index
         self._tokens = itertools.count()  # owner tokens
+        self._owners: set[int] = set()  # live owner tokens (caches not yet released or collected)
         self._pending_release: deque[int] = deque()  # owners garbage-collected without release(); freed by _drain
-        self.prefix_index = PrefixIndex() if prefix_caching else None  # full-block hashes -> blocks, or None
-        self.num_cow_copies = 0  # blocks copied before a write (copy-on-write); changed by copy_on_write only
+        self.group_for(None)
         self.metrics = PoolMetrics(self)  # counters, step latency, alerts (metrics.py); updated by the hooks below
         self.events = EventLog(self)  # block event log, off by default (events.py)
-        if num_blocks is not None:
-            self._add_blocks(num_blocks)
 
     # -- configuration ---------------------------------------------------------------------------------------------
     @property
     def debug(self) -> bool:
         """Whether freed blocks are poisoned with NaN."""
-        return self.store.debug
+        return self._debug
 
     @debug.setter
     def debug(self, value: bool) -> None:
-        self.store.debug = bool(value)
+        self._debug = bool(value)
+        for group in self.groups:
+            group.store.debug = self._debug
 
     @property
     def prefix_caching(self) -> bool:
         """Whether this pool keeps a prefix index (`BlockPool(prefix_caching=True)`)."""
-        return self.prefix_index is not None
+        return self._prefix_caching
+
+    # The full-attention group (group 0): what a pool of a model without sliding windows consists of.
+    @property
+    def allocator(self) -> BlockAllocator:
+        return self.groups[0].allocator
+
+    @property
+    def store(self):
+        return self.groups[0].store
+
+    @property
+    def prefix_index(self) -> PrefixIndex | None:
+        return self.groups[0].prefix_index
+
+    @property
+    def num_cow_copies(self) -> int:
+        return sum(group.num_cow_copies for group in self.groups)
 
     @property
     def num_blocks(self) -> int:
-        return self.allocator.num_blocks
+        """Blocks the pool holds storage for, summed over its layer groups."""
+        return sum(group.allocator.num_blocks for group in self.groups)
 
-    def _add_blocks(self, n: int) -> None:
-        self.store.grow(self.allocator.num_blocks + n)
-        self.allocator.add_blocks(n)
+    def group_for(self, window: int | None) -> int:
+        """The index of the layer group of layers with this sliding window (`None`: full attention), created on
+        first use; a fixed pool gives a new group its `num_blocks` blocks."""
+        with self.lock:
+            gi = self._group_of.get(window)
+            if gi is None:
+                gi = len(self.groups)
+                group = BlockGroup(gi, window, self.block_size, self.quant, self._debug, self._prefix_caching)
+                self.groups.append(group)
+                self._group_of[window] = gi
+                if self._fixed_blocks is not None:
+                    self._add_blocks(group, self._fixed_blocks)
+                if gi and self.events.enabled:
+                    logger.debug("BlockPool: new layer group %d (%s)", gi, group.name)
+            return gi
 
-    def register_layer(self, layer_idx: int, spec: LayerSpec, num_layers: int | None = None) -> None:
-        """Make sure the pool has storage for `layer_idx` with this spec.
+    def _add_blocks(self, group: BlockGroup, n: int) -> None:
+        group.store.grow(group.allocator.num_blocks + n)
+        group.allocator.add_blocks(n)
+
+    def register_layer(self, layer_idx: int, spec: LayerSpec, num_layers: int | None = None, group: int = 0) -> None:
+        """Make sure the pool has storage for `layer_idx` with this spec in layer group `group`.
 
         Raises:
             ValueError: the pool already holds this layer with another shape, dtype or device (a pool shared
-                between different models), or `max_memory` cannot be resolved without the number of layers.
+                between different models) or in another group, or `max_memory` cannot be resolved without the
+                number of layers.
         """
         with self.lock:
-            known = self.store.specs.get(layer_idx)
-            if known is not None:
+            target = self.groups[group]
+            for other in self.groups:
+                known = other.store.specs.get(layer_idx)
+                if known is None:
+                    continue
                 if known != spec:
                     raise ValueError(
                         f"This BlockPool holds layer {layer_idx} as {_describe(known)}, but got {_describe(spec)}. "
                         "A pool is shared only by caches of one model (same layer shapes and dtype); use a "
                         "separate BlockPool for each model."
                     )
+                if other is not target:
+                    raise ValueError(
+                        f"This BlockPool holds layer {layer_idx} in its {other.name} layer group, but a cache uses "
+                        f"it as {target.name}; a pool is shared only by caches of one model (build each cache with "
+                        "the same config=, or none)."
+                    )
                 return
-            if self.max_memory is not None and self.allocator.num_blocks == 0:
+            if self.max_memory is not None and target.allocator.num_blocks == 0:
                 total = device_memory(spec.device)
                 if total is not None and self.max_memory > total:
                     raise ValueError(
@@ -160,131 +209,169 @@ class BlockPool:
                         "BlockPool(max_memory=...) needs the number of layers to size itself: create the cache "
                         "as PagedCache(config=model.config, pool=pool), or use num_blocks= instead."
                     )
-                per_block = self.store.block_bytes(spec) * num_layers
+                # NOTE: every group gets the same number of blocks, so the groups together stay within the budget
+                # (each layer belongs to one group); a sliding group rarely needs them all.
+                per_block = target.store.block_bytes(spec) * num_layers
                 n = self.max_memory // per_block
                 if n == 0:
                     raise ValueError(
                         f"max_memory={self.max_memory} bytes is less than one block ({per_block} bytes for "
                         f"{num_layers} layers); raise max_memory or lower block_size."
                     )
-                self._add_blocks(n)
-            self.store.add_layer(layer_idx, spec)
+                self._add_blocks(target, n)
+            target.store.add_layer(layer_idx, spec)
 
     # -- allocation --------------------------------------------------------------------------------------------------
-    def reserve(self, n: int) -> None:
-        """Make sure `n` blocks are free: evict cached-idle blocks (LRU), then grow a growable pool, else raise.
-        Changes no refcount.
+    def can_reserve(self, n: int, group: int = 0) -> bool:
+        """Whether `reserve(n, group)` would succeed. No side effects."""
+        with self.lock:
+            alloc = self.groups[group].allocator
+            return self.growable or n <= alloc.num_free_blocks + alloc.num_idle_blocks
+
+    def reserve(self, n: int, group: int = 0) -> None:
+        """Make sure `n` blocks of `group` are free: evict cached-idle blocks (LRU), then grow a growable pool, else
+        raise. Changes no refcount.
 
         Raises:
             PoolExhaustedError: a fixed pool has fewer than `n` free plus cached-idle blocks (nothing changed).
         """
         with self.lock:
             self._drain()
-            free = self.allocator.num_free_blocks
+            g = self.groups[group]
+            free = g.allocator.num_free_blocks
             if n <= free:
                 return
-            idle = self.allocator.num_idle_blocks
+            idle = g.allocator.num_idle_blocks
             if not self.growable and n > free + idle:
-                idle_note = f" and {idle} cached-idle" if self.prefix_index is not None else ""
+                idle_note = f" and {idle} cached-idle" if g.prefix_index is not None else ""
+                where = "" if len(self.groups) == 1 else f" in its {g.name} layer group"
                 self.metrics.count_failure(n)
                 raise PoolExhaustedError(
-                    f"BlockPool is full: {n} blocks needed, {free} free{idle_note} of {self.num_blocks} "
-                    f"(block_size={self.block_size}). Raise num_blocks / max_memory, release finished caches, "
-                    "or use num_blocks=None to let the pool grow."
+                    f"BlockPool is full{where}: {n} blocks needed, {free} free{idle_note} of "
+                    f"{g.allocator.num_blocks} (block_size={self.block_size}). Raise num_blocks / max_memory, "
+                    "release finished caches, or use num_blocks=None to let the pool grow."
                 )
             if idle:  # evict before growing or raising: idle blocks are only a cache
-                self._evict(min(n - free, idle))
-                free = self.allocator.num_free_blocks
+                self._evict(g, min(n - free, idle))
+                free = g.allocator.num_free_blocks
                 if n <= free:
                     return
-            cur = self.num_blocks
-            self._add_blocks(n - free + max(cur // 2, _MIN_GROWTH_BLOCKS))  # headroom: next steps need no copy
-            logger.debug("BlockPool grew from %d to %d blocks", cur, self.num_blocks)
+            cur = g.allocator.num_blocks
+            self._add_blocks(g, n - free + max(cur // 2, _MIN_GROWTH_BLOCKS))  # headroom: next steps need no copy
+            logger.debug("BlockPool %s group grew from %d to %d blocks", g.name, cur, g.allocator.num_blocks)
 
-    def allocate(self, n: int, after: int | None = None) -> list[int]:
-        """Allocate `n` blocks (refcount 1 each), growing or raising `PoolExhaustedError` first if needed."""
+    def allocate(self, n: int, after: int | None = None, group: int = 0) -> list[int]:
+        """Allocate `n` blocks of `group` (refcount 1 each), growing or raising `PoolExhaustedError` first if needed."""
         with self.lock:
-            self.reserve(n)
-            blocks = self.allocator.allocate(n, after)
+            self.reserve(n, group)
+            blocks = self.groups[group].allocator.allocate(n, after)
             assert blocks is not None
-            self.metrics.count_allocation(n, self.allocator.num_used_blocks)
-            self.events.emit("allocate", blocks)
+            self.metrics.count_allocation(n, self.num_used_blocks)
+            self.events.emit("allocate", blocks, **_group_field(group))
             return blocks
 
-    def incref(self, blocks: list[int]) -> None:
-        with self.lock:
-            self.events.emit("fork", blocks)
-            self.allocator.incref(blocks)
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks in use (refcount >= 1), summed over layer groups."""
+        return sum(group.allocator.num_used_blocks for group in self.groups)
 
-    def free(self, blocks: list[int]) -> None:
-        """Drop one reference from each block; blocks that reach refcount 0 return to the free set (and are
-        poisoned in debug mode), or, when published in the prefix index, become cached-idle."""
+    def incref(self, blocks: list[int], group: int = 0) -> None:
         with self.lock:
-            self.events.emit("free", blocks)
-            if self.prefix_index is None:
-                freed = self.allocator.decref(blocks)
+            self.events.emit("fork", blocks, **_group_field(group))
+            self.groups[group].allocator.incref(blocks)
+
+    def free(self, blocks: list[int], group: int = 0) -> None:
+        """Drop one reference from each block of `group`; blocks that reach refcount 0 return to the free set (and
+        are poisoned in debug mode), or, when published in the prefix index, become cached-idle."""
+        with self.lock:
+            g = self.groups[group]
+            self.events.emit("free", blocks, **_group_field(group))
+            if g.prefix_index is None:
+                freed = g.allocator.decref(blocks)
             else:
-                freed = self.prefix_index.release(blocks, self.allocator)
-            self.store.release(freed)
+                freed = g.prefix_index.release(blocks, g.allocator)
+            g.store.release(freed)
 
-    def copy_on_write(self, src: list[int], dst: list[int]) -> None:
-        """Copy whole blocks `src[i]` -> `dst[i]` in every layer (before writing to a shared or published block)."""
+    def copy_on_write(self, src: list[int], dst: list[int], group: int = 0) -> None:
+        """Copy whole blocks `src[i]` -> `dst[i]` in every layer of `group` (before writing to a shared or published
+        block)."""
         with self.lock:
-            self.store.copy_blocks(src, dst)
-            self.num_cow_copies += len(src)
+            g = self.groups[group]
+            g.store.copy_blocks(src, dst)
+            g.num_cow_copies += len(src)
 
     # -- prefix caching --------------------------------------------------------------------------------------------
-    def is_published(self, block: int) -> bool:
+    def is_published(self, block: int, group: int = 0) -> bool:
         """Whether `block` holds a published full prefix (it must then be copied before any write)."""
-        return self.prefix_index is not None and block in self.prefix_index
+        index = self.groups[group].prefix_index
+        return index is not None and block in index
 
-    def acquire_prefix(self, hashes: list[BlockHash], num_tokens: int) -> list[int]:
+    def acquire_prefix(self, hashes: list[BlockHash], num_tokens: int, group: int = 0, count: bool = True) -> list[int]:
         """Take one reference to each block of the longest published prefix of `hashes` (reviving idle ones).
 
         Args:
             hashes (`list[BlockHash]`): chain hashes of the full blocks a request may reuse.
             num_tokens (`int`): tokens of the request (for `hit_rate`).
+            group (`int`, *optional*, defaults to 0): the layer group.
+            count (`bool`, *optional*, defaults to `True`): count the lookup and its hit (once per request: the
+                other layer groups of the same request pass `False`).
 
         Returns:
             `list[int]`: the hit blocks, in order; the caller's block table must name them (one reference each).
         """
         with self.lock:
             self._drain()
-            blocks = self.prefix_index.acquire(hashes, self.allocator, num_tokens)
-            self.events.emit("hit", blocks, tokens=num_tokens)
+            blocks = self.groups[group].prefix_index.acquire(hashes, self.groups[group].allocator, num_tokens, count)
+            self.events.emit("hit", blocks, tokens=num_tokens, **_group_field(group))
             return blocks
 
-    def publish_blocks(self, hashes: list[BlockHash], blocks: list[int]) -> int:
-        """Publish `blocks[i]` under `hashes[i]` (blocks held by the caller, fully written in every layer).
+    def match_prefix(self, hashes: list[BlockHash], group: int = 0) -> list[int]:
+        """The blocks of `group` of the longest published prefix of `hashes`. Changes nothing."""
+        with self.lock:
+            return self.groups[group].prefix_index.match(hashes)
+
+    def publish_blocks(self, hashes: list[BlockHash], blocks: list[int], group: int = 0) -> int:
+        """Publish `blocks[i]` of `group` under `hashes[i]` (blocks held by the caller, fully written in every layer).
 
         Returns:
             `int`: blocks newly published (a hash already published by another block is skipped).
         """
         with self.lock:
-            rc = self.allocator.refcount
-            assert all(rc(b) > 0 for b in blocks), "publish of a block the caller does not hold"
-            self.events.emit("publish", blocks)
-            return sum(self.prefix_index.publish(h, b) for h, b in zip(hashes, blocks))
+            g = self.groups[group]
+            assert all(g.allocator.refcount(b) > 0 for b in blocks), "publish of a block the caller does not hold"
+            self.events.emit("publish", blocks, **_group_field(group))
+            return sum(g.prefix_index.publish(h, b) for h, b in zip(hashes, blocks))
 
-    def _evict(self, n: int) -> None:
-        evicted = self.prefix_index.evict(n, self.allocator)
-        self.events.emit("evict", evicted)
-        self.store.release(evicted)
-        logger.debug("BlockPool evicted %d cached-idle blocks", n)
+    def _evict(self, group: BlockGroup, n: int) -> None:
+        evicted = group.prefix_index.evict(n, group.allocator)
+        self.events.emit("evict", evicted, **_group_field(group.index))
+        group.store.release(evicted)
+        logger.debug("BlockPool evicted %d cached-idle blocks of its %s group", n, group.name)
 
     # -- owners (live block tables) --------------------------------------------------------------------------------
-    def _register(self, rows: list[BlockTable]) -> int:
+    def _register(self, rows: list[BlockTable] | None = None, group: int = 0) -> int:
+        """A new owner token; `rows` (a list object the owner keeps filling) are its tables in `group`."""
         with self.lock:
             self._drain()
             token = next(self._tokens)
-            self._tables[token] = rows
+            self._owners.add(token)
+            if rows is not None:
+                self.groups[group].tables[token] = rows
             return token
+
+    def _add_rows(self, token: int, group: int, rows: list[BlockTable]) -> None:
+        """Register an owner's tables in another layer group."""
+        with self.lock:
+            assert token in self._owners and token not in self.groups[group].tables
+            self.groups[group].tables[token] = rows
 
     def _unregister(self, token: int) -> None:
         """Forget an owner whose rows are already empty (an explicit `PagedCache.release()`)."""
         with self.lock:
-            rows = self._tables.pop(token, None)
-            assert not rows, "unregister of an owner that still holds blocks"
+            self._owners.discard(token)
+            for group in self.groups:
+                rows = group.tables.pop(token, None)
+                assert not rows, "unregister of an owner that still holds blocks"
 
     def _release_owner(self, token: int) -> None:
         """Free every block of one owner's rows and forget them (the cache was released or garbage collected).
@@ -298,38 +385,52 @@ class BlockPool:
     def _drain(self) -> None:
         """Free the blocks of owners queued by `_release_owner`. Called with `lock` held."""
         while self._pending_release:
-            rows = self._tables.pop(self._pending_release.popleft(), None)
-            if rows:
-                self.free([b for row in rows for b in row.blocks])
-                rows.clear()
+            token = self._pending_release.popleft()
+            self._owners.discard(token)
+            for group in self.groups:
+                rows = group.tables.pop(token, None)
+                if rows:
+                    self.free([b for row in rows for b in row.blocks], group.index)
+                    rows.clear()
 
     # -- observation -------------------------------------------------------------------------------------------------
     def stats(self) -> PoolStats:
-        """A consistent snapshot of occupancy and prefix-cache counters (see `PoolStats`)."""
+        """A consistent snapshot of occupancy and prefix-cache counters (see `PoolStats`), summed over layer groups,
+        with one `GroupStats` per group in `groups`."""
         with self.lock:
             self._drain()
-            index = self.prefix_index
-            fill: dict[int, int] = {}
-            rows = [row for rows in self._tables.values() for row in rows]
-            for row in rows:
-                for j, b in enumerate(row.blocks):
-                    fill[b] = max(fill.get(b, 0), min(self.block_size, row.num_tokens - j * self.block_size))
+            per_group = tuple(
+                GroupStats(
+                    window=g.window,
+                    layers=tuple(g.layers),
+                    num_blocks=g.allocator.num_blocks,
+                    blocks_in_use=g.allocator.num_used_blocks,
+                    tokens_stored=g.num_filled_slots(),
+                    bytes_per_block=g.store.bytes_per_block,
+                    bytes_in_use=g.store.bytes_in_use(g.allocator.num_used_blocks),
+                    bytes_reserved=g.store.bytes_reserved(),
+                )
+                for g in self.groups
+            )
+            indexes = [g.prefix_index for g in self.groups if g.prefix_index is not None]
             return PoolStats(
                 block_size=self.block_size,
                 num_blocks=self.num_blocks,
-                blocks_in_use=self.allocator.num_used_blocks,
-                blocks_free=self.allocator.num_free_blocks,
-                tokens_stored=sum(fill.values()),
-                bytes_per_block=self.store.bytes_per_block,
-                num_sequences=len(rows),
-                bytes_in_use=self.store.bytes_in_use(self.allocator.num_used_blocks),
-                bytes_reserved=self.store.bytes_reserved(),
-                blocks_cached=self.allocator.num_idle_blocks,
-                lookups=index.num_lookups if index is not None else 0,
-                lookup_tokens=index.num_lookup_tokens if index is not None else 0,
-                hit_tokens=index.num_hit_tokens if index is not None else 0,
-                evictions=index.num_evictions if index is not None else 0,
+                blocks_in_use=self.num_used_blocks,
+                blocks_free=sum(g.allocator.num_free_blocks for g in self.groups),
+                tokens_stored=sum(g.tokens_stored for g in per_group),
+                bytes_per_block=sum(g.bytes_per_block for g in per_group),
+                num_sequences=max(len(g.rows()) for g in self.groups),
+                bytes_in_use=sum(g.bytes_in_use for g in per_group),
+                bytes_reserved=sum(g.bytes_reserved for g in per_group),
+                blocks_cached=sum(g.allocator.num_idle_blocks for g in self.groups),
+                # NOTE: each request's lookup is counted by one group's index (its cache's first), so these add up
+                lookups=sum(i.num_lookups for i in indexes),
+                lookup_tokens=sum(i.num_lookup_tokens for i in indexes),
+                hit_tokens=sum(i.num_hit_tokens for i in indexes),
+                evictions=sum(i.num_evictions for i in indexes),
                 cow_copies=self.num_cow_copies,
+                groups=per_group,
             )
 
     def health(self) -> Health:
@@ -337,17 +438,28 @@ class BlockPool:
         return self.metrics.check_alerts()
 
     def check_invariants(self) -> None:
-        """Check the pool invariants of DESIGN.md; raise `InvariantError` naming the broken one and the blocks.
+        """Check the pool invariants of DESIGN.md in every layer group; raise `InvariantError` naming the broken
+        one, the group and the blocks.
 
         1. every block is in exactly one state: free (refcount 0, in the free set), in use (refcount >= 1), or
            cached-idle (refcount 0, published in the prefix index and in its idle LRU); the prefix index is
            consistent (hash <-> block maps inverse) and names no free block;
         2. `refcount[b]` equals the number of live block-table entries naming `b`;
-        3. a table holding `n` tokens has exactly ``ceil(n / block_size)`` blocks and names no block twice;
+        3. a table holding `n` tokens covers ``ceil(n / block_size)`` block positions: a full-attention table holds
+           a block for each, a sliding-window table drops only positions wholly before its window; no table names
+           a block twice;
         5. the free queue has no duplicates and names no block in use (a set, so no duplicates by construction);
         6. with no live tables, no block is in use (a leak) -- implied by 2.
         """
-        check_pool_invariants(self)
+        with self.lock:
+            self._drain()
+            for group in self.groups:
+                check_group_invariants(group)
+
+
+def _group_field(group: int) -> dict:
+    """Event fields naming a layer group other than the full-attention one (group 0 events stay as before)."""
+    return {} if group == 0 else {"group": group}
 
 
 def _describe(spec: LayerSpec) -> str:

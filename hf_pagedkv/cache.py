@@ -11,10 +11,11 @@ from ._compat import Cache, DummyLayer, layer_plan
 from .block_pool import BlockPool
 from .block_table import BlockTable, num_blocks_for
 from .config import QuantConfig, check_positive_int
-from .errors import CacheReleasedError
+from .errors import CacheReleasedError, InvariantError
 from .layer import PagedLayer
 from .page_store import LayerSpec
 from .prefix_cache import PrefixMixin
+from .row_tables import RowTables
 from .step import StepMixin, _Step
 
 logger = logging.getLogger(__name__)
@@ -91,26 +92,30 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
             raise ValueError(f"quant={quant.name} ({quant}) differs from the pool's quant={pool.quant.name} "
                              f"({pool.quant}); the quantization is a property of the pool's storage: pass "
                              "quant=None to use the pool's, or create a BlockPool(quant=...) for this setting.")
-        layers = []
-        if config is not None:
-            for idx, (kind, window) in enumerate(layer_plan(config)):
-                layers.append(DummyLayer() if kind == "dummy" else PagedLayer(self, idx, window))
-        super().__init__(layers=layers)
         if debug:
             pool.debug = True
         self.pool = pool  # the BlockPool holding this cache's blocks; fixed
         self.block_size = pool.block_size  # tokens per block; fixed
         self.debug = debug  # check invariants after every step
-        self._num_layers = len(layers) or None  # known when built from a config (sizes max_memory pools)
-        self._rows: list[BlockTable] = []  # one block table per batch row; this list object is registered
-        self._table = torch.zeros((0, 0), dtype=torch.long)  # CPU mirror of the rows' block ids [batch, capacity]
+        self._groups: list[RowTables] = []  # one per layer group this cache's layers use; full attention first
+        self._by_group: dict[int, RowTables] = {}  # pool group index -> its RowTables
         self._num_tokens = 0  # tokens held by every row (rows of a batch have equal lengths, padding included)
         self._step: _Step | None = None  # the current forward step, set by its first layer
+        self.last_step_tokens = 0  # new tokens per row of the last forward step (a sliding group holds them too)
         self._maybe_dups = False  # rows were just forked, so identical rows may be deduplicated next step
         self._released = False
-        self._owner = pool._register(self._rows)  # this cache's token in the pool's table registry
+        self._owner = pool._register()  # this cache's token in the pool's table registry
         self.seq_id = self._owner  # names this cache in the block event log
         self._finalizer = weakref.finalize(self, pool._release_owner, self._owner)  # frees blocks if never released
+        layers = []
+        if config is not None:
+            for idx, (kind, window) in enumerate(layer_plan(config)):
+                if kind == "dummy":
+                    layers.append(DummyLayer())
+                else:
+                    layers.append(PagedLayer(self, idx, window, group=self._tables_for(window).group))
+        super().__init__(layers=layers)
+        self._num_layers = len(layers) or None  # known when built from a config (sizes max_memory pools)
 
     # -- transformers entry points -----------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -123,8 +128,8 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
         Returns:
             keys, values of shape `[batch, num_kv_heads, seq_len, head_dim]`.
         """
-        while len(self.layers) <= layer_idx:
-            self.layers.append(PagedLayer(self, len(self.layers)))
+        while len(self.layers) <= layer_idx:  # a cache built without config: full-attention layers, as DynamicCache
+            self.layers.append(PagedLayer(self, len(self.layers), group=self._tables_for(None).group))
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -147,17 +152,27 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
         if tokens_to_remove == 0 or self._num_tokens == 0:
             return
         new_len = max(0, self._num_tokens + tokens_to_remove)
+        for rt in self._groups:  # a sliding group must still hold the window the next step reads
+            if rt.droppable(new_len) < rt.num_dropped:
+                raise ValueError(
+                    f"crop({tokens_to_remove}) to {new_len} tokens reaches before what the sliding-window layers "
+                    f"(window {rt.window}) still hold: they keep the last window - 1 tokens plus the last step's "
+                    f"new tokens ({(rt.num_dropped * self.block_size)} tokens onward here). Crop at most the tokens "
+                    "of the last forward step, as assisted decoding does."
+                )
         keep = num_blocks_for(new_len, self.block_size)
         with self.pool.lock:
-            tail = []
-            for row in self._rows:
-                self.pool.free(row.truncate(keep))
-                row.num_tokens = new_len
-                if self.pool.debug and new_len % self.block_size and self.pool.allocator.refcount(row.blocks[-1]) == 1 \
-                        and not self.pool.is_published(row.blocks[-1]):  # a published block's content stays intact
-                    base = row.blocks[-1] * self.block_size
-                    tail.extend(range(base + new_len % self.block_size, base + self.block_size))
-            self.pool.store.poison_slots(tail)  # stale tokens past the crop must never be read
+            for rt in self._groups:
+                tail, store = [], self.pool.groups[rt.group].store
+                for row in rt.rows:
+                    self.pool.free(row.truncate(keep), rt.group)
+                    row.num_tokens = new_len
+                    if self.pool.debug and new_len % self.block_size and row.blocks \
+                            and self.pool.groups[rt.group].allocator.refcount(row.blocks[-1]) == 1 \
+                            and not self.pool.is_published(row.blocks[-1], rt.group):  # a published block stays
+                        base = row.blocks[-1] * self.block_size
+                        tail.extend(range(base + new_len % self.block_size, base + self.block_size))
+                store.poison_slots(tail)  # stale tokens past the crop must never be read
         for layer in self._paged_layers():
             layer.num_tokens = min(layer.num_tokens, new_len)
         self._num_tokens = new_len
@@ -172,31 +187,26 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
             ValueError: an index out of range.
         """
         idx = torch.as_tensor(beam_idx).reshape(-1).tolist()
-        if idx == list(range(len(self._rows))):
+        if idx == list(range(self.num_rows)):
             return
-        common = 0
-        if len(idx) == len(self._rows) and idx:  # as many rows after as before: shared leading blocks keep counts
-            nblk = num_blocks_for(self._num_tokens, self.block_size)
-            table = self._table[:, :nblk]
-            same = (table == table[:1]).all(0).tolist()  # block positions where every row names the same block
-            common = same.index(False) if False in same else nblk
-        self._select(idx, common)
+        # as many rows after as before: leading blocks every row shares keep their counts
+        self._select(idx, common=len(idx) == self.num_rows and bool(idx))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep only the rows `indices` (refcounts follow)."""
-        self._select(torch.as_tensor(indices).reshape(-1).tolist(), 0)
+        self._select(torch.as_tensor(indices).reshape(-1).tolist())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat each row `repeats` times, sharing its blocks (a fork per copy)."""
-        self._select([r for r in range(len(self._rows)) for _ in range(repeats)], 0)
+        self._select([r for r in range(self.num_rows) for _ in range(repeats)])
         self._maybe_dups = True
 
     def reset(self) -> None:
         """Free every block this cache holds; the cache stays usable (empty)."""
         with self.pool.lock:
-            self.pool.free([b for row in self._rows for b in row.blocks])
-            self._rows.clear()
-        self._table = torch.zeros((0, 0), dtype=torch.long)
+            for rt in self._groups:
+                self.pool.free([b for row in rt.rows for b in row.blocks], rt.group)
+                rt.reset()
         self._num_tokens = 0
         self._step = None
         for layer in self._paged_layers():
@@ -211,10 +221,11 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
                         for layer in self.layers]
         other._num_layers = self._num_layers
         with self.pool.lock:
-            for row in self._rows:
-                self.pool.incref(row.blocks)
-                other._rows.append(row.copy())
-        other._table = self._table.clone()
+            for mine, rt in [(other._tables_for(rt.window), rt) for rt in self._groups]:  # all groups, then rows
+                for row in rt.rows:
+                    self.pool.incref(row.blocks, rt.group)
+                    mine.rows.append(row.copy())
+                mine.table = rt.table.clone()
         other._num_tokens = self._num_tokens
         other._after_change()
         return other
@@ -236,16 +247,26 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
 
     @property
     def num_rows(self) -> int:
-        """Batch rows (block tables) this cache holds."""
-        return len(self._rows)
+        """Batch rows this cache holds (each has one block table per layer group)."""
+        return len(self._groups[0].rows) if self._groups else 0
 
-    def block_tables(self) -> list[list[int]]:
-        """A copy of each row's block ids, in token order."""
-        return [list(row.blocks) for row in self._rows]
+    @property
+    def _rows(self) -> list[BlockTable]:
+        """The rows' block tables in the first layer group (full attention when the model has it)."""
+        return self._groups[0].rows if self._groups else []
+
+    def block_tables(self, window: int | None = ...) -> list[list[int]]:
+        """A copy of each row's held block ids, in token order, in one layer group: the first (full attention when
+        the model has it) by default, or the group of layers with sliding window `window` (`None`: full)."""
+        if window is ...:
+            rt = self._groups[0] if self._groups else None
+        else:
+            rt = next((rt for rt in self._groups if rt.window == window), None)
+        return [list(row.blocks) for row in rt.rows] if rt is not None else []
 
     def __repr__(self) -> str:
         quant = f", quant={self.pool.quant.name}" if self.pool.quant.is_quantized else ""
-        return (f"PagedCache(rows={len(self._rows)}, tokens={self._num_tokens}, block_size={self.block_size}, "
+        return (f"PagedCache(rows={self.num_rows}, tokens={self._num_tokens}, block_size={self.block_size}, "
                 f"layers={len(self.layers)}{quant}{', released' if self._released else ''})")
 
     # -- internals: layers ----------------------------------------------------------------------------------------
@@ -257,11 +278,26 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
         return [layer for layer in self.layers if isinstance(layer, PagedLayer)]
 
     def _register_layer(self, layer: PagedLayer, spec: LayerSpec) -> None:
-        self.pool.register_layer(layer.layer_idx, spec, self._num_layers)
+        self.pool.register_layer(layer.layer_idx, spec, self._num_layers, group=layer.group)
+
+    def _tables_for(self, window: int | None) -> RowTables:
+        """This cache's tables in the pool's layer group for `window`, created (and registered) on first use."""
+        group = self.pool.group_for(window)
+        rt = self._by_group.get(group)
+        if rt is None:
+            if self._num_tokens:
+                raise RuntimeError("A layer of a new layer group appeared after this PagedCache stored tokens; "
+                                   "build the cache with config=model.config so every layer is known up front.")
+            rt = RowTables(group, window, self.block_size)
+            rt.reset(self.num_rows)
+            self.pool._add_rows(self._owner, group, rt.rows)
+            self._groups.insert(0 if window is None else len(self._groups), rt)  # full attention first
+            self._by_group[group] = rt
+        return rt
 
     @staticmethod
     def _clone_layer(layer: PagedLayer, owner: PagedCache) -> PagedLayer:
-        new = PagedLayer(owner, layer.layer_idx, layer.sliding_window)
+        new = PagedLayer(owner, layer.layer_idx, layer.sliding_window, group=layer.group)
         new.num_tokens, new.spec, new.is_initialized = layer.num_tokens, layer.spec, layer.is_initialized
         if layer.is_initialized:
             new.dtype, new.device = layer.dtype, layer.device
@@ -269,47 +305,53 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
 
     def _after_change(self) -> None:
         if self.debug:
-            self.pool.check_invariants()
+            self.check_invariants()
+
+    def check_invariants(self) -> None:
+        """Check the pool's invariants and this cache's own: per layer group, rows in step and the block tables'
+        tensor mirror equal to the tables. Raises `InvariantError`."""
+        self.pool.check_invariants()
+        for rt in self._groups:
+            problems = rt.check()
+            if len(rt.rows) != self.num_rows or any(row.num_tokens != self._num_tokens for row in rt.rows):
+                problems.append(f"group rows/tokens out of step with the cache ({self.num_rows} rows of "
+                                f"{self._num_tokens} tokens)")
+            if problems:
+                raise InvariantError(f"invariant 7 (block tables and their mirror agree) broken in the cache's "
+                                     f"group {rt.group}: {'; '.join(problems)}")
 
     # -- internals: rows ------------------------------------------------------------------------------------------
-    def _select(self, idx: list[int], common: int) -> None:
-        """Rows become copies of rows `idx`; refcounts move for block positions >= `common` only (the positions
-        before it name the same block in every row, so their counts are unchanged by a permutation)."""
+    def _select(self, idx: list[int], common: bool = False) -> None:
+        """Rows become copies of rows `idx`. With `common`, refcounts move only for block positions after the
+        leading ones every row shares (a permutation leaves their counts unchanged)."""
         self._check_usable()
-        if any(not 0 <= i < len(self._rows) for i in idx):
-            raise ValueError(f"row indices {idx} out of range for a cache of {len(self._rows)} rows.")
+        if any(not 0 <= i < self.num_rows for i in idx):
+            raise ValueError(f"row indices {idx} out of range for a cache of {self.num_rows} rows.")
         with self.pool.lock:
-            new_rows = [self._rows[i].copy() for i in idx]
-            for row in new_rows:
-                self.pool.incref(row.blocks[common:])
-            self.pool.free([b for row in self._rows for b in row.blocks[common:]])
-            self._rows[:] = new_rows
-        self._table = self._table[torch.tensor(idx, dtype=torch.long)] if idx else self._table[:0]
+            for rt in self._groups:
+                c = rt.common_prefix(self._num_tokens) if common else 0
+                new_rows = [rt.rows[i].copy() for i in idx]
+                for row in new_rows:
+                    self.pool.incref(row.after(c), rt.group)
+                self.pool.free([b for row in rt.rows for b in row.after(c)], rt.group)
+                rt.rows[:] = new_rows
+                rt.select(idx)
         self._step = None
         self._after_change()
 
-    def _set_table(self, r: int, start_block: int) -> None:
-        """Copy row `r`'s block ids from `start_block` on into the CPU mirror, growing its capacity if needed."""
-        blocks = self._rows[r].blocks
-        if len(blocks) > self._table.shape[1]:
-            grown = torch.zeros((self._table.shape[0], max(len(blocks), 2 * self._table.shape[1])), dtype=torch.long)
-            grown[:, : self._table.shape[1]] = self._table
-            self._table = grown
-        self._table[r, start_block: len(blocks)] = torch.tensor(blocks[start_block:], dtype=torch.long)
-
     def _match_batch(self, batch: int) -> None:
         """Make the cache hold `batch` rows: new empty rows, or `k` forks of each row when `batch = k * rows`."""
-        if batch == len(self._rows):
+        if batch == self.num_rows:
             return
         if self._num_tokens == 0:
             self.reset()
-            self._rows.extend(BlockTable() for _ in range(batch))
-            self._table = torch.zeros((batch, 0), dtype=torch.long)
-        elif self._rows and batch % len(self._rows) == 0:
-            logger.debug("PagedCache: expanding %d rows to %d by forking", len(self._rows), batch)
-            self.batch_repeat_interleave(batch // len(self._rows))
+            for rt in self._groups:
+                rt.reset(batch)
+        elif self.num_rows and batch % self.num_rows == 0:
+            logger.debug("PagedCache: expanding %d rows to %d by forking", self.num_rows, batch)
+            self.batch_repeat_interleave(batch // self.num_rows)
         else:
             raise ValueError(
-                f"This PagedCache holds {len(self._rows)} rows of {self._num_tokens} tokens but got a batch of "
+                f"This PagedCache holds {self.num_rows} rows of {self._num_tokens} tokens but got a batch of "
                 f"{batch}; the batch must equal the rows, or be a multiple of them (rows are then forked)."
             )

@@ -132,8 +132,8 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(f"bytes per token: {plan.bytes_per_token:,.0f} B ({fmt_bytes(plan.bytes_per_token)}) = {m.num_layers} "
           f"layers x {m.num_kv_heads} KV heads x {per_head:,.1f} B (K+V of head_dim {m.head_dim})")
     print(f"per sequence: {plan.max_seq_len:,} tokens -> {fmt_bytes(plan.seq_bytes)}")
-    note = (f" (a cache keeping only the sliding windows: {fmt_bytes(plan.window_kv_bytes)}; PagedCache keeps every "
-            "token of every layer)") if m.num_sliding else ""
+    note = (f" (sliding-window layers hold the blocks of their window; exactly the windows, as "
+            f"DynamicCache(config): {fmt_bytes(plan.window_kv_bytes)})") if m.num_sliding else ""
     print(f"total KV: batch {plan.batch} -> {fmt_bytes(plan.kv_bytes)}{note}")
     if plan.weight_bytes is not None:
         print(f"weights: {m.num_params / 1e6:,.1f}M parameters x {plan.weight_bytes // m.num_params} B = "

@@ -172,7 +172,7 @@ class EventLog:
             self.emit("cow", dst, seq=seq, rows=cow_rows, src=src, dst=dst, start=step.start)
         if last > first:
             for r in step.writers:
-                self.emit("append", cache._rows[r].blocks[first:last], seq=seq, row=r, start=step.start,
+                self.emit("append", cache._rows[r].after(first)[: last - first], seq=seq, row=r, start=step.start,
                           end=step.end)
 
     def _sampled(self, block: int) -> bool:

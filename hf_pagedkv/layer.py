@@ -16,13 +16,14 @@ if TYPE_CHECKING:
 class PagedLayer(CacheLayerMixin):
     """The keys and values of one attention layer, stored in the blocks of its `PagedCache`'s pool.
 
-    The block tables belong to the cache (one per batch row, shared by all layers); a layer only knows how many
-    tokens it has written (`num_tokens`) and, for sliding-window layers, its window. `update` writes the new
-    tokens into their slots and returns what attention reads, with the transformers shapes
+    The block tables belong to the cache (one per batch row and layer group, shared by the group's layers); a layer
+    only knows its group, how many tokens it has written (`num_tokens`) and, for sliding-window layers, its window.
+    `update` writes the new tokens into their slots and returns what attention reads, with the transformers shapes
     `[batch, num_kv_heads, seq_len, head_dim]`: every token for a full-attention layer; for a sliding-window
     layer the same slice `DynamicSlidingWindowLayer` returns (the last ``sliding_window - 1`` cached tokens plus
-    the new ones), so masks and outputs match `DynamicCache(config=...)` exactly. Unlike `DynamicSlidingWindowLayer`,
-    older tokens stay stored (a block id spans every layer), so `crop` works at any length.
+    the new ones), so masks and outputs match `DynamicCache(config=...)` exactly. Blocks wholly before the window
+    are freed when the next step starts, so `crop` can take back the last step's tokens (assisted decoding), as
+    `DynamicSlidingWindowLayer` with past recording does.
 
     Cache-wide operations (`crop`, `reorder_cache`, `batch_repeat_interleave`, `batch_select_indices`) act on the
     shared block tables and are called on the `PagedCache`, which transformers does.
@@ -31,11 +32,12 @@ class PagedLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, cache: PagedCache, layer_idx: int, sliding_window: int | None = None) -> None:
+    def __init__(self, cache: PagedCache, layer_idx: int, sliding_window: int | None = None, group: int = 0) -> None:
         super().__init__()
         self._cache = cache  # the owning cache (block tables, pool)
         self.layer_idx = layer_idx  # index in the model; names this layer's storage in the pool
         self.sliding_window = sliding_window  # tokens of the attention window, or None for full attention
+        self.group = group  # the pool's layer group holding this layer's blocks; fixed
         self.is_sliding = sliding_window is not None
         self.num_tokens = 0  # tokens this layer has written; set by the cache only
         self.spec: LayerSpec | None = None  # shape/dtype/device, fixed by the first update
@@ -43,8 +45,9 @@ class PagedLayer(CacheLayerMixin):
     # `CacheLayerMixin.__init__` assigns keys/values; here they are read from the pool on demand.
     @property
     def keys(self) -> torch.Tensor | None:
-        """This layer's cached keys, `[batch, num_kv_heads, seq_len, head_dim]` (a copy or a view), or None."""
-        return self._cache._read(self, 0)[0] if self.num_tokens else None
+        """This layer's cached keys, `[batch, num_kv_heads, seq_len, head_dim]` (a copy or a view), or None; for a
+        sliding-window layer the last ``sliding_window - 1`` tokens, as `DynamicSlidingWindowLayer` keeps."""
+        return self._cache._read(self, self._held_from())[0] if self.num_tokens else None
 
     @keys.setter
     def keys(self, value) -> None:
@@ -53,8 +56,12 @@ class PagedLayer(CacheLayerMixin):
 
     @property
     def values(self) -> torch.Tensor | None:
-        """This layer's cached values, `[batch, num_kv_heads, seq_len, head_dim]` (a copy or a view), or None."""
-        return self._cache._read(self, 0)[1] if self.num_tokens else None
+        """This layer's cached values, `[batch, num_kv_heads, seq_len, head_dim]` (a copy or a view), or None; for
+        a sliding-window layer the last ``sliding_window - 1`` tokens, as `DynamicSlidingWindowLayer` keeps."""
+        return self._cache._read(self, self._held_from())[1] if self.num_tokens else None
+
+    def _held_from(self) -> int:
+        return 0 if self.sliding_window is None else max(0, self.num_tokens - (self.sliding_window - 1))
 
     @values.setter
     def values(self, value) -> None:

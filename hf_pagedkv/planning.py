@@ -156,9 +156,9 @@ class CapacityPlan:
     batch: int  # sequences at once
     bytes_per_token: float  # one token, all layers, in a full block (as PagedCache stores it)
     seq_bytes: int  # one sequence of max_seq_len tokens, whole blocks (quantized: the partial last block also staged
-    #                 in full precision, and the sink tokens)
-    kv_bytes: int  # batch * seq_bytes: the peak KV
-    window_kv_bytes: int  # the same if sliding-window layers kept only their window (DynamicCache(config=...))
+    #                 in full precision, and the sink tokens); sliding-window layers hold the blocks of their window
+    kv_bytes: int  # batch * seq_bytes: the peak KV while decoding
+    window_kv_bytes: int  # the same if sliding-window layers kept exactly their window (DynamicCache(config=...))
     weight_bytes: int | None  # parameters * dtype bytes
     pool_blocks: int  # the BlockPool to set: ceil(peak blocks * POOL_HEADROOM)
     pool_bytes: int  # its bytes
@@ -176,8 +176,12 @@ def plan_capacity(model: ModelShape, max_seq_len: int, batch: int, quant: str = 
     to what `PagedCache` uses: 16 tokens, 32 when quantized. A quantized sequence also holds its first
     `QuantConfig.sink_tokens` tokens in full precision.
 
-    NOTE: `PagedCache` keeps every token in every layer (one block id spans all layers), so sliding-window layers
-    cost as much as full ones here; `window_kv_bytes` shows what a window-trimming cache would hold instead.
+    Sliding-window layers form their own layer group and hold, per sequence, the blocks of the last
+    ``window - 1`` tokens and the token being decoded (``ceil(n / B) - floor((n - window) / B)`` blocks), which
+    `seq_bytes` and `kv_bytes` count; `window_kv_bytes` counts exactly the window, as `DynamicCache(config=...)`.
+    The pool to set (`pool_blocks`, `pool_bytes`) is sized as if every layer held every token: a fixed `BlockPool`
+    gives each layer group the same number of blocks, and the full-attention group needs them all (a prefill also
+    holds the whole prompt in every layer until the first decode step).
 
     Raises:
         ValueError: a non-positive length, batch or block size; an unknown `quant` preset or `dtype`.
@@ -212,13 +216,18 @@ def plan_capacity(model: ModelShape, max_seq_len: int, batch: int, quant: str = 
 
     one = seq_bytes(max_seq_len, max_seq_len)
     window = min(max_seq_len, model.sliding_window) if model.sliding_window else max_seq_len
+    # a sliding row drops the blocks wholly before its window (that of the last decode step, which started at n - 1)
+    held = max_seq_len - (max(0, max_seq_len - window) // block_size) * block_size if model.sliding_window \
+        else max_seq_len
     blocks = -(-max_seq_len // block_size) * batch
     pool_blocks = math.ceil(blocks * POOL_HEADROOM)
     weights = None if model.num_params is None else model.num_params * dtype_bytes
     pool_bytes = math.ceil(one * batch * POOL_HEADROOM)
     fits = None if memory is None else (weights or 0) + pool_bytes <= memory
-    return CapacityPlan(model, quant, dtype, block_size, max_seq_len, batch, heads * per_head, one, one * batch,
-                        seq_bytes(max_seq_len, window) * batch, weights, pool_blocks, pool_bytes, memory, fits)
+    held_one = seq_bytes(max_seq_len, held)
+    return CapacityPlan(model, quant, dtype, block_size, max_seq_len, batch, heads * per_head, held_one,
+                        held_one * batch, seq_bytes(max_seq_len, window) * batch, weights, pool_blocks, pool_bytes,
+                        memory, fits)
 
 
 @dataclass(frozen=True)

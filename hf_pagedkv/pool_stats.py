@@ -6,8 +6,24 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class GroupStats:
+    """A snapshot of one layer group of a pool (see `BlockPool`). Bytes count keys plus values of its layers."""
+
+    window: int | None  # sliding window in tokens, None for full attention
+    layers: tuple[int, ...]  # model layers stored in this group
+    num_blocks: int  # blocks the group holds storage for
+    blocks_in_use: int  # blocks with refcount >= 1
+    tokens_stored: int  # token slots filled in blocks in use (a shared block counts once)
+    bytes_per_block: int  # bytes of one block across the group's layers
+    bytes_in_use: int  # bytes of the blocks in use (quantized: + full-precision partial blocks and sinks)
+    bytes_reserved: int  # bytes of storage the group has allocated
+
+
+@dataclass(frozen=True)
 class PoolStats:
-    """A snapshot of a pool's occupancy. Bytes count keys plus values of all layers."""
+    """A snapshot of a pool's occupancy, summed over its layer groups (one `GroupStats` each in `groups`). Bytes
+    count keys plus values of all layers; `tokens_stored` counts token slots, so a token held by a full-attention
+    and a sliding-window group counts once in each."""
 
     block_size: int  # tokens per block
     num_blocks: int  # blocks the pool holds storage for (free + in use)
@@ -24,6 +40,7 @@ class PoolStats:
     hit_tokens: int = 0  # tokens served from cached blocks instead of being computed
     evictions: int = 0  # cached-idle blocks evicted (hash dropped) to make room
     cow_copies: int = 0  # blocks copied because a shared (or published) block was about to be written
+    groups: tuple[GroupStats, ...] = ()  # per layer group (group 0: full attention)
 
     @property
     def hit_rate(self) -> float:

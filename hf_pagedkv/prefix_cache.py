@@ -107,6 +107,7 @@ class PrefixMixin:
     """
 
     _prefix_key: bytes | None = None  # model + format identity for the prefix index; set once by from_prefix
+    _publish_at_next_step: list[int] | None = None  # a prompt to publish before sliding groups free its blocks
 
     @classmethod
     def from_prefix(cls, pool: BlockPool, input_ids, model=None, **kwargs) -> PagedCache:
@@ -157,17 +158,51 @@ class PrefixMixin:
         cache._prefix_key = prefix_key(pool, model, kwargs["config"])
         hashes = hash_blocks(ids[: len(ids) - 1], pool.block_size, cache._prefix_key)  # leave >= 1 token to compute
         with pool.lock:  # references and the table that names them appear together (invariant 2)
-            cache._attach(pool.acquire_prefix(hashes, len(ids)))
+            hit = cache._hit_length(hashes)
+            held = {}
+            for k, rt in enumerate(cache._groups):  # the first group counts the lookup (one per request)
+                lo = rt.droppable(hit * pool.block_size)
+                held[rt.group] = (lo, pool.acquire_prefix(hashes[lo:hit], len(ids), group=rt.group, count=k == 0))
+            cache._attach(hit, held)
+        if any(rt.window is not None for rt in cache._groups):
+            # NOTE: a sliding group frees the prompt's early blocks as soon as decoding starts, long before a
+            # caller publishes; so the prompt is published when the step after the prompt begins (`_extend`).
+            cache._publish_at_next_step = ids
         return cache
 
-    def _attach(self, blocks: list[int]) -> None:
-        """Start this (empty) cache as one row holding `blocks` (full, already referenced for this row)."""
-        n = len(blocks) * self.block_size
-        row = BlockTable()
-        row.append(blocks)
-        row.num_tokens = n
-        self._rows.append(row)
-        self._table = torch.tensor([blocks], dtype=torch.long).reshape(1, len(blocks))  # [1, num_blocks]
+    def _hit_length(self, hashes: list) -> int:
+        """Full blocks of `hashes` every layer group can serve: a full-attention group needs the whole prefix, a
+        sliding-window group only the blocks of the window before the hit point (its earlier blocks were freed
+        and may be gone, which shortens the hit)."""
+        pool, B = self.pool, self.block_size
+        hit = len(hashes)
+        for rt in self._groups:
+            if rt.window is None:
+                hit = min(hit, len(pool.match_prefix(hashes[:hit], rt.group)))
+        for rt in self._groups:
+            while rt.window is not None and hit:
+                lo = rt.droppable(hit * B)
+                if len(pool.match_prefix(hashes[lo:hit], rt.group)) == hit - lo:
+                    break
+                hit -= 1
+        return hit
+
+    def _attach(self, hit: int, held: dict[int, tuple[int, list[int]]]) -> None:
+        """Start this (empty) cache as one row of `hit` full blocks: per group, `(dropped positions, blocks)`
+        (already referenced for this row)."""
+        n = hit * self.block_size
+        for group in held:  # a cache built without config starts its (full-attention) group here
+            if group not in self._by_group:
+                self._tables_for(self.pool.groups[group].window)
+        for rt in self._groups:
+            lo, blocks = held[rt.group]
+            row = BlockTable(num_dropped=lo)
+            row.append(blocks)
+            row.num_tokens = n
+            rt.reset(0)
+            rt.rows.append(row)
+            rt.table = torch.zeros((1, 0), dtype=torch.long)
+            rt.set_row(0, lo)  # [1, hit]
         self._num_tokens = n
         for layer in self._paged_layers():
             layer.num_tokens = n
@@ -212,8 +247,11 @@ class PrefixMixin:
         layers = self._paged_layers()
         written = min([layer.num_tokens for layer in layers] + [self._num_tokens]) if layers else 0
         published = 0
-        for ids, row in zip(rows, self._rows):
+        for r, ids in enumerate(rows):
             n = min(len(ids), written)
             hashes = hash_blocks(ids[:n], self.block_size, self._prefix_key)
-            published += pool.publish_blocks(hashes, row.blocks[: len(hashes)])
+            for rt in self._groups:  # a sliding group publishes the full blocks it still holds
+                row = rt.rows[r]
+                mine = hashes[row.num_dropped:]
+                published += pool.publish_blocks(mine, row.blocks[: len(mine)], group=rt.group)
         return published

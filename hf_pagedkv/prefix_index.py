@@ -108,7 +108,8 @@ class PrefixIndex:
             blocks.append(b)
         return blocks
 
-    def acquire(self, hashes: Iterable[BlockHash], allocator: BlockAllocator, num_tokens: int) -> list[int]:
+    def acquire(self, hashes: Iterable[BlockHash], allocator: BlockAllocator, num_tokens: int,
+                count: bool = True) -> list[int]:
         """Take one reference to each block of the longest published prefix of `hashes`; count the lookup.
 
         Idle blocks are revived (refcount 0 -> 1, out of the LRU); blocks in use get one more reference.
@@ -120,9 +121,10 @@ class PrefixIndex:
                 allocator.revive(b)
             else:
                 allocator.incref([b])
-        self.num_lookups += 1
-        self.num_lookup_tokens += num_tokens
-        self.num_hit_tokens += self._by_block[blocks[-1]].num_tokens if blocks else 0
+        if count:
+            self.num_lookups += 1
+            self.num_lookup_tokens += num_tokens
+            self.num_hit_tokens += self._by_block[blocks[-1]].num_tokens if blocks else 0
         return blocks
 
     def release(self, blocks: Sequence[int], allocator: BlockAllocator) -> list[int]:

@@ -14,10 +14,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def snapshot(pool: BlockPool):
-    """Everything a failed call must leave as it was: stats, refcounts, the free set, every live table."""
-    alloc = pool.allocator
-    tables = [[(list(r.blocks), r.num_tokens) for r in rows] for rows in pool._tables.values()]
-    return pool.stats(), [alloc.refcount(b) for b in range(alloc.num_blocks)], alloc.free_blocks(), tables
+    """Everything a failed call must leave as it was: stats, refcounts, the free set, every live table (per layer
+    group)."""
+    out = [pool.stats()]
+    for group in pool.groups:
+        alloc = group.allocator
+        tables = [(list(r.blocks), r.num_tokens, r.num_dropped) for r in group.rows()]
+        out.append(([alloc.refcount(b) for b in range(alloc.num_blocks)], alloc.free_blocks(), tables))
+    return out
 
 
 # -- settings -----------------------------------------------------------------------------------------------------
@@ -177,9 +181,9 @@ def test_full_pool_at_prefill_changes_nothing():
         model.generate(ids(1, 14, seed=2), past_key_values=b, max_new_tokens=3)  # needs 4 blocks, 3 free
     msg = str(err.value)
     assert "4 blocks needed, 3 free of 6" in msg and "num_blocks" in msg and "max_memory" in msg
-    stats, refcounts, free, _ = snapshot(pool)
+    stats, (refcounts, free, _) = snapshot(pool)
     assert (stats.blocks_in_use, stats.blocks_free, stats.tokens_stored) == (3, 3, 9)
-    assert (refcounts, free) == before[1:3]
+    assert (refcounts, free) == before[1][:2]
     pool.check_invariants()
     b.release()
     assert snapshot(pool) == before

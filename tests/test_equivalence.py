@@ -89,14 +89,22 @@ def assert_same_cache(paged: PagedCache, dyn: DynamicCache) -> bool:
 
 
 def assert_sound(cache: PagedCache, alone: bool = True) -> None:
-    """Pool invariants, ceil(n / B) blocks per row, and (for the only cache of its pool) stats matching its tables."""
+    """Pool and cache invariants, ceil(n / B) blocks per row in the full-attention group and at most the window's
+    blocks (plus the last step's) in a sliding group, and (for the only cache of its pool) stats matching the
+    tables of each layer group."""
     pool = cache.pool
-    pool.check_invariants()
+    cache.check_invariants()
     n = cache.get_seq_length()
-    tables = cache.block_tables()
-    assert [len(t) for t in tables] == [math.ceil(n / cache.block_size)] * len(tables)
-    if alone:
-        assert pool.stats().blocks_in_use == len({b for t in tables for b in t})
+    stats = pool.stats()
+    for group in stats.groups:
+        tables = cache.block_tables(window=group.window)
+        if group.window is None:
+            assert [len(t) for t in tables] == [math.ceil(n / cache.block_size)] * len(tables)
+        else:  # window - 1 tokens before the last step, the last step's tokens, and block alignment
+            most = math.ceil((group.window - 1 + cache.last_step_tokens) / cache.block_size) + 1
+            assert all(len(t) <= most for t in tables), (group.window, [len(t) for t in tables], most)
+        if alone:
+            assert group.blocks_in_use == len({b for t in tables for b in t})
 
 
 def assert_prefix_shared(cache: PagedCache, prefix_tokens: int) -> None:
@@ -277,7 +285,7 @@ def test_prefilled_prompt_expands_by_forking(arch, B, how, note_exact):
     x = ids(1, PROMPT, seed=31)
     cache = PagedCache(block_size=B, debug=True, config=model.config)
     model(x[:, :N], past_key_values=cache)
-    held = cache.pool.stats().blocks_in_use
+    held = cache.pool.stats().groups[0].blocks_in_use  # the full-attention group (hybrid models: also sliding)
     assert held == math.ceil(N / B)
     out = gen(model, x, cache, seed=5, **kwargs)
     # The reference: from scratch with DynamicCache, and from scratch with a fresh PagedCache (same path).
@@ -293,7 +301,7 @@ def test_prefilled_prompt_expands_by_forking(arch, B, how, note_exact):
     assert cache.num_rows == k
     assert_prefix_shared(cache, N)
     per_row = math.ceil(cache.get_seq_length() / B)
-    assert cache.pool.stats().blocks_in_use <= N // B + k * (per_row - N // B)
+    assert cache.pool.stats().groups[0].blocks_in_use <= N // B + k * (per_row - N // B)
     release(cache)
 
 
@@ -321,9 +329,13 @@ def test_sliding_window_models_lazy_and_from_config(arch, note_exact):
     assert torch.equal(ref_lazy.sequences, ref_cfg.sequences)
     assert [layer.sliding_window for layer in cfg.layers] == [8, None, 8, None]
     assert [layer.sliding_window for layer in lazy.layers] == [None] * 4
-    # The sliding layers still store every token (so crop works at any length): same blocks as full layers.
+    # The full-attention group stores every token, as the lazy cache does; the sliding group (window 8) only the
+    # blocks of the window and the last step: 7 + 1 tokens over at most 3 blocks of 4.
     assert cfg.block_tables() == lazy.block_tables()
-    assert cfg.pool.stats().tokens_stored == 2 * cfg.get_seq_length()
+    full, sliding = cfg.pool.stats().groups
+    assert (full.window, full.tokens_stored) == (None, 2 * cfg.get_seq_length())
+    assert sliding.window == 8 and all(len(t) <= 3 for t in cfg.block_tables(window=8))
+    assert sliding.tokens_stored <= 2 * 3 * 4 and sliding.blocks_in_use <= 2 * 3
     release(lazy), release(cfg)
 
 
@@ -336,7 +348,7 @@ def test_bfloat16_model(arch, note_exact):
     dyn = DynamicCache(config=model.config)
     note_exact(assert_same(gen(model, x, cache, **kwargs), gen(model, x, dyn, **kwargs)))
     note_exact(assert_same_cache(cache, dyn))
-    assert cache.pool.store.keys[0].dtype == torch.bfloat16
+    assert all(group.store.keys[layer].dtype == torch.bfloat16 for group in cache.pool.groups for layer in group.layers)
     layers = model.config.num_hidden_layers  # x 2 KV heads x (16 + 16) dims x 2 bytes x 4 tokens
     assert cache.pool.stats().bytes_per_block == layers * 2 * 32 * 2 * 4
     release(cache)

@@ -70,8 +70,22 @@ def test_sliding_window_layers():
     assert (shape.num_layers, shape.num_sliding, shape.sliding_window, shape.head_dim) == (4, 2, 8, 16)
     plan = plan_capacity(shape, max_seq_len=64, batch=1, block_size=4, dtype="float32")
     per_layer_token = 2 * 16 * 2 * 4  # K+V x head_dim x heads x fp32
-    assert plan.kv_bytes == 4 * 64 * per_layer_token  # PagedCache keeps every token of every layer
+    # full layers: 64 tokens; sliding layers: the window's 2 blocks (tokens 56..63), exactly the window here
+    assert plan.kv_bytes == (2 * 64 + 2 * 8) * per_layer_token
     assert plan.window_kv_bytes == (2 * 64 + 2 * 8) * per_layer_token
+
+
+@pytest.mark.parametrize("n", [63, 64, 65])
+def test_sliding_window_plan_matches_what_a_paged_cache_holds(n):
+    """After a decode step, a sliding row holds the blocks from the one holding token n - 8 on: what the planner
+    counts, to the byte."""
+    model = tiny_model("gemma2")  # window 8, layers 0 and 2 sliding
+    cache = PagedCache(block_size=4, config=model.config)
+    model.generate(ids(1, n - 4), past_key_values=cache, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    assert cache.get_seq_length() == n
+    plan = plan_capacity(ModelShape.from_config(model.config), max_seq_len=n, batch=1, block_size=4, dtype="float32")
+    assert cache.pool.stats().bytes_in_use == plan.kv_bytes
+    cache.release()
 
 
 def test_plan_matches_what_a_paged_cache_holds():

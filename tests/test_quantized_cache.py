@@ -183,7 +183,9 @@ def test_sink_is_shared_copied_on_write_and_rewritten_after_crop():
     feed(model, a, z, prefill=0)
     ref = reference_kv(model, torch.cat([x[:, :2], z], 1), prefill=2)
     for got, want in zip(a.layers, ref.layers):
-        assert torch.equal(got.keys[:, :, :4], want.keys[:, :, :4])
+        # NOTE: the cache computed tokens 0..1 in a 3-token prefill, the reference in a 2-token one: other matmul
+        # shapes, so equal only up to fp32 rounding (bit-identical on some CPUs, not on AVX-512 ones)
+        torch.testing.assert_close(got.keys[:, :, :4], want.keys[:, :, :4], rtol=1e-5, atol=1e-5)
     a.pool.check_invariants()
     a.release()
     b.release()

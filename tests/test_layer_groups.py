@@ -179,3 +179,28 @@ def test_prefix_hit_on_a_hybrid_model(hybrid):
     stats = pool.stats()
     assert stats.hit_tokens == 10 * B  # the whole shared prefix, served by both groups
     assert stats.blocks_in_use == 0
+
+
+@pytest.mark.parametrize("quant", ["k8v4", "k4v4"])
+def test_quantized_hybrid_reads_what_a_one_group_cache_reads(hybrid, quant):
+    """Quantized sliding groups encode the same blocks from the same tokens, so a hybrid-aware cache gives the tokens
+    of a lazy cache (which keeps every token of every layer in one group), while holding only the windows in its
+    sliding layers."""
+    x = ids(1, 300, seed=14)
+    grouped = PagedCache(quant=quant, config=hybrid.config, debug=True)
+    lazy = PagedCache(quant=quant, debug=True)
+    out, ref = gen(hybrid, x, grouped, max_new_tokens=40), gen(hybrid, x, lazy, max_new_tokens=40)
+    assert torch.equal(out.sequences, ref.sequences)
+    for got, want in zip(out.logits, ref.logits):
+        # NOTE: a lazy cache hands its sliding layers every token and lets the mask hide the old ones, the grouped
+        # cache only the window: other attention shapes, so equal up to fp32 rounding (as DynamicCache lazy vs
+        # DynamicCache(config))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    grouped.check_invariants()
+    full, sliding = grouped.pool.stats().groups
+    assert sliding.blocks_in_use <= math.ceil((W - 1 + 1) / 32) + 1 < full.blocks_in_use
+    # encoded blocks: 2 full layers x 11 + 2 sliding x 3 against 4 x 11 (0.64), plus each group's staged partial block
+    assert grouped.pool.stats().bytes_in_use < 0.8 * lazy.pool.stats().bytes_in_use
+    grouped.release(), lazy.release()
+    grouped.pool.check_invariants()
+    assert grouped.pool.stats().bytes_in_use == 0

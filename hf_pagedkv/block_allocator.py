@@ -31,6 +31,8 @@ class BlockAllocator:
         self._free: set[int] = set()  # the free blocks (the truth); changed here only
         self._free_heap: list[int] = []  # min-heap index over _free; may hold stale ids, skipped on pop
         self._num_idle = 0  # blocks with refcount 0 kept out of _free (cached-idle); changed here only
+        self._fill: list[int] = []  # fill[b]: leading slots of b written (kept while idle, 0 once free)
+        self.num_filled_slots = 0  # sum of fill over blocks in use; changed here only (O(1) per change)
 
     @property
     def num_blocks(self) -> int:
@@ -58,6 +60,7 @@ class BlockAllocator:
         """Append `n` new free block ids (the pool grew)."""
         start = len(self._refcount)
         self._refcount.extend([0] * n)
+        self._fill.extend([0] * n)
         self._free.update(range(start, start + n))
         for b in range(start, start + n):  # already ascending, so this keeps the heap property
             self._free_heap.append(b)
@@ -87,6 +90,17 @@ class BlockAllocator:
             self._free_heap = sorted(self._free)
         return out
 
+    def fill(self, block: int) -> int:
+        """Leading slots of `block` written so far (the most any holder wrote)."""
+        return self._fill[block]
+
+    def set_fill(self, block: int, slots: int) -> None:
+        """`block` (in use) now has its first `slots` slots written: a write extended it, or its only holder
+        cropped it."""
+        assert self._refcount[block] > 0, f"set_fill of block {block}, which is not in use"
+        self.num_filled_slots += slots - self._fill[block]
+        self._fill[block] = slots
+
     def _pop_lowest(self) -> int:
         while True:
             b = heapq.heappop(self._free_heap)
@@ -111,9 +125,11 @@ class BlockAllocator:
             assert rc[b] > 0, f"decref of free block {b} (double free)"
             rc[b] -= 1
             if rc[b] == 0:
+                self.num_filled_slots -= self._fill[b]
                 if b in keep:
                     self._num_idle += 1
                     continue
+                self._fill[b] = 0
                 self._free.add(b)
                 heapq.heappush(self._free_heap, b)
                 freed.append(b)
@@ -123,12 +139,14 @@ class BlockAllocator:
         """A cached-idle block is in use again (refcount 0 -> 1): a prefix lookup hit it."""
         assert self._refcount[block] == 0 and block not in self._free, f"revive of block {block}: not idle"
         self._refcount[block] = 1
+        self.num_filled_slots += self._fill[block]
         self._num_idle -= 1
 
     def add_free(self, blocks: Iterable[int]) -> None:
         """Cached-idle blocks become free (their hashes were evicted)."""
         for b in blocks:
             assert self._refcount[b] == 0 and b not in self._free, f"add_free of block {b}: not idle"
+            self._fill[b] = 0
             self._free.add(b)
             heapq.heappush(self._free_heap, b)
             self._num_idle -= 1

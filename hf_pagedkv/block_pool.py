@@ -292,12 +292,20 @@ class BlockPool:
                 freed = g.prefix_index.release(blocks, g.allocator)
             g.store.release(freed)
 
+    def mark_written(self, blocks: list[int], fills: list[int], group: int = 0) -> None:
+        """`blocks[i]` of `group` now hold their first `fills[i]` slots (for `stats().tokens_stored`, kept O(1))."""
+        alloc = self.groups[group].allocator
+        for b, n in zip(blocks, fills):
+            alloc.set_fill(b, n)
+
     def copy_on_write(self, src: list[int], dst: list[int], group: int = 0) -> None:
         """Copy whole blocks `src[i]` -> `dst[i]` in every layer of `group` (before writing to a shared or published
         block)."""
         with self.lock:
             g = self.groups[group]
             g.store.copy_blocks(src, dst)
+            for s, d in zip(src, dst):
+                g.allocator.set_fill(d, g.allocator.fill(s))
             g.num_cow_copies += len(src)
 
     # -- prefix caching --------------------------------------------------------------------------------------------
@@ -405,7 +413,7 @@ class BlockPool:
                     layers=tuple(g.layers),
                     num_blocks=g.allocator.num_blocks,
                     blocks_in_use=g.allocator.num_used_blocks,
-                    tokens_stored=g.num_filled_slots(),
+                    tokens_stored=g.allocator.num_filled_slots,
                     bytes_per_block=g.store.bytes_per_block,
                     bytes_in_use=g.store.bytes_in_use(g.allocator.num_used_blocks),
                     bytes_reserved=g.store.bytes_reserved(),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections import Counter
 
 import torch
 
@@ -164,9 +165,17 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
         with self.pool.lock:
             for rt in self._groups:
                 tail, store = [], self.pool.groups[rt.group].store
+                alloc = self.pool.groups[rt.group].allocator
                 for row in rt.rows:
                     self.pool.free(row.truncate(keep), rt.group)
                     row.num_tokens = new_len
+                # a last block only this cache's rows hold now holds what they kept (all rows crop together)
+                lasts = Counter(row.blocks[-1] for row in rt.rows if row.blocks)
+                for b, holders in lasts.items():
+                    if new_len % self.block_size and alloc.refcount(b) == holders \
+                            and not self.pool.is_published(b, rt.group):  # a published block keeps its content
+                        alloc.set_fill(b, new_len % self.block_size)
+                for row in rt.rows:
                     if self.pool.debug and new_len % self.block_size and row.blocks \
                             and self.pool.groups[rt.group].allocator.refcount(row.blocks[-1]) == 1 \
                             and not self.pool.is_published(row.blocks[-1], rt.group):  # a published block stays

@@ -60,6 +60,12 @@ def check_group_invariants(group: BlockGroup) -> None:
         detail = ", ".join(f"{b}: refcount {rc[b]} vs {entries.get(b, 0)} entries" for b in wrong[:10])
         kind = "a leak" if not group.tables else "refcount mismatch"
         raise InvariantError(f"invariant 2 (refcount == live table entries) broken{where} ({kind}): {detail}")
+    # the slots written into blocks in use: at least what the tables hold (more only after a crop into a block
+    # another cache still holds: those slots stay written until the block is freed), at most the blocks' slots
+    filled, counted = group.num_filled_slots(), alloc.num_filled_slots
+    if not filled <= counted <= alloc.num_used_blocks * B:
+        raise InvariantError(f"invariant 8 (counters agree with the tables) broken{where}: {counted} written slots "
+                             f"counted, {filled} held by the tables, {alloc.num_used_blocks * B} in blocks in use")
     if group.store.is_quantized:
         live = {b for b in range(alloc.num_blocks) if rc[b] > 0} | idle
         problems = group.store.check(live)

@@ -141,12 +141,15 @@ class StepMixin:
                 dst.append(new)
             pool.copy_on_write(src, dst, g)
             pool.free(src, g)  # each copied block keeps its other holders (or stays cached if published)
+            first = start // B
+            fills = [min(B, end - p * B) for p in range(first, num_blocks_for(end, B))]
             for r in writers:
                 row = rows[r]
                 if n_new:
                     row.append(pool.allocate(n_new, after=row.blocks[-1] if row.blocks else None, group=g))
                 row.num_tokens = end
-                rt.set_row(r, start // B)
+                rt.set_row(r, first)
+                pool.mark_written(row.after(first), fills, g)
             for r, w in dup_of.items():
                 rows[r] = rows[w].copy()
                 pool.incref(rows[r].blocks, g)

@@ -18,6 +18,7 @@ def hold(pool: BlockPool, blocks: list[int], num_tokens: int) -> int:
     row = BlockTable()
     row.append(blocks)
     row.num_tokens = num_tokens
+    pool.mark_written(blocks, [min(B, num_tokens - j * B) for j in range(len(blocks))])  # as a cache's write does
     return pool._register([row])
 
 

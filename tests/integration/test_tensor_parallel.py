@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from hf_pagedkv.planning import ModelShape, plan_capacity
 from tests.conftest import tiny_model
 from tests.integration import tp_generate as tp
 
@@ -74,6 +75,10 @@ def test_each_rank_sizes_its_pool_from_its_own_kv_heads(tp_run):
         # max_memory is this rank's budget for its own heads: 100,000 // 1536 = 65 blocks (sizing from the config's
         # num_key_value_heads would give 100,000 // 3072 = 32)
         assert res["greedy"]["num_blocks"] == tp.MAX_MEMORY // per_block == 65
+    # `hf-pagedkv plan --tp 2` counts what each rank's pool holds
+    plan = plan_capacity(ModelShape.from_config(cfg), max_seq_len=8, batch=1, block_size=tp.BLOCK_SIZE,
+                         dtype="float32", tp=WORLD_SIZE)
+    assert plan.kv_heads_per_rank == local_heads and plan.bytes_per_token * tp.BLOCK_SIZE == per_block
 
 
 def test_tp_generation_equals_single_process_dynamic_cache(tp_run, reference):

@@ -13,6 +13,7 @@ import torch
 from .block_allocator import BlockAllocator
 from .block_table import BlockTable
 from .config import DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, QuantConfig, check_positive_int, parse_bytes
+from .device_budget import blocks_for_budget, check_device_share
 from .errors import PoolExhaustedError
 from .events import EventLog
 from .invariants import check_pool_invariants
@@ -41,8 +42,11 @@ class BlockPool:
         num_blocks (`int`, *optional*): a fixed number of blocks, preallocated once per layer. When they are
             all in use, allocation raises `PoolExhaustedError`.
         max_memory (`int` or `str`, *optional*): a fixed budget in bytes (``"4GiB"``, ``"512MB"``) for all
-            layers' keys and values; turned into `num_blocks` once the layer shapes are known (pass
-            `config=model.config` to `PagedCache` when the cache is created lazily). Exclusive with `num_blocks`.
+            layers' keys and values, on all the devices they sit on together (`device_map`); turned into
+            `num_blocks` once the layer shapes are known (pass `config=model.config` to `PagedCache` when the cache
+            is created lazily). Each device holds every block of the layers on it, and that share is checked
+            against the device's memory (`device_budget.py`). Under tensor parallel it is one rank's budget, for
+            that rank's KV heads. Exclusive with `num_blocks`.
         debug (`bool`, *optional*, defaults to `False`): poison freed blocks with NaN.
         prefix_caching (`bool`, *optional*, defaults to `False`): keep a prefix index (`PrefixIndex`) so that
             requests sharing a prompt prefix share its full blocks (`PagedCache.from_prefix`, `cache.publish`,
@@ -134,9 +138,16 @@ class BlockPool:
     def register_layer(self, layer_idx: int, spec: LayerSpec, num_layers: int | None = None) -> None:
         """Make sure the pool has storage for `layer_idx` with this spec.
 
+        With `max_memory`, the first layer sizes the pool (`device_budget.blocks_for_budget`) and every layer's
+        device share is checked against that device's memory before its storage is allocated
+        (`device_budget.check_device_share`): with `device_map`, layers on different devices count against their
+        own device.
+
         Raises:
             ValueError: the pool already holds this layer with another shape, dtype or device (a pool shared
-                between different models), or `max_memory` cannot be resolved without the number of layers.
+                between different models); `max_memory` cannot be resolved without the number of layers, is
+                below one block, is more than the devices have, or would put more on this layer's device than it
+                has (nothing is allocated for this layer then).
         """
         with self.lock:
             known = self.store.specs.get(layer_idx)
@@ -148,26 +159,14 @@ class BlockPool:
                         "separate BlockPool for each model."
                     )
                 return
-            if self.max_memory is not None and self.allocator.num_blocks == 0:
-                total = device_memory(spec.device)
-                if total is not None and self.max_memory > total:
-                    raise ValueError(
-                        f"max_memory={self.max_memory} bytes is more than {spec.device} has ({total} bytes in all); "
-                        "preallocating it would fail or get the process killed. Lower max_memory."
-                    )
-                if num_layers is None:
-                    raise ValueError(
-                        "BlockPool(max_memory=...) needs the number of layers to size itself: create the cache "
-                        "as PagedCache(config=model.config, pool=pool), or use num_blocks= instead."
-                    )
-                per_block = self.store.block_bytes(spec) * num_layers
-                n = self.max_memory // per_block
-                if n == 0:
-                    raise ValueError(
-                        f"max_memory={self.max_memory} bytes is less than one block ({per_block} bytes for "
-                        f"{num_layers} layers); raise max_memory or lower block_size."
-                    )
-                self._add_blocks(n)
+            if self.max_memory is not None:  # sized by the first layer; each layer's device share checked
+                first = self.allocator.num_blocks == 0
+                n = (blocks_for_budget(self.max_memory, spec, num_layers, self.store.block_bytes, device_memory)
+                     if first else self.num_blocks)
+                check_device_share(layer_idx, spec, self.store.specs.values(), self.store.block_bytes, n,
+                                   self.max_memory, device_memory)
+                if first:
+                    self._add_blocks(n)
             self.store.add_layer(layer_idx, spec)
 
     # -- allocation --------------------------------------------------------------------------------------------------

@@ -62,6 +62,19 @@ class BlockPool:
     Thread safety: every bookkeeping change happens under `lock` (an `RLock`), so several threads may each run
     their own caches on one pool. A cache itself is used by one thread at a time.
 
+    Determinism (tensor parallel ranks must stay in step): which block ids are handed out, when the pool grows and
+    which cached-idle blocks are evicted depend only on the sequence of calls and on K/V values, never on time,
+    thread timing, `hash()` of a str or set iteration order: free ids come from a min-heap (the lowest, or
+    ``after + 1``), eviction from an insertion-ordered LRU, prefix hashes are blake2b of token ids. Ranks running the
+    same `generate` calls keep identical block tables (`tests/integration/test_tensor_parallel.py` compares their
+    event logs, under different ``PYTHONHASHSEED``s). Two things can still differ between ranks: a cache dropped
+    without `release()` is freed when the garbage collector finds it (PagedCache holds reference cycles), at a time
+    that differs between processes, so release caches explicitly (``with PagedCache(...)``); and rows share blocks
+    when their K/V are bit-identical on this rank's heads, so rows with different tokens whose K/V happen to match
+    on one rank's heads would share there only. Outputs stay exact either way; only memory differs, so at the limit
+    of a fixed pool one rank could raise `PoolExhaustedError` where another does not (and the others then wait in
+    their next collective).
+
     Raises:
         ValueError: `block_size` or `num_blocks` not a positive int; both `num_blocks` and `max_memory`
             given; `max_memory` not a size; an invalid `quant`.

@@ -12,8 +12,8 @@ from .block_pool import device_memory
 from .config import parse_bytes
 from .models import DEFAULT_MODEL
 from .planning import (
-    BLOCK_SIZE_CANDIDATES,
     _DTYPES,
+    BLOCK_SIZE_CANDIDATES,
     QUANT_PRESETS,
     ModelShape,
     kv_heads_per_rank,

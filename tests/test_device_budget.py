@@ -11,8 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-import hf_pagedkv.block_pool as block_pool
-from hf_pagedkv import BlockPool, PagedCache
+from hf_pagedkv import BlockPool, PagedCache, block_pool
 from hf_pagedkv.device_budget import blocks_for_budget, check_device_share, device_shares
 from hf_pagedkv.page_store import LayerSpec
 

@@ -20,7 +20,7 @@ def test_kv_heads_per_rank():
     assert [kv_heads_per_rank(8, tp) for tp in (1, 2, 4, 8)] == [8, 4, 2, 1]
     with pytest.raises(ValueError, match=r"tp=3 does not divide the model's 8 KV heads.*Use tp in \[1, 2, 4, 8\]"):
         kv_heads_per_rank(8, 3)
-    with pytest.raises(ValueError, match=r"tp=16 does not divide the model's 8 KV heads"):  # a rank would get half a head
+    with pytest.raises(ValueError, match=r"tp=16 does not divide the model's 8 KV heads"):  # half a head per rank
         kv_heads_per_rank(8, 16)
     with pytest.raises(ValueError, match="`tp` must be a positive int, got 0"):
         kv_heads_per_rank(8, 0)
@@ -69,8 +69,8 @@ def test_cli_plan_tp_json(capsys):
 
 
 @pytest.mark.parametrize("tp, message", [
-    ("3", "--tp 3: tp=3 does not divide the model's 2 KV heads: tensor parallel gives each rank num_key_value_heads "
-          "/ tp whole heads. Use tp in [1, 2]."),
+    ("3", ("--tp 3: tp=3 does not divide the model's 2 KV heads: tensor parallel gives each rank "
+           "num_key_value_heads / tp whole heads. Use tp in [1, 2].")),
     ("0", "--tp must be a positive int, got 0"),
 ])
 def test_cli_plan_bad_tp(tmp_path, capsys, tp, message):

@@ -38,7 +38,7 @@ def test_device_map_split_layers(devices, tmp_path):
                   "model.layers.1": second, "model.layers.2": second, "model.norm": second, "lm_head": second}
     model = AutoModelForCausalLM.from_pretrained(tmp_path, device_map=device_map, dtype=torch.float32).eval()
     x = ids(2, 9).to(first)
-    gen = dict(do_sample=False, max_new_tokens=8, return_dict_in_generate=True, output_logits=True)
+    gen = {"do_sample": False, "max_new_tokens": 8, "return_dict_in_generate": True, "output_logits": True}
     cache = PagedCache(block_size=BLOCK_SIZE, config=model.config, max_memory=MAX_MEMORY, debug=True)
     with torch.inference_mode():
         out = model.generate(x, past_key_values=cache, **gen)

@@ -1,4 +1,4 @@
-"""Tensor parallel for real: 2 CPU processes (gloo) load a tiny Llama with `tp_plan="auto"` and generate with PagedCache.
+"""Tensor parallel for real: 2 CPU processes (gloo) load a tiny Llama with `tp_plan="auto"`, generate with PagedCache.
 
 `tp_generate.py` (beside this file) is what each rank runs; here it is launched with torchrun and its per-rank results
 are compared with each other and with one process running the same generations through `DynamicCache`.
@@ -40,7 +40,7 @@ def tp_run(tmp_path_factory):
            SCRIPT, str(model_dir), str(out_dir)]  # `python -m torch.distributed.run` is `torchrun`, this venv's
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # CPU ranks even on a GPU machine
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"torchrun did not finish in {TIMEOUT_S} s:\n{(e.stderr or b'')[-4000:]}")
     assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
@@ -85,11 +85,14 @@ def test_tp_generation_equals_single_process_dynamic_cache(tp_run, reference):
     _, results = tp_run
     ref_logits = reference["greedy_logits"]  # [MAX_NEW, batch, vocab]
     # NOTE: the TP ranks compute o_proj and down_proj as two partial sums joined by an all-reduce, so the fp32
-    # logits differ from one process's in the last bits (reordered sums; measured: 1.3e-7 at |logits| <= 0.53,
-    # about 2 unit roundoffs). The tolerance is 64 fp32 unit roundoffs (2**-24) of the largest logit.
+    # logits differ from one process's in the last bits (reordered sums; measured: 1.2e-7 at |logits| <= 0.52,
+    # about 2 ulps). The tolerance is 64 fp32 unit roundoffs (2**-24) times max(1, largest |logit|): 3.8e-6 here.
     tol = 64 * 2**-24 * max(1.0, ref_logits.abs().max().item())
     top2 = ref_logits.topk(2, dim=-1).values
     assert (top2[..., 0] - top2[..., 1]).min() > 10 * tol  # so a TP rounding difference cannot flip a greedy token
+    diff = max((res["greedy_logits"] - ref_logits).abs().max().item() for res in results)
+    print(f"TP ranks vs one process: max |logit difference| {diff:.2g} (max |logit| "
+          f"{ref_logits.abs().max().item():.2g}, tolerance {tol:.2g})")  # what README quotes (pytest -s)
     for res in results:
         assert res["dynamic_equal"] == {"greedy_sequences": True, "greedy_logits": True, "beam_sequences": True}
         assert torch.equal(res["greedy_sequences"], reference["greedy_sequences"])

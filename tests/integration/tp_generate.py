@@ -29,7 +29,7 @@ PREFIX_POOL_BLOCKS = 12  # small enough that the prefix scenario evicts cached-i
 PROMPTS = [[1, 5, 9, 33, 17, 4, 8, 21, 9, 10, 44], [1, 7, 3, 60, 12]]  # left-padded into one batch
 PREFIX = [1, 5, 9, 33, 17, 4, 8, 21, 9]  # shared by the prefix scenario's requests
 PREFIX_REQUESTS = [PREFIX + [10, 44], PREFIX + [70, 71, 72], [1, 90, 91, 92, 93, 94, 95, 3, 4], PREFIX + [10, 44]]
-GEN = dict(do_sample=False, max_new_tokens=MAX_NEW, return_dict_in_generate=True, output_logits=True)
+GEN = {"do_sample": False, "max_new_tokens": MAX_NEW, "return_dict_in_generate": True, "output_logits": True}
 
 
 def padded_batch(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,9 +62,10 @@ def _events(pool) -> list[dict]:
 
 
 def _rank_main(model_dir: str, out_dir: str) -> None:
+    from transformers import AutoModelForCausalLM
+
     import hf_pagedkv
     from hf_pagedkv import BlockPool, PagedCache
-    from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
     with warnings.catch_warnings():

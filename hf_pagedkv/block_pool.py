@@ -14,6 +14,7 @@ from .block_allocator import BlockAllocator
 from .block_group import BlockGroup
 from .block_table import BlockTable
 from .config import DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, QuantConfig, check_positive_int, parse_bytes
+from .device_budget import blocks_for_budget, check_device_share
 from .errors import PoolExhaustedError
 from .events import EventLog
 from .invariants import check_group_invariants
@@ -44,9 +45,11 @@ class BlockPool:
         num_blocks (`int`, *optional*): a fixed number of blocks per layer group, preallocated once per layer.
             When a group's blocks are all in use, allocation raises `PoolExhaustedError`.
         max_memory (`int` or `str`, *optional*): a fixed budget in bytes (``"4GiB"``, ``"512MB"``) for all
-            layers' keys and values; turned into `num_blocks` (the same for every group) once the layer shapes are
-            known (pass `config=model.config` to `PagedCache` when the cache is created lazily). Exclusive with
-            `num_blocks`.
+            layers' keys and values, on all the devices they sit on together (`device_map`); turned into
+            `num_blocks` (the same for every layer group) once the layer shapes are known (pass
+            `config=model.config` to `PagedCache` when the cache is created lazily). Each device holds every block of the layers on it, and that share is checked
+            against the device's memory (`device_budget.py`). Under tensor parallel it is one rank's budget, for
+            that rank's KV heads. Exclusive with `num_blocks`.
         debug (`bool`, *optional*, defaults to `False`): poison freed blocks with NaN.
         prefix_caching (`bool`, *optional*, defaults to `False`): keep a prefix index (`PrefixIndex`) so that
             requests sharing a prompt prefix share its full blocks (`PagedCache.from_prefix`, `cache.publish`,
@@ -61,6 +64,19 @@ class BlockPool:
 
     Thread safety: every bookkeeping change happens under `lock` (an `RLock`), so several threads may each run
     their own caches on one pool. A cache itself is used by one thread at a time.
+
+    Determinism (tensor parallel ranks must stay in step): which block ids are handed out, when the pool grows and
+    which cached-idle blocks are evicted depend only on the sequence of calls and on K/V values, never on time,
+    thread timing, `hash()` of a str or set iteration order: free ids come from a min-heap (the lowest, or
+    ``after + 1``), eviction from an insertion-ordered LRU, prefix hashes are blake2b of token ids. Ranks running the
+    same `generate` calls keep identical block tables (`tests/integration/test_tensor_parallel.py` compares their
+    event logs, under different ``PYTHONHASHSEED``s). Two things can still differ between ranks: a cache dropped
+    without `release()` is freed when the garbage collector finds it (PagedCache holds reference cycles), at a time
+    that differs between processes, so release caches explicitly (``with PagedCache(...)``); and rows share blocks
+    when their K/V are bit-identical on this rank's heads, so rows with different tokens whose K/V happen to match
+    on one rank's heads would share there only. Outputs stay exact either way; only memory differs, so at the limit
+    of a fixed pool one rank could raise `PoolExhaustedError` where another does not (and the others then wait in
+    their next collective).
 
     Raises:
         ValueError: `block_size` or `num_blocks` not a positive int; both `num_blocks` and `max_memory`
@@ -173,10 +189,16 @@ class BlockPool:
     def register_layer(self, layer_idx: int, spec: LayerSpec, num_layers: int | None = None, group: int = 0) -> None:
         """Make sure the pool has storage for `layer_idx` with this spec in layer group `group`.
 
+        With `max_memory`, the first layer sizes the pool (`device_budget.blocks_for_budget`) and every layer's
+        device share is checked against that device's memory before its storage is allocated
+        (`device_budget.check_device_share`): with `device_map`, layers on different devices count against their
+        own device.
+
         Raises:
             ValueError: the pool already holds this layer with another shape, dtype or device (a pool shared
-                between different models) or in another group, or `max_memory` cannot be resolved without the
-                number of layers.
+                between different models) or in another group; `max_memory` cannot be resolved without the number of layers, is
+                below one block, is more than the devices have, or would put more on this layer's device than it
+                has (nothing is allocated for this layer then).
         """
         with self.lock:
             target = self.groups[group]
@@ -197,28 +219,17 @@ class BlockPool:
                         "the same config=, or none)."
                     )
                 return
-            if self.max_memory is not None and target.allocator.num_blocks == 0:
-                total = device_memory(spec.device)
-                if total is not None and self.max_memory > total:
-                    raise ValueError(
-                        f"max_memory={self.max_memory} bytes is more than {spec.device} has ({total} bytes in all); "
-                        "preallocating it would fail or get the process killed. Lower max_memory."
-                    )
-                if num_layers is None:
-                    raise ValueError(
-                        "BlockPool(max_memory=...) needs the number of layers to size itself: create the cache "
-                        "as PagedCache(config=model.config, pool=pool), or use num_blocks= instead."
-                    )
+            if self.max_memory is not None:  # sized by the first layer; each layer's device share checked
                 # NOTE: every group gets the same number of blocks, so the groups together stay within the budget
                 # (each layer belongs to one group); a sliding group rarely needs them all.
-                per_block = target.store.block_bytes(spec) * num_layers
-                n = self.max_memory // per_block
-                if n == 0:
-                    raise ValueError(
-                        f"max_memory={self.max_memory} bytes is less than one block ({per_block} bytes for "
-                        f"{num_layers} layers); raise max_memory or lower block_size."
-                    )
-                self._add_blocks(target, n)
+                sized = next((g.allocator.num_blocks for g in self.groups if g.allocator.num_blocks), 0)
+                n = sized or blocks_for_budget(self.max_memory, spec, num_layers, target.store.block_bytes,
+                                               device_memory)
+                known = [s for g in self.groups for s in g.store.specs.values()]
+                check_device_share(layer_idx, spec, known, target.store.block_bytes, n, self.max_memory,
+                                   device_memory)
+                if target.allocator.num_blocks == 0:
+                    self._add_blocks(target, n)
             target.store.add_layer(layer_idx, spec)
 
     # -- allocation --------------------------------------------------------------------------------------------------

@@ -12,9 +12,11 @@ from .block_pool import device_memory
 from .config import parse_bytes
 from .models import DEFAULT_MODEL
 from .planning import (
+    _DTYPES,
     BLOCK_SIZE_CANDIDATES,
     QUANT_PRESETS,
     ModelShape,
+    kv_heads_per_rank,
     load_config,
     plan_capacity,
     tune_block_size,
@@ -39,7 +41,11 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
                    help="tokens per block (default: PagedCache's, 16, or 32 when quantized)")
     p.add_argument("--value-group-size", type=int, default=64,
                    help="channels per value quantization group (default: %(default)s)")
-    p.add_argument("--memory", help="memory to fit in, e.g. 24GiB (default: this machine's RAM)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks (from_pretrained(..., tp_plan='auto') under torchrun): each rank holds "
+                        "num_key_value_heads / tp KV heads, and the plan is one rank's (default: %(default)s)")
+    p.add_argument("--memory", help="memory to fit in, one rank's device with --tp, e.g. 24GiB (default: CUDA device "
+                                    "0's memory; without CUDA, this machine's RAM / --tp, as CPU ranks share it)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=_plan)
 
@@ -80,13 +86,15 @@ def fmt_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _machine_memory() -> tuple[int, str]:
-    """Bytes of CUDA device 0 if there is one, else of this machine's RAM, and a label."""
+def _machine_memory(tp: int = 1) -> tuple[int, str]:
+    """Bytes one of `tp` ranks has, and a label: CUDA device 0's memory (each rank has its own device), else this
+    machine's RAM divided by `tp` (CPU ranks share it)."""
     import torch
 
     if torch.cuda.is_available():
         return device_memory(torch.device("cuda", 0)), f"{torch.cuda.get_device_name(0)} memory"
-    return device_memory(torch.device("cpu")), "this machine's RAM"
+    ram = device_memory(torch.device("cpu"))
+    return (ram, "this machine's RAM") if tp == 1 else (ram // tp, f"this machine's RAM / {tp} ranks")
 
 
 def _auto_dtype(model: str) -> str:
@@ -101,22 +109,28 @@ def _auto_dtype(model: str) -> str:
 
 
 def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    for name in ("max_seq_len", "batch", "block_size", "value_group_size"):
+    for name in ("max_seq_len", "batch", "block_size", "value_group_size", "tp"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be a positive int, got {getattr(args, name)}")
     try:
-        memory, where = (parse_bytes(args.memory), "--memory") if args.memory else _machine_memory()
+        memory, where = ((parse_bytes(args.memory), "--memory" if args.tp == 1 else "--memory, one rank's")
+                         if args.memory else _machine_memory(args.tp))
     except ValueError as e:
         parser.error(f"--memory {args.memory!r}: {e}")
     try:
         model = ModelShape.from_config(load_config(args.model), name=args.model)
     except ValueError as e:
         parser.error(str(e))
+    try:
+        kv_heads_per_rank(model.num_kv_heads, args.tp)
+    except ValueError as e:
+        parser.error(f"--tp {args.tp}: {e}")
     if args.dtype == "auto":
         args.dtype = _auto_dtype(args.model)
     try:
         plan = plan_capacity(model, args.max_seq_len, args.batch, quant=args.quant, dtype=args.dtype,
-                             block_size=args.block_size, value_group_size=args.value_group_size, memory=memory)
+                             block_size=args.block_size, value_group_size=args.value_group_size, memory=memory,
+                             tp=args.tp)
     except ValueError as e:  # a block size or value group the codecs cannot pack
         parser.error(f"--quant {args.quant}: {e}")
     if args.json:
@@ -127,21 +141,28 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     params = f", {m.num_params / 1e6:,.1f}M parameters" if m.num_params else ""
     print(f"model: {m.name}: {m.num_layers} layers store K/V{sliding}, {m.num_kv_heads} KV heads, "
           f"head_dim {m.head_dim}{params}")
+    rank = " per rank" if plan.tp > 1 else ""
+    if plan.tp > 1:
+        print(f"tensor parallel: {plan.tp} ranks, each holds {plan.kv_heads_per_rank} of the {m.num_kv_heads} KV "
+              f"heads; bytes below are per rank (the job holds {plan.tp}x)")
     print(f"KV format: {plan.quant} ({plan.dtype} full precision), block_size {plan.block_size}")
-    per_head = plan.bytes_per_token / (m.num_layers * m.num_kv_heads)
-    print(f"bytes per token: {plan.bytes_per_token:,.0f} B ({fmt_bytes(plan.bytes_per_token)}) = {m.num_layers} "
-          f"layers x {m.num_kv_heads} KV heads x {per_head:,.1f} B (K+V of head_dim {m.head_dim})")
-    print(f"per sequence: {plan.max_seq_len:,} tokens -> {fmt_bytes(plan.seq_bytes)}")
+    per_head = plan.bytes_per_token / (m.num_layers * plan.kv_heads_per_rank)
+    print(f"bytes per token{rank}: {plan.bytes_per_token:,.0f} B ({fmt_bytes(plan.bytes_per_token)}) = "
+          f"{m.num_layers} layers x {plan.kv_heads_per_rank} KV heads x {per_head:,.1f} B (K+V of head_dim "
+          f"{m.head_dim})")
+    print(f"per sequence{rank}: {plan.max_seq_len:,} tokens -> {fmt_bytes(plan.seq_bytes)}")
     note = (f" (sliding-window layers hold the blocks of their window; exactly the windows, as "
             f"DynamicCache(config): {fmt_bytes(plan.window_kv_bytes)})") if m.num_sliding else ""
-    print(f"total KV: batch {plan.batch} -> {fmt_bytes(plan.kv_bytes)}{note}")
+    print(f"total KV{rank}: batch {plan.batch} -> {fmt_bytes(plan.kv_bytes)}{note}")
     if plan.weight_bytes is not None:
-        print(f"weights: {m.num_params / 1e6:,.1f}M parameters x {plan.weight_bytes // m.num_params} B = "
+        per_param = _DTYPES[plan.dtype].itemsize
+        split = f" / {plan.tp} ranks (norms, replicated, not counted)" if plan.tp > 1 else ""
+        print(f"weights{rank}: {m.num_params / 1e6:,.1f}M parameters x {per_param} B{split} = "
               f"{fmt_bytes(plan.weight_bytes)}")
     else:
         print("weights: unknown (could not count the parameters of this architecture)")
     quant = "" if plan.quant == "fp" else f", quant={plan.quant!r}"
-    print(f"pool to set (peak x 1.2): {plan.pool_blocks:,} blocks, {fmt_bytes(plan.pool_bytes)} -> "
+    print(f"pool to set{rank} (peak x 1.2): {plan.pool_blocks:,} blocks, {fmt_bytes(plan.pool_bytes)} -> "
           f"BlockPool(block_size={plan.block_size}{quant}, max_memory={plan.pool_bytes})")
     need = (plan.weight_bytes or 0) + plan.pool_bytes
     if plan.fits:
@@ -156,7 +177,8 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     fixes = [f"--batch {max_batch}" if max_batch else "a smaller model or more memory"]
     for preset in list(QUANT_PRESETS)[list(QUANT_PRESETS).index(plan.quant) + 1:]:
         alt = plan_capacity(model, args.max_seq_len, args.batch, quant=preset, dtype=args.dtype,
-                            block_size=args.block_size, value_group_size=args.value_group_size, memory=memory)
+                            block_size=args.block_size, value_group_size=args.value_group_size, memory=memory,
+                            tp=args.tp)
         if alt.fits:
             fixes.append(f"--quant {preset} ({fmt_bytes(alt.pool_bytes)} pool)")
             break

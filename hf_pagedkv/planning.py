@@ -6,6 +6,10 @@ layers, 32 KV heads, head_dim 128, fp16)::
 
     2 (K and V) x 32 layers x 32 heads x 128 x 2 bytes = 524,288 bytes = 512 KiB per token
     4096 tokens x batch 16 x 512 KiB = 32 GiB
+
+Tensor parallel (`from_pretrained(..., tp_plan="auto")` on `tp` ranks) splits `k_proj`/`v_proj` by output columns,
+so each rank computes and caches `num_kv_heads / tp` heads of every layer; `plan_capacity(..., tp=N)` counts one
+rank's share (`kv_heads_per_rank`).
 """
 
 from __future__ import annotations
@@ -66,6 +70,24 @@ def kv_bytes_per_head_token(head_dim: int, key_bits: int | None = None, value_bi
         else:
             total += make_codec(codec_name("torch", bits), axis, value_group_size).bytes_per_token(block_size, head_dim)
     return total
+
+
+def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
+    """KV heads one rank holds when tensor parallel splits `num_kv_heads` over `tp` ranks.
+
+    Raises:
+        ValueError: `tp` is not a positive int, or does not divide `num_kv_heads` (a rank would hold part of a
+            head, which transformers' column-wise split of `k_proj`/`v_proj` cannot run); the message lists the
+            `tp` values that work.
+    """
+    check_positive_int("tp", tp)
+    if num_kv_heads % tp:
+        divisors = [d for d in range(1, num_kv_heads + 1) if num_kv_heads % d == 0]
+        raise ValueError(
+            f"tp={tp} does not divide the model's {num_kv_heads} KV heads: tensor parallel gives each rank "
+            f"num_key_value_heads / tp whole heads. Use tp in {divisors}."
+        )
+    return num_kv_heads // tp
 
 
 @dataclass(frozen=True)
@@ -146,7 +168,8 @@ def load_config(model: str | None):
 
 @dataclass(frozen=True)
 class CapacityPlan:
-    """The KV memory a workload needs and the pool to set. Bytes are keys plus values over all layers."""
+    """The KV memory a workload needs and the pool to set. Bytes are keys plus values over all layers, for one rank
+    when `tp > 1` (each rank holds `kv_heads_per_rank` heads; the whole job holds `tp` times as much)."""
 
     model: ModelShape
     quant: str  # preset name
@@ -154,15 +177,17 @@ class CapacityPlan:
     block_size: int
     max_seq_len: int  # tokens per sequence
     batch: int  # sequences at once
+    tp: int  # tensor-parallel ranks (1: no tensor parallel)
+    kv_heads_per_rank: int  # model.num_kv_heads / tp
     bytes_per_token: float  # one token, all layers, in a full block (as PagedCache stores it)
     seq_bytes: int  # one sequence of max_seq_len tokens, whole blocks (quantized: the partial last block also staged
     #                 in full precision, and the sink tokens); sliding-window layers hold the blocks of their window
     kv_bytes: int  # batch * seq_bytes: the peak KV while decoding
     window_kv_bytes: int  # the same if sliding-window layers kept exactly their window (DynamicCache(config=...))
-    weight_bytes: int | None  # parameters * dtype bytes
+    weight_bytes: int | None  # parameters * dtype bytes, / tp rounded up (about one rank's: see plan_capacity)
     pool_blocks: int  # the BlockPool to set: ceil(peak blocks * POOL_HEADROOM)
     pool_bytes: int  # its bytes
-    memory: int | None  # the memory it must fit in
+    memory: int | None  # the memory it must fit in (one rank's device when tp > 1)
     fits: bool | None  # weights + pool <= memory (None without a memory)
 
     def to_dict(self) -> dict:
@@ -170,11 +195,18 @@ class CapacityPlan:
 
 
 def plan_capacity(model: ModelShape, max_seq_len: int, batch: int, quant: str = "fp", dtype: str = "float16",
-                  block_size: int | None = None, value_group_size: int = 64, memory: int | None = None
-                  ) -> CapacityPlan:
+                  block_size: int | None = None, value_group_size: int = 64, memory: int | None = None,
+                  tp: int = 1) -> CapacityPlan:
     """Plan the KV memory of `batch` sequences of `max_seq_len` tokens (see `CapacityPlan`). `block_size` defaults
     to what `PagedCache` uses: 16 tokens, 32 when quantized. A quantized sequence also holds its first
     `QuantConfig.sink_tokens` tokens in full precision.
+
+    With `tp > 1` every byte count is one rank's: its `num_kv_heads / tp` heads (the block count is the same on
+    every rank), and `memory` is one rank's device. The weights are counted as `parameters / tp`.
+
+    NOTE: `parameters / tp` slightly undercounts a rank's weights: modules the TP plan does not shard (norms, and
+    whatever a model's plan leaves whole) are replicated on every rank. For Llama-2-7B those are its 266,240 norm
+    weights of 6,738,415,616 parameters (`LlamaForCausalLM.tp_plan` shards the embeddings and `lm_head` too).
 
     Sliding-window layers form their own layer group and hold, per sequence, the blocks of the last
     ``window - 1`` tokens and the token being decoded (``ceil(n / B) - floor((n - window) / B)`` blocks), which
@@ -184,10 +216,12 @@ def plan_capacity(model: ModelShape, max_seq_len: int, batch: int, quant: str = 
     holds the whole prompt in every layer until the first decode step).
 
     Raises:
-        ValueError: a non-positive length, batch or block size; an unknown `quant` preset or `dtype`.
+        ValueError: a non-positive length, batch or block size; an unknown `quant` preset or `dtype`; a `tp` that
+            does not divide the KV heads (`kv_heads_per_rank`).
     """
     check_positive_int("max_seq_len", max_seq_len)
     check_positive_int("batch", batch)
+    kv_heads = kv_heads_per_rank(model.num_kv_heads, tp)
     if quant not in QUANT_PRESETS:
         raise ValueError(f"`quant` must be one of {list(QUANT_PRESETS)}, got {quant!r}.")
     quantized = QUANT_PRESETS[quant] != (None, None)
@@ -202,7 +236,7 @@ def plan_capacity(model: ModelShape, max_seq_len: int, batch: int, quant: str = 
     per_head = kv_bytes_per_head_token(model.head_dim, key_bits, value_bits, block_size=block_size,
                                        value_group_size=value_group_size, dtype_bytes=dtype_bytes)
     fp_per_head = kv_bytes_per_head_token(model.head_dim, dtype_bytes=dtype_bytes)
-    heads = model.num_layers * model.num_kv_heads
+    heads = model.num_layers * kv_heads
 
     def seq_bytes(tokens_full: int, tokens_window: int) -> int:
         """Whole blocks for `tokens_full` tokens in full layers and `tokens_window` in sliding ones."""
@@ -211,8 +245,8 @@ def plan_capacity(model: ModelShape, max_seq_len: int, batch: int, quant: str = 
             full, partial = divmod(tokens, block_size)
             # a quantized pool holds a partial block twice: its (not yet written) encoded slot and its stage
             partial_cost = (per_head + fp_per_head if quantized else fp_per_head) if partial else 0
-            total += layers * model.num_kv_heads * block_size * (full * per_head + partial_cost)
-        return math.ceil(total + model.num_layers * model.num_kv_heads * sink * fp_per_head)
+            total += layers * kv_heads * block_size * (full * per_head + partial_cost)
+        return math.ceil(total + model.num_layers * kv_heads * sink * fp_per_head)
 
     one = seq_bytes(max_seq_len, max_seq_len)
     window = min(max_seq_len, model.sliding_window) if model.sliding_window else max_seq_len
@@ -221,11 +255,11 @@ def plan_capacity(model: ModelShape, max_seq_len: int, batch: int, quant: str = 
         else max_seq_len
     blocks = -(-max_seq_len // block_size) * batch
     pool_blocks = math.ceil(blocks * POOL_HEADROOM)
-    weights = None if model.num_params is None else model.num_params * dtype_bytes
+    weights = None if model.num_params is None else -(-model.num_params * dtype_bytes // tp)
     pool_bytes = math.ceil(one * batch * POOL_HEADROOM)
     fits = None if memory is None else (weights or 0) + pool_bytes <= memory
     held_one = seq_bytes(max_seq_len, held)
-    return CapacityPlan(model, quant, dtype, block_size, max_seq_len, batch, heads * per_head, held_one,
+    return CapacityPlan(model, quant, dtype, block_size, max_seq_len, batch, tp, kv_heads, heads * per_head, held_one,
                         held_one * batch, seq_bytes(max_seq_len, window) * batch, weights, pool_blocks, pool_bytes,
                         memory, fits)
 

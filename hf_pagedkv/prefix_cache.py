@@ -32,6 +32,11 @@ def model_fingerprint(model) -> bytes:
 
     Returns:
         `bytes`: a 20-byte digest; equal for two copies of the same weights.
+
+    NOTE: under tensor parallelism (`from_pretrained(..., tp_plan="auto")`) the parameters are `DTensor`s; each rank
+    hashes its own shard (`to_local()`), which is what its K/V are computed from, so no rank gathers the others'
+    weights. The ranks' digests differ, but each rank's prefix index sees the same publishes and lookups, so hits
+    and misses (and the blocks they decide) are the same on every rank.
     """
     named = list(model.named_parameters()) + list(model.named_buffers())
     versions = tuple(_version(t) for _, t in named)
@@ -46,12 +51,20 @@ def model_fingerprint(model) -> bytes:
         h.update(config.to_json_string(use_diff=False).encode())
     for name, t in named:
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        t = _local(t)
         if t.device.type != "meta":
+            h.update(f"local:{tuple(t.shape)}".encode())
             h.update(t.detach().reshape(-1).view(torch.uint8).cpu().numpy())  # raw bytes [numel * itemsize]
     digest = h.digest()
     with _fingerprints_lock:
         _fingerprints[model] = (versions, digest)
     return digest
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of `t`: the local shard of a `DTensor` (tensor parallel), else `t` itself."""
+    to_local = getattr(t, "to_local", None)  # DTensor; an attribute check keeps torch.distributed optional
+    return to_local() if callable(to_local) else t
 
 
 def _version(t: torch.Tensor) -> int:

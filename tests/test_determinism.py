@@ -1,0 +1,32 @@
+"""What BlockPool's "Determinism" note promises and warns about (tensor parallel ranks must make the same choices)."""
+
+from __future__ import annotations
+
+import gc
+
+from hf_pagedkv import BlockPool, PagedCache
+from tests.conftest import ids, tiny_model
+
+
+def test_a_dropped_cache_is_freed_when_the_garbage_collector_runs_not_at_del(one_thread):
+    """The timing the docstring warns about: the blocks of a cache dropped without release() come back at the next
+    cyclic collection, whose timing differs between processes; release() frees them at once, on every rank alike."""
+    model = tiny_model("llama")
+    pool = BlockPool(block_size=4)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        cache = PagedCache(pool=pool, config=model.config)
+        model(ids(1, 9), past_key_values=cache)
+        assert pool.stats().blocks_in_use == 3
+        del cache
+        assert pool.stats().blocks_in_use == 3  # still held: the cache sits in a reference cycle
+        gc.collect()
+        assert pool.stats().blocks_in_use == 0
+        cache = PagedCache(pool=pool, config=model.config)
+        model(ids(1, 9), past_key_values=cache)
+        cache.release()
+        assert pool.stats().blocks_in_use == 0  # explicit: deterministic
+    finally:
+        if enabled:
+            gc.enable()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from hf_pagedkv import BlockPool, PagedCache, QuantConfig
 from hf_pagedkv.codecs import make_codec
 from tests.conftest import ids, tiny_model
+from tests.eval_helpers import DATA_DIR
 
 PRESETS = ["v8", "k8v8", "k8v4", "k4v4", "k4v2", "k2v2"]
 BACKENDS = ["torch", "reference", "bitsandbytes"]
@@ -398,8 +398,7 @@ def test_value_only_drifts_less_than_key_only(smollm):
     """Values tolerate quantization better than keys (the reason for the preset ladder): on the real model, at the
     same bits, V-only quantization must drift less than K-only. If not, the value path has a bug."""
     model, tokenizer = smollm
-    path = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
-    text = path.read_text(encoding="utf-8")[:40_000] if path.exists() else Path(torch.__file__).read_text() * 4
+    text = (DATA_DIR / "wikitext-2-raw" / "wiki.test.raw").read_text(encoding="utf-8")[:40_000]
     x = tokenizer(text, return_tensors="pt").input_ids[:, 1000:1000 + 320]
     logps = {}
     for name in ("fp", "k2v16", "k16v2"):

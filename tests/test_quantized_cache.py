@@ -163,7 +163,8 @@ def test_sink_tokens_stay_exact_and_cost_their_bytes(sink):
 
 def test_sink_is_shared_copied_on_write_and_rewritten_after_crop():
     """A fork shares block 0 and its sink; the first write into the shared partial block copies both; a crop into
-    the sink and new tokens rewrite it. Each cache's first tokens stay exact against DynamicCache on its own tokens."""
+    the sink and new tokens rewrite it. Each cache's first tokens stay exact against DynamicCache on its own tokens,
+    fed in the same steps (a crop included): bit-identity holds only for the same step shapes."""
     model = tiny_model("llama")
     x, y = ids(1, 9, seed=4), ids(1, 3, seed=5)
     a = PagedCache(block_size=8, quant=QuantConfig.preset("k8v4", sink_tokens=4), debug=True)
@@ -181,7 +182,11 @@ def test_sink_is_shared_copied_on_write_and_rewritten_after_crop():
     a.crop(-7)  # 9 -> 2 tokens, into the sink; new tokens at positions 2.. rewrite it
     z = ids(1, 7, seed=6)
     feed(model, a, z, prefill=0)
-    ref = reference_kv(model, torch.cat([x[:, :2], z], 1), prefill=2)
+    # The reference crops too: tokens 0, 1 came from a 3-token prefill, which a fresh 2-token prefill matches only
+    # to the last bits (reassociated sums, CPU-dependent), and every later layer and token inherits that.
+    ref = reference_kv(model, x, prefill=3)
+    ref.crop(-7)
+    feed(model, ref, z, prefill=0)
     for got, want in zip(a.layers, ref.layers):
         assert torch.equal(got.keys[:, :, :4], want.keys[:, :, :4])
     a.pool.check_invariants()

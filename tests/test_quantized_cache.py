@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
+import hf_pagedkv.config
 from hf_pagedkv import BlockPool, PagedCache, QuantConfig
 from hf_pagedkv.codecs import make_codec
 from tests.conftest import ids, tiny_model
@@ -52,7 +53,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def test_quant_config_presets_and_validation(caplog):
+def test_quant_config_presets_and_validation(caplog, monkeypatch):
     assert QuantConfig.preset("k8v4") == QuantConfig(key_bits=8, value_bits=4)
     assert QuantConfig.from_preset("v8") == QuantConfig(value_bits=8)
     assert QuantConfig.preset("fp").is_quantized is False and QuantConfig.resolve(None).name == "fp"
@@ -67,6 +68,8 @@ def test_quant_config_presets_and_validation(caplog):
         QuantConfig(key_bits=2, value_bits=2, backend="bitsandbytes")
     with pytest.raises(ValueError, match="`quant` must be"):
         PagedCache(quant=8)
+    # the warning is logged once per process: forget earlier ones (any test that built a k4v8 cache before this one)
+    monkeypatch.setattr(hf_pagedkv.config, "_warned", set())
     with caplog.at_level(logging.WARNING, logger="hf_pagedkv.config"):
         QuantConfig.preset("k4v8")
         QuantConfig.preset("k4v8")  # warns once

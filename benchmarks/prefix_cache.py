@@ -7,8 +7,8 @@ Two ratios, measured in one run:
 2. KV memory of 16 live requests sharing a 1024-token prefix (one pool, prefix caching) versus 16
    `DynamicCache`s; target <= 0.15x.
 
-The prefix is real text (the start of WikiText-2 test; Python's `textwrap` source if the data is missing), the
-suffixes are distinct Tiny Shakespeare lines. Greedy outputs with a hit are checked against runs without one.
+The prefix is real text (the start of WikiText-2 test, from eval/data or `--data`), the suffixes are distinct Tiny
+Shakespeare lines. Greedy outputs with a hit are checked against runs without one.
 
     python benchmarks/prefix_cache.py                # ~1-2 minutes on 2 CPU cores
     python benchmarks/prefix_cache.py --full-baseline   # run all 16 DynamicCache requests instead of 1 x 16
@@ -21,35 +21,31 @@ import os
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
 import hf_pagedkv
+from eval.config import resolve_data_dir
 from hf_pagedkv import BlockPool, PagedCache
-from hf_pagedkv.models import default_document, load_model
+from hf_pagedkv.models import load_model
 from hf_pagedkv.verify import dynamic_cache_bytes
 
-DATA = str(Path(__file__).resolve().parents[2] / "shared" / "data")  # ../shared/data next to the repo
+DATA = str(resolve_data_dir())  # eval/data in the repository, or $HF_PAGEDKV_DATA_DIR
 MiB = 2**20
 
 
 def corpus_tokens(tokenizer, data_dir: str) -> tuple[list[int], list[list[int]], str]:
-    """(document tokens, a list of suffix token lists, where the text came from)."""
-    wiki = os.path.join(data_dir, "wikitext-2-raw", "wiki.test.raw")
-    shakespeare = os.path.join(data_dir, "tinyshakespeare", "input.txt")
-    if os.path.isfile(wiki) and os.path.isfile(shakespeare):
-        with open(wiki, encoding="utf-8") as fh:
-            doc = fh.read(40_000)
-        with open(shakespeare, encoding="utf-8") as fh:
-            lines = [line for line in fh.read(200_000).splitlines() if len(line) > 40]
-        source = "WikiText-2 test + Tiny Shakespeare"
-    else:
-        doc = default_document()[1] * 3
-        lines = [f"Question {i}: what does the function on line {7 * i + 3} of this file do, and why?" for i in
-                 range(200)]
-        source = "textwrap.py (data dir not found)"
+    """(document tokens, a list of suffix token lists, where the text came from).
+
+    Raises:
+        FileNotFoundError: `data_dir` lacks `wikitext-2-raw/wiki.test.raw` or `tinyshakespeare/input.txt`.
+    """
+    with open(os.path.join(data_dir, "wikitext-2-raw", "wiki.test.raw"), encoding="utf-8") as fh:
+        doc = fh.read(40_000)
+    with open(os.path.join(data_dir, "tinyshakespeare", "input.txt"), encoding="utf-8") as fh:
+        lines = [line for line in fh.read(200_000).splitlines() if len(line) > 40]
+    source = "WikiText-2 test + Tiny Shakespeare"
     doc_ids = tokenizer(doc, add_special_tokens=False).input_ids
     suffixes = [tokenizer(" " + " ".join(lines[i: i + 3]), add_special_tokens=False).input_ids for i in
                 range(0, len(lines) - 3, 3)]
@@ -123,7 +119,8 @@ def memory(model, doc: list[int], suffixes: list[list[int]], args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model id/path (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--data", default=DATA)
+    p.add_argument("--data", default=DATA, help="folder holding wikitext-2-raw/ and tinyshakespeare/ "
+                   "(default: eval/data, or $HF_PAGEDKV_DATA_DIR)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--prefix-tokens", type=int, default=2048)
     p.add_argument("--suffix-tokens", type=int, default=32)

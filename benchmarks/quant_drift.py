@@ -19,17 +19,17 @@ import os
 import platform
 import random
 import time
-from pathlib import Path
 
 import torch
 from transformers import DynamicCache, QuantizedCache
 
 from eval.caches import bytes_held, release
+from eval.config import resolve_data_dir
 from eval.tasks.perplexity.metrics import token_kl, token_nll, top1_match
 from hf_pagedkv import PagedCache, QuantConfig
 from hf_pagedkv.models import load_model
 
-DATA = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw")
+DATA = str(resolve_data_dir() / "wikitext-2-raw" / "wiki.test.raw")  # eval/data, or $HF_PAGEDKV_DATA_DIR
 PAGED = ["fp", "v8", "k8v8", "k8v4", "k4v4", "k4v2", "k2v2", "k4v16", "k16v4"]  # k4v16 / k16v4: K-only / V-only
 # any PAGED name + "-nosink": the same preset with QuantConfig.sink_tokens=0 (the attention-sink ablation)
 EXTERNAL = ["quanto-int4", "hqq-int4", "quanto-int2"]
@@ -88,7 +88,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="interleaved speed rounds; the best one counts")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--data", default=DATA)
+    parser.add_argument("--data", default=DATA, help="text file the windows are cut from (default: WikiText-2 "
+                        "test in eval/data)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="time decode by wall clock, or by this process's CPU time (steadier on a shared machine; "
                              "use with --threads 1)")

@@ -39,13 +39,14 @@ _now = time.perf_counter  # the clock; `--clock cpu` switches to process CPU tim
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from eval.config import resolve_data_dir  # noqa: E402
 from hf_pagedkv import BlockPool, PagedCache  # noqa: E402
 from hf_pagedkv.models import load_model  # noqa: E402
 from hf_pagedkv.planning import QUANT_PRESETS, ModelShape, plan_capacity  # noqa: E402
 from hf_pagedkv.verify import dynamic_cache_bytes  # noqa: E402
 
 MiB = 2**20
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
+DATA = resolve_data_dir() / "wikitext-2-raw" / "wiki.test.raw"  # eval/data, or $HF_PAGEDKV_DATA_DIR
 
 
 # -- setup ---------------------------------------------------------------------------------------------------------
@@ -73,11 +74,8 @@ def describe_machine() -> dict[str, str]:
 
 
 def corpus_ids(tokenizer) -> torch.Tensor:
-    """WikiText-2 test as one token stream (the whole file as one string), or a Python source file without it."""
-    if DATA.exists():
-        text = DATA.read_text(encoding="utf-8")
-    else:  # the shared data is missing: any long real text will do
-        text = Path(inspect.getsourcefile(argparse)).read_text(encoding="utf-8") * 4
+    """WikiText-2 test as one token stream (the whole file as one string)."""
+    text = DATA.read_text(encoding="utf-8")
     return tokenizer(text[:200_000], return_tensors="pt").input_ids[0]
 
 

@@ -22,9 +22,18 @@ TASKS = ("perplexity", "summarization")
 #: Data file each task reads when `dataset` is not set (relative to `data_dir`).
 TASK_DATASETS = {"perplexity": "wikitext-2-raw/wiki.test.raw", "summarization": "qmsum/test.jsonl"}
 DTYPES = ("float32", "bfloat16", "float16")
-REPO_ROOT = Path(__file__).resolve().parent.parent
+#: The data shipped with the suite (eval/data/, package data of `eval`): found from this file, not the cwd, so it
+#: is the same folder in a clone, an editable install and a wheel.
+DEFAULT_DATA_DIR = Path(__file__).resolve().parent / "data"
 #: Settings that do not change the numbers of a run, so they are left out of its name.
 _NOT_IN_NAME = ("output_dir", "overwrite", "run_name", "data_dir", "device", "num_threads")
+
+
+def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> Path:
+    """The data folder: `data_dir` if given, else `$HF_PAGEDKV_DATA_DIR` if set, else `DEFAULT_DATA_DIR`.
+
+    Not checked for existence (a missing file is reported by whoever opens it)."""
+    return Path(data_dir or os.environ.get("HF_PAGEDKV_DATA_DIR") or DEFAULT_DATA_DIR)
 
 
 @dataclass
@@ -46,7 +55,7 @@ class EvalConfig:
         dataset_config (`str`, *optional*), split (`str`, defaults to `"test"`): for `datasets` names.
         text_field (`str`, defaults to `"text"`): the column holding text in JSON/JSONL/`datasets` rows.
         data_dir (`str`, *optional*): directory relative dataset paths start from; defaults to
-            `$HF_PAGEDKV_DATA_DIR`, else `../shared/data` next to the repository.
+            `$HF_PAGEDKV_DATA_DIR`, else `DEFAULT_DATA_DIR` (the `eval/data/` folder shipped with the suite).
         num_windows (`int`, defaults to 20): windows (perplexity) or examples (summarization) evaluated.
         prefill_len (`int`, defaults to 1792): tokens prefilled before scoring (perplexity); the longest prompt
             in tokens (summarization).
@@ -126,8 +135,8 @@ class EvalConfig:
 
     @property
     def resolved_data_dir(self) -> Path:
-        """Where relative dataset paths start: `data_dir`, `$HF_PAGEDKV_DATA_DIR`, or `../shared/data`."""
-        return Path(self.data_dir or os.environ.get("HF_PAGEDKV_DATA_DIR") or REPO_ROOT.parent / "shared" / "data")
+        """Where relative dataset paths start: `data_dir`, `$HF_PAGEDKV_DATA_DIR`, or `DEFAULT_DATA_DIR` (eval/data)."""
+        return resolve_data_dir(self.data_dir)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -196,7 +205,7 @@ _HELP = {
     "dataset_config": "datasets config name (e.g. wikitext-2-raw-v1)",
     "split": "datasets split",
     "text_field": "column holding the text in JSON/JSONL/datasets rows",
-    "data_dir": "folder relative dataset paths start from (default: $HF_PAGEDKV_DATA_DIR or ../shared/data)",
+    "data_dir": "folder relative dataset paths start from (default: $HF_PAGEDKV_DATA_DIR or eval/data in the package)",
     "num_windows": "windows (perplexity) or examples (summarization)",
     "prefill_len": "tokens prefilled before scoring (perplexity); longest prompt (summarization)",
     "score_len": "tokens decoded one at a time through the cache and scored (perplexity)",

@@ -113,7 +113,8 @@ class PrefixMixin:
     computes only the rest; `publish` names this cache's full blocks in the pool's prefix index for later
     requests. Only full blocks, fully written in every layer, are ever published, and a published block is copied
     before any write (copy-on-write), so a hit reads exactly the K/V a fresh computation would produce (up to
-    floating-point reassociation between a long and a short prefill: logits agree within 1e-5)::
+    floating-point reassociation between a long and a short prefill, which depends on the CPU's kernels: fp32
+    logits agree within 1e-4)::
 
         prompt:  [ b3: t0..t3 | b9: t4..t7 | t8 t9 ]    cached full blocks (hit) | computed by the model
                    hit          hit           computed   (at least one token is always computed)

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import atexit
 import functools
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 
+from eval.config import resolve_data_dir
+
 REPO = Path(__file__).resolve().parent.parent
-# CI lays shared/ next to the clone (here /work/shared); $HF_PAGEDKV_DATA_DIR points elsewhere, as for eval itself
-DATA_DIR = Path(os.environ.get("HF_PAGEDKV_DATA_DIR") or REPO.parent / "shared" / "data")
+# The data committed in eval/data/ (eval.config.DEFAULT_DATA_DIR), or $HF_PAGEDKV_DATA_DIR as for eval itself
+DATA_DIR = resolve_data_dir()
 
 
 @functools.lru_cache(maxsize=1)

@@ -7,8 +7,11 @@ import torch
 from transformers import DynamicCache
 
 from hf_pagedkv import PagedCache
+from tests.tolerances import CROSS_STEP_LOGIT_ATOL
 
-LOGIT_TOL = 1e-5  # a prefix hit reassociates float sums (a short prefill after a long one): logits agree to this
+# A prefix hit computes only the suffix, in a step of its own, where the fresh run prefills everything at once:
+# different step shapes, so logits agree to the cross-step bound, not bit for bit.
+LOGIT_TOL = CROSS_STEP_LOGIT_ATOL
 GEN = {"max_new_tokens": 6, "do_sample": False, "return_dict_in_generate": True, "output_logits": True}
 
 
@@ -28,7 +31,7 @@ def fresh_generate(model, input_ids: torch.Tensor, **kwargs):
 
 
 def assert_same_output(ref, out, tol: float = LOGIT_TOL) -> None:
-    """Greedy tokens identical, every step's logits within `tol`."""
+    """Greedy tokens identical, every step's logits within `tol` (default: the cross-step bound of a prefix hit)."""
     assert torch.equal(ref.sequences, out.sequences), (ref.sequences, out.sequences)
     diff = max((a - b).abs().max().item() for a, b in zip(ref.logits, out.logits))
     assert diff <= tol, f"max |logit difference| {diff:.3g} > {tol}"

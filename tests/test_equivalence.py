@@ -1,10 +1,12 @@
 """Equivalence: `PagedCache` against `DynamicCache` (and against recomputation without a cache) on tiny random models.
 
 One matrix: architectures (Llama, Qwen2, Gemma2 and Gemma3 with sliding-window layers of 8 tokens, GPT-2, Mistral)
-x generate modes x block sizes {4, 16}. Every comparison asserts equal token ids and logits within 1e-5 (fp32), then
-checks the cache itself: the same K/V as `DynamicCache` layer by layer, the pool invariants, ceil(n / B) blocks per
-row, sharing where rows share a prefix, and no block in use after release. Whether the logits were also bit-identical
-is recorded per test (`bit_identical` user property) and summed up in one line at the end of the module.
+x generate modes x block sizes {4, 16}. Every comparison asserts equal token ids and logits within 1e-5 (fp32) where
+both sides run the same forward steps, or within the cross-step bound (`tests.tolerances`, 1e-4) where they do not
+(a pre-filled prompt fed in two steps where `DynamicCache` takes one); then it checks the cache itself: the same K/V
+as `DynamicCache` layer by layer, the pool invariants, ceil(n / B) blocks per row, sharing where rows share a
+prefix, and no block in use after release. Whether the logits were also bit-identical is recorded per test
+(`bit_identical` user property) and summed up in one line at the end of the module.
 """
 
 import copy
@@ -16,14 +18,15 @@ from transformers import DynamicCache
 
 from hf_pagedkv import BlockPool, PagedCache
 from hf_pagedkv.verify import dynamic_cache_bytes
-from tests.conftest import VOCAB, ids, tiny_model
+from tests.conftest import ids, tiny_model
+from tests.tolerances import CROSS_STEP_LOGIT_ATOL
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 ARCHS = ["llama", "qwen2", "gemma2", "gpt2", "gemma3", "mistral"]
 BLOCK_SIZES = [4, 16]
 PROMPT = 21  # longer than the sliding window (8) and than one block of 16
-ATOL = 1e-5
+ATOL = 1e-5  # same forward steps on both sides: bit-identical is expected (and recorded); this only bounds a miss
 
 _bit_identical: dict[str, bool] = {}
 
@@ -35,7 +38,7 @@ def _bit_identity_summary(request):
     close = [name for name, same in _bit_identical.items() if not same]
     line = f"\n[test_equivalence] logits bit-identical to the reference in {len(exact)}/{len(_bit_identical)} tests"
     if close:
-        line += f"; within {ATOL} but not bit-identical: {', '.join(close)}"
+        line += f"; within their tolerance but not bit-identical: {', '.join(close)}"
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
     capture = request.config.pluginmanager.get_plugin("capturemanager")
     if reporter is not None and capture is not None:
@@ -62,14 +65,16 @@ def gen(model, x, cache, seed=None, **kw):
     return model.generate(x, past_key_values=cache, return_dict_in_generate=True, output_logits=True, **kw)
 
 
-def assert_same(out, ref) -> bool:
-    """Equal token ids, logits within 1e-5 (and beam scores); returns whether the logits are bit-identical."""
+def assert_same(out, ref, atol: float = ATOL) -> bool:
+    """Equal token ids, logits (and beam scores) within `atol`; returns whether the logits are bit-identical.
+
+    `atol`: `ATOL` when both runs took the same forward steps, `CROSS_STEP_LOGIT_ATOL` when they did not."""
     assert torch.equal(out.sequences, ref.sequences), (out.sequences, ref.sequences)
     assert len(out.logits) == len(ref.logits)
     for got, want in zip(out.logits, ref.logits):
-        torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
+        torch.testing.assert_close(got, want, rtol=0, atol=atol)
     if getattr(ref, "sequences_scores", None) is not None:
-        torch.testing.assert_close(out.sequences_scores, ref.sequences_scores, rtol=0, atol=ATOL)
+        torch.testing.assert_close(out.sequences_scores, ref.sequences_scores, rtol=0, atol=atol)
     return all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits))
 
 
@@ -289,11 +294,12 @@ def test_prefilled_prompt_expands_by_forking(arch, B, how, note_exact):
     assert held == math.ceil(N / B)
     out = gen(model, x, cache, seed=5, **kwargs)
     # The reference: from scratch with DynamicCache, and from scratch with a fresh PagedCache (same path).
-    assert_same(out, gen(model, x, DynamicCache(config=model.config), seed=5, **kwargs))
     # NOTE: 17 + 4 prompt tokens in two forwards vs 21 in one are different matmul shapes, so bit-identity is not
-    # expected here (it holds for Llama/Qwen2/GPT-2/Mistral; Gemma2/3 differ by ~1e-7).
+    # promised here, only the cross-step bound (on an AVX-512 Xeon: bit-identical for Llama/Qwen2/GPT-2/Mistral,
+    # up to 3e-7 apart for Gemma2/3).
+    assert_same(out, gen(model, x, DynamicCache(config=model.config), seed=5, **kwargs), atol=CROSS_STEP_LOGIT_ATOL)
     fresh = PagedCache(block_size=B, debug=True, config=model.config)
-    note_exact(assert_same(out, gen(model, x, fresh, seed=5, **kwargs)))
+    note_exact(assert_same(out, gen(model, x, fresh, seed=5, **kwargs), atol=CROSS_STEP_LOGIT_ATOL))
     release(fresh)
     # Stored once: the pre-filled full blocks are the same ids in every row, and nothing else of the prompt
     # was stored k times.
@@ -434,11 +440,6 @@ def test_four_samples_of_a_64_token_prompt_store_it_once(how):
     else:
         assert 4 + 1 <= pool.stats().blocks_in_use <= 4 + 4
     release(cache)
-
-
-def test_tiny_vocab_is_shared_by_all_archs():
-    # Assisted decoding pairs different tiny models: they must share one vocabulary.
-    assert {tiny_model(a).config.get_text_config().vocab_size for a in ARCHS} == {VOCAB}
 
 
 # -- a shared system prompt: fork a pre-filled cache ------------------------------------------------------------------

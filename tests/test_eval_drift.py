@@ -1,4 +1,4 @@
-"""The drift suite end to end on a tiny model and tiny slices of the shared data: zero drift for `fp`, reference
+"""The drift suite end to end on a tiny model and tiny slices of the data in eval/data: zero drift for `fp`, reference
 columns, outputs, skipping finished runs, the CLI, and a 2-process sharded run equal to a 1-process run."""
 
 import json
@@ -172,12 +172,16 @@ def test_sharded_run_equals_single_process(tmp_path):
     assert (run_dir / "predictions.jsonl").read_text() == (one_dir / "predictions.jsonl").read_text()
 
 
-@pytest.mark.skipif(HAS_QUANT, reason="only meaningful before quantization lands")
-def test_paged_presets_report_not_available_without_quantization(tmp_path):
-    cfg = _cfg(tmp_path)
-    for name in PAGED_CONFIGS:
-        reason = unavailable_reason(name, cfg, tiny_model()[0].config)
-        assert (reason is None) == (name == "fp"), name
+def test_paged_presets_report_not_available_without_quantization(tmp_path, monkeypatch):
+    """Every PagedCache preset builds here; an hf_pagedkv without `QuantConfig` (as before quantization landed)
+    gets a one-line "not available" reason for each quantized preset instead of a crash, and `fp` still builds."""
+    cfg, config = _cfg(tmp_path), tiny_model()[0].config
+    assert {name: unavailable_reason(name, cfg, config) for name in PAGED_CONFIGS} == dict.fromkeys(PAGED_CONFIGS)
+    monkeypatch.delattr(hf_pagedkv, "QuantConfig")
+    assert unavailable_reason("fp", cfg, config) is None
+    for name in [n for n in PAGED_CONFIGS if n != "fp"]:
+        reason = unavailable_reason(name, cfg, config)
+        assert reason.startswith("not available: this hf_pagedkv has no quantization"), (name, reason)
 
 
 def test_an_interrupted_run_resumes_after_its_last_finished_window(tmp_path, monkeypatch):

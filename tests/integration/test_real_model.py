@@ -9,16 +9,15 @@ from transformers import DynamicCache
 
 from hf_pagedkv import BlockPool, PagedCache
 from hf_pagedkv.verify import dynamic_cache_bytes
+from tests.eval_helpers import DATA_DIR
 
 pytestmark = pytest.mark.model
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _text(tokenizer, n_tokens: int) -> torch.Tensor:
-    """The first `n_tokens` tokens of WikiText-2 test (shared data), or of a Python source file if absent."""
-    path = DATA / "wikitext-2-raw" / "wiki.test.raw"
-    text = path.read_text(encoding="utf-8") if path.exists() else Path(torch.__file__).read_text() * 4
+    """The first `n_tokens` tokens of WikiText-2 test (eval/data)."""
+    text = (DATA_DIR / "wikitext-2-raw" / "wiki.test.raw").read_text(encoding="utf-8")
     return tokenizer(text[: n_tokens * 8], return_tensors="pt").input_ids[:, :n_tokens]
 
 

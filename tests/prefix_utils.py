@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_pagedkv import PagedCache
+from hf_pagedkv import PagedCache, cache_kwargs
 
 LOGIT_TOL = 1e-5  # a prefix hit reassociates float sums (a short prefill after a long one): logits agree to this
 GEN = {"max_new_tokens": 6, "do_sample": False, "return_dict_in_generate": True, "output_logits": True}
@@ -24,7 +24,7 @@ def tiny_single_thread():
 
 def fresh_generate(model, input_ids: torch.Tensor, **kwargs):
     """`model.generate` with a new `DynamicCache`: the reference a prefix hit must reproduce."""
-    return model.generate(input_ids, past_key_values=DynamicCache(), **{**GEN, **kwargs})
+    return model.generate(input_ids, **cache_kwargs(DynamicCache()), **{**GEN, **kwargs})
 
 
 def assert_same_output(ref, out, tol: float = LOGIT_TOL) -> None:
@@ -72,7 +72,7 @@ class Request:
         seq = self.sequence
         start = self.cache.get_seq_length()
         x = torch.tensor([seq[start:]])  # [1, new_tokens]
-        logits = self.model(input_ids=x, past_key_values=self.cache, use_cache=True).logits[0, -1]  # [vocab]
+        logits = self.model(input_ids=x, **cache_kwargs(self.cache), use_cache=True).logits[0, -1]  # [vocab]
         self.logits.append(logits)
         self.tokens.append(int(logits.argmax()))
 

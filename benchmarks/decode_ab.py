@@ -51,7 +51,8 @@ def child(lengths: list[int], methods: list[str], steps: int, threads: int) -> N
 
 
 def run_side(path: Path, args) -> list[dict]:
-    """One child process with `path`'s hf_pagedkv first on its path (this file's `child` runs the cases)."""
+    """One child process with `path`'s hf_pagedkv first on its path (this file's `child` runs the cases). The
+    child passes `past_key_values=` (the base commit may predate `cache_kwargs`; transformers 5.24 warns, no more)."""
     env = {**os.environ, "PYTHONPATH": str(path), "OMP_NUM_THREADS": str(args.threads)}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--lengths", args.lengths,
            "--methods", args.methods, "--steps", str(args.steps), "--threads", str(args.threads)]

@@ -22,7 +22,7 @@ from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hf_pagedkv import PagedCache  # noqa: E402
+from hf_pagedkv import PagedCache, cache_kwargs  # noqa: E402
 from hf_pagedkv.verify import dynamic_cache_bytes  # noqa: E402
 
 MB = 1e6
@@ -48,7 +48,7 @@ def run(model, prompt_len: int, new: int, block_size: int, **kw) -> tuple[int, i
             config=model.config)):
         cache = make()
         torch.manual_seed(1)
-        outs.append(model.generate(x, past_key_values=cache, max_new_tokens=new, min_new_tokens=new, **kw))
+        outs.append(model.generate(x, **cache_kwargs(cache), max_new_tokens=new, min_new_tokens=new, **kw))
         held.append(cache.pool.stats().bytes_in_use if isinstance(cache, PagedCache) else dynamic_cache_bytes(cache))
         if isinstance(cache, PagedCache):
             cache.pool.check_invariants()

@@ -27,7 +27,7 @@ from transformers import DynamicCache
 
 import hf_pagedkv
 from eval.config import resolve_data_dir
-from hf_pagedkv import BlockPool, PagedCache
+from hf_pagedkv import BlockPool, PagedCache, cache_kwargs
 from hf_pagedkv.models import load_model
 from hf_pagedkv.verify import dynamic_cache_bytes
 
@@ -76,7 +76,7 @@ def ttft(model, doc: list[int], suffixes: list[list[int]], args) -> dict:
         fresh_pool = BlockPool(block_size=args.block_size, prefix_caching=True)
         t_miss, out_miss = timed(lambda x=x, p=fresh_pool: hf_pagedkv.generate(model, x, pool=p, **one))
         t_hit, out_hit = timed(lambda x=x: hf_pagedkv.generate(model, x, pool=hit_pool, **one))
-        t_dyn, _ = timed(lambda x=x: model.generate(x, past_key_values=DynamicCache(), **one))
+        t_dyn, _ = timed(lambda x=x: model.generate(x, **cache_kwargs(DynamicCache()), **one))
         miss.append(t_miss)
         hit.append(t_hit)
         dyn.append(t_dyn)
@@ -96,7 +96,7 @@ def memory(model, doc: list[int], suffixes: list[list[int]], args) -> dict:
     for i in range(args.requests):  # all requests stay alive (as in a server) until the measurement
         x = prompt(prefix, suffixes[i], args.suffix_tokens)
         cache = PagedCache.from_prefix(pool, x, model=model)
-        out = model.generate(x, past_key_values=cache, **gen)
+        out = model.generate(x, **cache_kwargs(cache), **gen)
         cache.publish(x)
         caches.append(cache)
         outs.append(out)
@@ -106,7 +106,7 @@ def memory(model, doc: list[int], suffixes: list[list[int]], args) -> dict:
     for i in range(runs):
         x = prompt(prefix, suffixes[i], args.suffix_tokens)
         ref_cache = DynamicCache(config=model.config)
-        ref = model.generate(x, past_key_values=ref_cache, **gen)
+        ref = model.generate(x, **cache_kwargs(ref_cache), **gen)
         dyn_bytes.append(dynamic_cache_bytes(ref_cache))
         same &= torch.equal(ref, outs[i])
     dynamic_total = sum(dyn_bytes) * (args.requests // runs)  # every request has the same length

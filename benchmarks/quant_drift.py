@@ -26,7 +26,7 @@ from transformers import DynamicCache, QuantizedCache
 from eval.caches import bytes_held, release
 from eval.config import resolve_data_dir
 from eval.tasks.perplexity.metrics import token_kl, token_nll, top1_match
-from hf_pagedkv import PagedCache, QuantConfig
+from hf_pagedkv import PagedCache, QuantConfig, cache_kwargs
 from hf_pagedkv.models import load_model
 
 DATA = str(resolve_data_dir() / "wikitext-2-raw" / "wiki.test.raw")  # eval/data, or $HF_PAGEDKV_DATA_DIR
@@ -52,8 +52,8 @@ def make_cache(method: str, model):
 def score(model, method: str, window: torch.Tensor, prefill: int) -> torch.Tensor:
     """Logits `[decode, vocab]` of decode steps `prefill .. len - 2`, each reading its context from the cache."""
     cache = make_cache(method, model)
-    model(window[:, :prefill], past_key_values=cache, use_cache=True, logits_to_keep=1)
-    out = [model(window[:, t: t + 1], past_key_values=cache, use_cache=True).logits[:, -1].float()
+    model(window[:, :prefill], **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
+    out = [model(window[:, t: t + 1], **cache_kwargs(cache), use_cache=True).logits[:, -1].float()
            for t in range(prefill, window.shape[1] - 1)]
     release(cache)
     return torch.cat(out)
@@ -64,12 +64,12 @@ def decode_run(model, method: str, ids: torch.Tensor, context: int, steps: int, 
                ) -> tuple[int, float]:
     """(bytes held after a `context`-token prefill, decode tokens/s over the next `steps` steps, timed by `clock`)."""
     cache = make_cache(method, model)
-    model(ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(ids[:, :context], **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
     held = bytes_held(cache)
-    model(ids[:, context: context + 1], past_key_values=cache, use_cache=True)  # warm-up step
+    model(ids[:, context: context + 1], **cache_kwargs(cache), use_cache=True)  # warm-up step
     t0 = clock()
     for t in range(context + 1, context + 1 + steps):
-        model(ids[:, t: t + 1], past_key_values=cache, use_cache=True)
+        model(ids[:, t: t + 1], **cache_kwargs(cache), use_cache=True)
     seconds = clock() - t0
     release(cache)
     return held, steps / seconds

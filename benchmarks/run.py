@@ -13,7 +13,7 @@ Measured in one process, on SmolLM2-135M-Instruct (fp32, `hf_pagedkv.models.load
 - the overhead of the metrics hooks, against the decode step time.
 
 Every configuration is warmed up first, runs are interleaved across configurations and repeated (median), and
-sampling is seeded. Decode throughput is timed on a greedy loop of `model(next_token, past_key_values=cache)` after
+sampling is seeded. Decode throughput is timed on a greedy loop of `model(next_token, **cache_kwargs(cache))` after
 an untimed prefill, so it measures the decode steps alone.
 """
 
@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from eval.config import resolve_data_dir  # noqa: E402
-from hf_pagedkv import BlockPool, PagedCache  # noqa: E402
+from hf_pagedkv import BlockPool, PagedCache, cache_kwargs  # noqa: E402
 from hf_pagedkv.models import load_model  # noqa: E402
 from hf_pagedkv.planning import QUANT_PRESETS, ModelShape, plan_capacity  # noqa: E402
 from hf_pagedkv.verify import dynamic_cache_bytes  # noqa: E402
@@ -118,12 +118,12 @@ def release(cache) -> None:
 def decode_run(model, prompt: torch.Tensor, kind: str, steps: int) -> dict:
     """Untimed prefill, then `steps` timed greedy decode steps; tokens/s, KV bytes at the end, and the tokens."""
     cache = make_cache(kind, model)
-    out = model(prompt, past_key_values=cache, logits_to_keep=1)
+    out = model(prompt, **cache_kwargs(cache), logits_to_keep=1)
     token = out.logits[:, -1:].argmax(-1)
     tokens = [token]
     t0 = _now()
     for _ in range(steps):
-        out = model(token, past_key_values=cache, logits_to_keep=1)
+        out = model(token, **cache_kwargs(cache), logits_to_keep=1)
         token = out.logits[:, -1:].argmax(-1)
         tokens.append(token)
     seconds = _now() - t0
@@ -141,7 +141,7 @@ def generate_run(model, prompt: torch.Tensor, kind: str, new_tokens: int, seed: 
     cache = make_cache(kind, model)
     torch.manual_seed(seed)
     t0 = _now()
-    out = model.generate(prompt, past_key_values=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+    out = model.generate(prompt, **cache_kwargs(cache), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                          **gen)
     seconds = _now() - t0
     result = {"seconds": seconds, "bytes": kv_bytes(cache), "sequences": out}
@@ -188,13 +188,13 @@ def prefix_ttft(model, ids: torch.Tensor, prefix_len: int, suffix_len: int, repe
             else:
                 cache = PagedCache(pool=pool)
                 t0 = _now()
-                model(first, past_key_values=cache, logits_to_keep=1)
+                model(first, **cache_kwargs(cache), logits_to_keep=1)
                 miss.append(_now() - t0)
                 cache.publish(first)
                 cache.release()
                 t0 = _now()
                 cache = PagedCache.from_prefix(pool, second)
-                model(second[:, cache.get_seq_length():], past_key_values=cache, logits_to_keep=1)
+                model(second[:, cache.get_seq_length():], **cache_kwargs(cache), logits_to_keep=1)
                 hit.append(_now() - t0)
                 cache.release()
     return {"miss_s": statistics.median(miss), "hit_s": statistics.median(hit)}
@@ -205,7 +205,7 @@ def hook_overhead(model, prompt: torch.Tensor, step_ms: float, calls: int = 2000
     pool = BlockPool(block_size=16)
     cache = PagedCache(pool=pool, config=model.config)
     with torch.inference_mode():
-        model(prompt, past_key_values=cache, logits_to_keep=1)
+        model(prompt, **cache_kwargs(cache), logits_to_keep=1)
     m, ev = pool.metrics, pool.events
     t0 = _now()
     for _ in range(calls):

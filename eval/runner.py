@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from hf_pagedkv import cache_kwargs
+
 
 @torch.inference_mode()
 def prefill(model, cache, input_ids: torch.Tensor) -> torch.Tensor:
@@ -12,7 +14,7 @@ def prefill(model, cache, input_ids: torch.Tensor) -> torch.Tensor:
     Only the last position's logits are computed (`logits_to_keep=1`): a 2048-token prompt would otherwise
     materialise `[2048, vocab]` floats (400 MB for SmolLM2).
     """
-    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = model(input_ids=input_ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
     return out.logits[0, -1].float()
 
 
@@ -44,7 +46,7 @@ def decode_teacher_forced(model, cache, window: torch.Tensor, start: int) -> tor
     """
     logits = []
     for t in range(start, window.shape[1] - 1):
-        out = model(input_ids=window[:, t: t + 1], past_key_values=cache, use_cache=True)
+        out = model(input_ids=window[:, t: t + 1], **cache_kwargs(cache), use_cache=True)
         logits.append(out.logits[0, -1].float())
     return torch.stack(logits)  # [window_len - start - 1, vocab]
 
@@ -76,7 +78,7 @@ def continue_greedy(model, cache, last_logits: torch.Tensor, max_new_tokens: int
     tokens = [token]
     while len(tokens) < max_new_tokens and token not in eos:
         nxt = torch.tensor([[token]], dtype=torch.long, device=last_logits.device)
-        out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+        out = model(input_ids=nxt, **cache_kwargs(cache), use_cache=True)
         token = int(out.logits[0, -1].argmax())
         tokens.append(token)
     return tokens

@@ -1,5 +1,6 @@
 """hf_pagedkv: a paged, refcounted KV cache for Hugging Face transformers."""
 
+from ._compat import cache_kwargs
 from .block_pool import BlockPool, PoolStats
 from .cache import PagedCache
 from .config import QuantConfig
@@ -18,6 +19,7 @@ __all__ = [
     "PoolExhaustedError",
     "PoolStats",
     "QuantConfig",
+    "cache_kwargs",
     "generate",
 ]
 __version__ = "0.1.0"

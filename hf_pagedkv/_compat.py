@@ -1,13 +1,47 @@
-"""The only module that touches transformers internals; `tests/test_compat.py` is its contract test."""
+"""The only module that touches transformers internals or differs between the supported transformers versions
+(5.23 and 5.24); `tests/test_compat.py` is its contract test, run on both versions by `scripts/test.sh` in CI."""
 
 from __future__ import annotations
 
+import transformers
+from packaging.version import Version
 from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer, get_layer_types_and_kwargs
 
-__all__ = ["Cache", "CacheLayerMixin", "DummyLayer", "SUPPORTED_LAYER_TYPES", "layer_plan"]
+__all__ = ["CACHE_KWARG", "CACHE_KWARG_NAMES", "Cache", "CacheLayerMixin", "DummyLayer", "SUPPORTED_LAYER_TYPES",
+           "TRANSFORMERS_VERSION", "cache_kwargs", "layer_plan"]
 
 #: layer types PagedCache stores; "dummy" layers (KV shared with another layer, or no attention) store nothing.
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "dummy")
+
+#: `(major, minor)` of the installed transformers.
+TRANSFORMERS_VERSION: tuple[int, int] = tuple(Version(transformers.__version__).release[:2])
+
+#: The keyword that hands a cache to `model.generate` and to a model's `forward`: ``"cache"`` from transformers 5.24,
+#: ``"past_key_values"`` before.
+# NOTE: 5.24 renamed `past_key_values` to `cache` in `generate`, in every model's `forward` (and the layers below it)
+# and in the output classes. The old name still works there but raises a FutureWarning (generate: "removed in 6.0.0",
+# forward: "removed in 5.40.0"); 5.23 does not know `cache`. The version decides, read once at import: `generate`
+# takes the cache through `**kwargs` in both versions, so its signature names neither.
+CACHE_KWARG = "cache" if TRANSFORMERS_VERSION >= (5, 24) else "past_key_values"
+
+#: Every keyword a cache can be passed to `generate` under, on some supported version.
+CACHE_KWARG_NAMES = ("cache", "past_key_values")
+
+
+def cache_kwargs(cache) -> dict:
+    """`{CACHE_KWARG: cache}`: pass a cache to `model.generate(...)` or `model(...)` under the name the installed
+    transformers expects, so the same code runs on 5.23 and 5.24 without a deprecation warning.
+
+    Example:
+
+    ```python
+    >>> from hf_pagedkv import PagedCache, cache_kwargs
+    >>> cache = PagedCache()
+    >>> out = model.generate(input_ids, **cache_kwargs(cache), max_new_tokens=20)
+    >>> # transformers 5.24: model.generate(input_ids, cache=cache, ...); 5.23: past_key_values=cache
+    ```
+    """
+    return {CACHE_KWARG: cache}
 
 
 def layer_plan(config) -> list[tuple[str, int | None]]:

@@ -11,6 +11,7 @@ import time
 import torch
 
 from . import PagedCache
+from ._compat import cache_kwargs
 from .cli_tools import add_tool_commands, run_tool
 from .models import DEFAULT_MODEL, chat_prompt, default_document, load_model
 from .verify import dynamic_cache_bytes
@@ -49,7 +50,7 @@ def _generate(args: argparse.Namespace) -> int:
     cache = PagedCache(block_size=args.block_size, config=model.config)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(input_ids, past_key_values=cache, **gen)
+        out = model.generate(input_ids, **cache_kwargs(cache), **gen)
     seconds = time.perf_counter() - t0
     new_tokens = out.sequences[0, input_ids.shape[1]:]
     print(tokenizer.decode(new_tokens, skip_special_tokens=True).strip())
@@ -67,7 +68,7 @@ def _generate(args: argparse.Namespace) -> int:
 
         ref_cache = DynamicCache(config=model.config)
         with torch.inference_mode():
-            ref = model.generate(input_ids, past_key_values=ref_cache, **gen)
+            ref = model.generate(input_ids, **cache_kwargs(ref_cache), **gen)
         ref_bytes = dynamic_cache_bytes(ref_cache)
         same = torch.equal(ref.sequences, out.sequences)
         diff = max((a - b).abs().max().item() for a, b in zip(ref.logits, out.logits))

@@ -6,6 +6,7 @@ import logging
 
 import torch
 
+from ._compat import CACHE_KWARG_NAMES, cache_kwargs
 from .block_pool import BlockPool
 from .cache import PagedCache
 
@@ -29,7 +30,7 @@ def generate(model, input_ids: torch.LongTensor, pool: BlockPool, attention_mask
         attention_mask (`torch.Tensor` of shape `[batch, seq_len]`, *optional*): 1 for real tokens, 0 for left
             padding.
         generate_kwargs: passed to `model.generate` (`max_new_tokens`, `do_sample`, `num_beams`,
-            `return_dict_in_generate`, ...); not `past_key_values`.
+            `return_dict_in_generate`, ...); not the cache (`past_key_values`, or `cache` from 5.24).
 
     Returns:
         What `model.generate` returns for a batch of one. For a larger batch: a `[batch * num_return_sequences,
@@ -38,8 +39,8 @@ def generate(model, input_ids: torch.LongTensor, pool: BlockPool, attention_mask
         per row (sequences without the padding).
 
     Raises:
-        ValueError: the pool has no prefix caching; `past_key_values` given; `attention_mask` not a left-padding
-            mask of the same shape as `input_ids`.
+        ValueError: the pool has no prefix caching; a cache given (`past_key_values` or `cache`); `attention_mask`
+            not a left-padding mask of the same shape as `input_ids`.
 
     Example:
 
@@ -52,8 +53,8 @@ def generate(model, input_ids: torch.LongTensor, pool: BlockPool, attention_mask
     """
     if not isinstance(pool, BlockPool) or pool.prefix_index is None:
         raise ValueError("hf_pagedkv.generate needs `pool=BlockPool(prefix_caching=True)`.")
-    if "past_key_values" in generate_kwargs:
-        raise ValueError("hf_pagedkv.generate makes its own caches from `pool`; do not pass `past_key_values`.")
+    if given := [name for name in CACHE_KWARG_NAMES if name in generate_kwargs]:
+        raise ValueError(f"hf_pagedkv.generate makes its own caches from `pool`; do not pass `{given[0]}`.")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() not in (1, 2):
         raise ValueError(f"`input_ids` must be a [batch, seq_len] tensor, got {type(input_ids).__name__}"
                          f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else ''}.")
@@ -86,7 +87,7 @@ def _unpadded_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None)
 def _generate_row(model, ids: torch.Tensor, pool: BlockPool, kwargs: dict):
     cache = PagedCache.from_prefix(pool, ids, model=model)
     try:
-        out = model.generate(ids, past_key_values=cache, attention_mask=torch.ones_like(ids), **kwargs)
+        out = model.generate(ids, **cache_kwargs(cache), attention_mask=torch.ones_like(ids), **kwargs)
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         config = kwargs.get("generation_config") or model.generation_config
         plain = (kwargs.get("num_beams", config.num_beams) or 1) == 1 and kwargs.get("assistant_model") is None \

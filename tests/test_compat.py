@@ -4,12 +4,17 @@ This covers every piece of transformers behaviour `_compat.py` and the cache rel
 changes it fails here first.
 """
 
+import inspect
+import warnings
+from types import SimpleNamespace
+
 import pytest
 import torch
-from transformers import DynamicCache, Gemma2Config, LlamaConfig
+from transformers import DynamicCache, Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from hf_pagedkv import PagedCache
-from hf_pagedkv._compat import layer_plan
+from hf_pagedkv import BlockPool, PagedCache
+from hf_pagedkv._compat import CACHE_KWARG, CACHE_KWARG_NAMES, TRANSFORMERS_VERSION, cache_kwargs, layer_plan
+from tests.conftest import VOCAB, ids, tiny_model
 
 GEMMA = Gemma2Config(vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
                      num_key_value_heads=1, head_dim=4, sliding_window=6)
@@ -104,3 +109,102 @@ def test_lazy_cache_matches_lazy_dynamic_cache():
     assert len(paged.layers) == len(dyn.layers) == 3
     assert paged.get_seq_length() == dyn.get_seq_length() == 6
     paged.release()
+
+
+# -- the cache keyword: `past_key_values` up to 5.23, `cache` from 5.24 ------------------------------------------------
+
+def _forward_params(model_cls) -> set[str]:
+    return set(inspect.signature(model_cls.forward).parameters)
+
+
+def test_cache_kwarg_is_the_name_the_installed_models_take():
+    assert CACHE_KWARG == ("cache" if TRANSFORMERS_VERSION >= (5, 24) else "past_key_values")
+    assert cache_kwargs(None) == {CACHE_KWARG: None}
+    assert CACHE_KWARG in CACHE_KWARG_NAMES
+    # the version decides the name; the models' own signatures must agree with it
+    for model_cls in (LlamaForCausalLM, Gemma2ForCausalLM):
+        params = _forward_params(model_cls)
+        assert CACHE_KWARG in params and not (set(CACHE_KWARG_NAMES) - {CACHE_KWARG}) & params, model_cls.__name__
+
+
+def test_accelerate_skips_the_cache_keyword_when_placing_inputs():
+    # with a device_map, accelerate's hooks move every input to the layer's device except these keys: the cache
+    # must be passed under a skipped name, or accelerate would try to move a PagedCache
+    assert CACHE_KWARG in tiny_model("llama")._skip_keys_device_placement
+
+
+def test_generate_and_forward_take_the_cache_under_cache_kwarg_without_a_warning(one_thread):
+    model, prompt = tiny_model("llama"), ids(1, 7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        cache = PagedCache(config=model.config)
+        out = model.generate(prompt, **cache_kwargs(cache), max_new_tokens=4, do_sample=False)
+        ref = model.generate(prompt, **cache_kwargs(DynamicCache(config=model.config)), max_new_tokens=4,
+                             do_sample=False)
+        assert torch.equal(out, ref)
+        assert cache.get_seq_length() == 7 + 4 - 1  # the cache was used: the last token is never fed back
+        cache.release()
+        cache = PagedCache(config=model.config)
+        step = model(prompt, **cache_kwargs(cache), use_cache=True)
+        assert step[CACHE_KWARG] is cache and cache.get_seq_length() == 7  # the output names it the same way
+        cache.release()
+
+
+@pytest.mark.skipif(TRANSFORMERS_VERSION < (5, 24), reason="`past_key_values` is the current name before 5.24")
+def test_past_key_values_still_works_from_5_24_but_warns(one_thread):
+    model, prompt = tiny_model("llama"), ids(1, 5)
+    cache = PagedCache(config=model.config)
+    with pytest.warns(FutureWarning, match="past_key_values"):
+        model.generate(prompt, past_key_values=cache, max_new_tokens=2, do_sample=False)
+    assert cache.get_seq_length() == 6
+    with pytest.warns(FutureWarning, match="past_key_values"):
+        model(prompt[:, -1:], past_key_values=cache)
+    assert cache.get_seq_length() == 7
+    cache.release()
+
+
+def test_update_accepts_the_attention_kwargs_models_pass():
+    # from 5.24 attention layers call `cache.update(k, v, layer_idx, kwargs=kwargs)`; PagedCache takes and ignores them
+    paged, dyn = PagedCache(block_size=2), DynamicCache()
+    extra = {"position_ids": torch.arange(3)[None], "output_attentions": False}
+    for n in (3, 1):
+        k, v = _kv(1, n, n)
+        assert all(torch.equal(a, b) for a, b in zip(paged.update(k, v, 0, kwargs=extra),
+                                                     dyn.update(k, v, 0, kwargs=extra)))
+    paged.release()
+
+
+class _TinyTokenizer:
+    """Just what `hf-pagedkv generate --no-chat` asks of a tokenizer: a fixed prompt in, token ids out."""
+
+    def __call__(self, text, return_tensors=None):
+        return SimpleNamespace(input_ids=ids(1, 9, seed=3))
+
+    def decode(self, token_ids, skip_special_tokens=False):
+        return " ".join(map(str, token_ids.tolist()))
+
+
+def test_our_generate_paths_raise_no_deprecation_warning(one_thread, monkeypatch, capsys):
+    """hf_pagedkv.generate, `hf-pagedkv generate --check` and the eval runner pass the cache under its current name."""
+    import hf_pagedkv
+    from eval import runner
+    from hf_pagedkv import cli
+
+    model = tiny_model("llama")
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: (model, _TinyTokenizer()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        pool = BlockPool(block_size=4, prefix_caching=True)
+        for _ in range(2):  # a miss, then a hit on the published prompt
+            out = hf_pagedkv.generate(model, ids(1, 10), pool=pool, max_new_tokens=3, do_sample=False)
+        assert out.shape == (1, 13) and pool.stats().hit_rate > 0
+        assert cli.main(["generate", "--no-chat", "--prompt", "x", "--max-new-tokens", "3", "--check"]) == 0
+        assert "IDENTICAL to DynamicCache" in capsys.readouterr().out
+        cache = PagedCache(config=model.config)
+        assert runner.prefill(model, cache, ids(1, 6)).shape == (VOCAB,)
+        cache.release()
+    stray = PagedCache()
+    for name in CACHE_KWARG_NAMES:
+        with pytest.raises(ValueError, match=f"do not pass `{name}`"):
+            hf_pagedkv.generate(model, ids(1, 5), pool=pool, **{name: stray})
+    stray.release()

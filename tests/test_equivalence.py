@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_pagedkv import BlockPool, PagedCache
+from hf_pagedkv import BlockPool, PagedCache, cache_kwargs
 from hf_pagedkv.verify import dynamic_cache_bytes
 from tests.conftest import ids, tiny_model
 from tests.tolerances import CROSS_STEP_LOGIT_ATOL
@@ -62,7 +62,7 @@ def gen(model, x, cache, seed=None, **kw):
     if seed is not None:
         torch.manual_seed(seed)
     kw.setdefault("do_sample", False)
-    return model.generate(x, past_key_values=cache, return_dict_in_generate=True, output_logits=True, **kw)
+    return model.generate(x, **cache_kwargs(cache), return_dict_in_generate=True, output_logits=True, **kw)
 
 
 def assert_same(out, ref, atol: float = ATOL) -> bool:
@@ -253,8 +253,8 @@ def test_continue_from_a_prefilled_cache(arch, B, note_exact):
     model = tiny_model(arch)
     x = ids(1, PROMPT, seed=21)
     dyn, cache = DynamicCache(config=model.config), PagedCache(block_size=B, debug=True, config=model.config)
-    model(x[:, :11], past_key_values=dyn)
-    model(x[:, :11], past_key_values=cache)
+    model(x[:, :11], **cache_kwargs(dyn))
+    model(x[:, :11], **cache_kwargs(cache))
     note_exact(assert_same(gen(model, x, cache, max_new_tokens=8), gen(model, x, dyn, max_new_tokens=8)))
     note_exact(assert_same_cache(cache, dyn))
     assert_sound(cache)
@@ -289,7 +289,7 @@ def test_prefilled_prompt_expands_by_forking(arch, B, how, note_exact):
         {"max_new_tokens": 8, "do_sample": True, "num_return_sequences": k}
     x = ids(1, PROMPT, seed=31)
     cache = PagedCache(block_size=B, debug=True, config=model.config)
-    model(x[:, :N], past_key_values=cache)
+    model(x[:, :N], **cache_kwargs(cache))
     held = cache.pool.stats().groups[0].blocks_in_use  # the full-attention group (hybrid models: also sliding)
     assert held == math.ceil(N / B)
     out = gen(model, x, cache, seed=5, **kwargs)
@@ -316,9 +316,9 @@ def test_dynamic_cache_crashes_on_a_prefilled_prompt_with_beams():
     model = tiny_model("llama")
     x = ids(1, PROMPT, seed=31)
     dyn = DynamicCache(config=model.config)
-    model(x[:, :17], past_key_values=dyn)
+    model(x[:, :17], **cache_kwargs(dyn))
     with pytest.raises(RuntimeError, match="Sizes of tensors must match"):
-        model.generate(x, past_key_values=dyn, num_beams=3, max_new_tokens=4)
+        model.generate(x, **cache_kwargs(dyn), num_beams=3, max_new_tokens=4)
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
@@ -381,8 +381,8 @@ def test_forward_loop(arch, B, loop, note_exact):
     got, want, start = [], [], 0
     with torch.no_grad():
         for q in chunks:
-            got.append(model(x[:, start:start + q], past_key_values=cache).logits)
-            want.append(model(x[:, start:start + q], past_key_values=dyn).logits)
+            got.append(model(x[:, start:start + q], **cache_kwargs(cache)).logits)
+            want.append(model(x[:, start:start + q], **cache_kwargs(dyn)).logits)
             start += q
             assert cache.get_seq_length() == start
             assert_sound(cache)
@@ -451,7 +451,7 @@ def test_forks_of_a_prefilled_prompt_continue_independently(arch, note_exact):
     model = tiny_model(arch)
     system = ids(1, 19, seed=81)
     base = PagedCache(block_size=4, debug=True, config=model.config)
-    model(system, past_key_values=base)
+    model(system, **cache_kwargs(base))
     forks = [base.fork(), base.fork()]
     assert [base.pool.allocator.refcount(b) for b in base.block_tables()[0]] == [3] * 5
     release_first = base.pool.stats().blocks_in_use
@@ -460,7 +460,7 @@ def test_forks_of_a_prefilled_prompt_continue_independently(arch, note_exact):
     for i, fork in enumerate(forks):
         x = torch.cat([system, ids(1, 3 + 2 * i, seed=82 + i)], dim=1)
         dyn = DynamicCache(config=model.config)
-        model(system, past_key_values=dyn)
+        model(system, **cache_kwargs(dyn))
         note_exact(assert_same(gen(model, x, fork, max_new_tokens=6), gen(model, x, dyn, max_new_tokens=6)))
         note_exact(assert_same_cache(fork, dyn))
         assert_sound(fork, alone=False)

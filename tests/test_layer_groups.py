@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
 
-from hf_pagedkv import BlockPool, PagedCache, PoolExhaustedError
+from hf_pagedkv import BlockPool, PagedCache, PoolExhaustedError, cache_kwargs
 from hf_pagedkv.verify import dynamic_cache_bytes
 from tests.conftest import VOCAB, ids
 
@@ -35,7 +35,7 @@ def hybrid(one_thread):
 
 def gen(model, x, cache, **kw):
     kw.setdefault("do_sample", False)
-    return model.generate(x, past_key_values=cache, return_dict_in_generate=True, output_logits=True, **kw)
+    return model.generate(x, **cache_kwargs(cache), return_dict_in_generate=True, output_logits=True, **kw)
 
 
 def assert_same(out, ref):
@@ -91,12 +91,12 @@ def test_sliding_rows_stay_within_the_window_at_every_decode_step(hybrid):
     dyn = DynamicCache(config=hybrid.config)
     x = ids(2, 40, seed=4)
     with torch.no_grad():
-        a, b = hybrid(x, past_key_values=cache).logits, hybrid(x, past_key_values=dyn).logits
+        a, b = hybrid(x, **cache_kwargs(cache)).logits, hybrid(x, **cache_kwargs(dyn)).logits
         assert torch.equal(a, b)
         for step in range(150):  # crosses the window (64) and many block boundaries
             tok = a[:, -1:].argmax(-1)
-            a = hybrid(tok, past_key_values=cache).logits
-            b = hybrid(tok, past_key_values=dyn).logits
+            a = hybrid(tok, **cache_kwargs(cache)).logits
+            b = hybrid(tok, **cache_kwargs(dyn)).logits
             assert torch.equal(a, b), step
             n = cache.get_seq_length()
             assert [len(t) for t in cache.block_tables()] == [math.ceil(n / B)] * 2
@@ -115,8 +115,8 @@ def test_crop_takes_back_the_last_step_and_refuses_more(hybrid):
     cache = PagedCache(block_size=B, config=hybrid.config, debug=True)
     x = ids(1, 200, seed=5)
     with torch.no_grad():
-        hybrid(x, past_key_values=cache)
-        hybrid(ids(1, 6, seed=6), past_key_values=cache)  # a 6-token step (a draft being verified)
+        hybrid(x, **cache_kwargs(cache))
+        hybrid(ids(1, 6, seed=6), **cache_kwargs(cache))  # a 6-token step (a draft being verified)
     before, tables = cache.pool.stats(), (cache.block_tables(), cache.block_tables(window=W))
     with pytest.raises(ValueError, match="reaches before what the sliding-window layers"):
         cache.crop(-40)
@@ -127,9 +127,9 @@ def test_crop_takes_back_the_last_step_and_refuses_more(hybrid):
     ref = PagedCache(block_size=B, config=hybrid.config, debug=True)
     y = ids(1, 3, seed=7)
     with torch.no_grad():
-        hybrid(x, past_key_values=ref)
-        hybrid(ids(1, 6, seed=6)[:, :1], past_key_values=ref)
-        got, want = hybrid(y, past_key_values=cache).logits, hybrid(y, past_key_values=ref).logits
+        hybrid(x, **cache_kwargs(ref))
+        hybrid(ids(1, 6, seed=6)[:, :1], **cache_kwargs(ref))
+        got, want = hybrid(y, **cache_kwargs(cache)).logits, hybrid(y, **cache_kwargs(ref)).logits
     # NOTE: the kept token was computed in a 6-token step in `cache` and in a 1-token step in `ref`: other matmul
     # shapes, so the K/V agree up to fp32 rounding only.
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -142,16 +142,16 @@ def test_fixed_pool_counts_each_group_and_fails_cleanly(hybrid):
     pool = BlockPool(block_size=B, num_blocks=20, debug=True)
     cache = PagedCache(pool=pool, config=hybrid.config, debug=True)
     with torch.no_grad():
-        hybrid(ids(1, 300, seed=8), past_key_values=cache)  # 19 blocks in each group during the prefill
+        hybrid(ids(1, 300, seed=8), **cache_kwargs(cache))  # 19 blocks in each group during the prefill
         for _ in range(8):  # decoding frees the sliding group's early blocks; the full group needs a 20th
-            hybrid(ids(1, 1, seed=9), past_key_values=cache)
+            hybrid(ids(1, 1, seed=9), **cache_kwargs(cache))
     full, sliding = pool.stats().groups
     assert (full.num_blocks, sliding.num_blocks) == (20, 20)
     assert full.blocks_in_use == 20 and sliding.blocks_in_use <= 5
     before = pool.stats()
     with pytest.raises(PoolExhaustedError, match="full layer group: 1 blocks needed, 0 free"):
         with torch.no_grad():
-            hybrid(ids(1, 16, seed=10), past_key_values=cache)
+            hybrid(ids(1, 16, seed=10), **cache_kwargs(cache))
     assert pool.stats().groups == before.groups  # nothing changed in either group
     cache.release()
     pool.check_invariants()

@@ -204,12 +204,21 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
 
     # -- hf_pagedkv API -----------------------------------------------------------------------------------------
     def fork(self) -> PagedCache:
-        """A new cache holding the same tokens, sharing every block (copy-on-write); O(blocks), no tensor copy."""
+        """A new cache holding the same tokens, sharing every block (copy-on-write); O(blocks), no tensor copy.
+
+        `copy.deepcopy(cache)` and `copy.copy(cache)` return a fork too, so code written for `DynamicCache` (such as
+        transformers' "re-use a prompt cache" recipe, ``past_key_values = copy.deepcopy(prompt_cache)`` per
+        question) works unchanged and costs no tensor copy. Release each fork when done (or use `with`).
+
+        Raises:
+            CacheReleasedError: this cache was released.
+        """
         self._check_usable()
         other = PagedCache(pool=self.pool, debug=self.debug)
         other.layers = [DummyLayer() if isinstance(layer, DummyLayer) else self._clone_layer(layer, other)
                         for layer in self.layers]
         other._num_layers = self._num_layers
+        other._prefix_key = self._prefix_key  # same model, same tokens: a fork may publish them too
         with self.pool.lock:
             for row in self._rows:
                 self.pool.incref(row.blocks)
@@ -218,6 +227,25 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
         other._num_tokens = self._num_tokens
         other._after_change()
         return other
+
+    def __deepcopy__(self, memo: dict) -> PagedCache:
+        """`copy.deepcopy(cache)`: an independent cache sharing this one's blocks copy-on-write (see `fork`)."""
+        # NOTE: a fork, not a tensor copy: the blocks are immutable once shared (a write copies first), so the two
+        # caches are as independent as two deep copies. Copying the pool itself would give a second pool per copy.
+        other = self.fork()
+        memo[id(self)] = other
+        return other
+
+    def __copy__(self) -> PagedCache:
+        """`copy.copy(cache)`: a fork too (a shallow copy sharing the block tables would corrupt both caches)."""
+        return self.fork()
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "A PagedCache cannot be pickled: its K/V live in a BlockPool shared with other caches of this process. "
+            "Use cache.fork() (or copy.deepcopy(cache), which forks) for an independent copy in this process; "
+            "cache.layers[i].keys / .values give plain tensors to save."
+        )
 
     def release(self) -> None:
         """Return every block to the pool. Idempotent; the cache cannot be used afterwards."""

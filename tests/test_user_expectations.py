@@ -1,0 +1,97 @@
+"""Issue 16: what a transformers user expects of a cache, checked against `DynamicCache` doing the same.
+
+`copy.deepcopy` (transformers' prompt-reuse recipe), gradients, `del cache`, `torch.inference_mode()` mixed with
+other modes on one pool, and quiet ordinary runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_pagedkv import BlockPool, CacheReleasedError, PagedCache
+from tests.conftest import ids, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def greedy(model, input_ids, cache, **kw):
+    return model.generate(input_ids, past_key_values=cache, max_new_tokens=6, do_sample=False, **kw)
+
+
+# -- copy.deepcopy ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("quant", [None, "k8v4"])
+def test_deepcopy_reuses_a_prompt_cache_as_in_the_transformers_docs(quant):
+    """transformers' "re-use a prompt cache" recipe: prefill once, then `copy.deepcopy` the cache per question."""
+    model = tiny_model("llama")
+    prompt = ids(1, 19, seed=1)
+    questions = [ids(1, n, seed=10 + n) for n in (3, 6, 9)]
+    block_size = 4 if quant is None else 8
+    pool = BlockPool(block_size=block_size, quant=quant)
+
+    def answers(prompt_cache):
+        with torch.no_grad():
+            prompt_cache = model(prompt, past_key_values=prompt_cache).past_key_values
+        outs = []
+        for q in questions:
+            past_key_values = copy.deepcopy(prompt_cache)
+            outs.append(greedy(model, torch.cat([prompt, q], dim=1), past_key_values))
+            if isinstance(past_key_values, PagedCache):
+                assert past_key_values is not prompt_cache and past_key_values.get_seq_length() > 19
+                pool.check_invariants()
+                past_key_values.release()
+        return prompt_cache, outs
+
+    dyn_cache, want = answers(DynamicCache(config=model.config))
+    paged, got = answers(PagedCache(pool=pool, config=model.config))
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    # the prompt cache is untouched by its copies: same length, same blocks, and still reads the same K/V
+    assert paged.get_seq_length() == dyn_cache.get_seq_length() == 19
+    if quant is None:
+        for layer, ref in zip(paged.layers, dyn_cache.layers, strict=True):
+            assert torch.equal(layer.keys, ref.keys) and torch.equal(layer.values, ref.values)
+    blocks = pool.stats().blocks_in_use
+    assert blocks == len(paged.block_tables()[0]) == {4: 5, 8: 3}[block_size]  # ceil(19 / B): the prompt's only
+    paged.release()
+    pool.check_invariants()
+    assert pool.stats().blocks_in_use == 0
+
+
+def test_deepcopy_is_a_fork_without_tensor_copies():
+    model = tiny_model("llama")
+    pool = BlockPool(block_size=4)
+    cache = PagedCache(pool=pool)
+    with torch.no_grad():
+        model(ids(1, 10), past_key_values=cache)
+    reserved, cow = pool.stats().bytes_reserved, pool.num_cow_copies
+    for clone in (copy.deepcopy(cache), copy.copy(cache), copy.deepcopy({"past_key_values": cache})["past_key_values"]):
+        assert isinstance(clone, PagedCache) and clone is not cache and clone.pool is pool
+        assert clone.block_tables() == cache.block_tables() and clone.get_seq_length() == 10
+        assert clone.layers[0] is not cache.layers[0]
+        clone.release()
+    assert pool.num_cow_copies == cow and pool.stats().bytes_reserved == reserved  # no block or tensor was copied
+    assert pool.stats().blocks_in_use == 3
+    cache.release()
+    assert pool.stats().blocks_in_use == 0
+
+
+def test_deepcopy_of_an_empty_and_of_a_released_cache():
+    empty = PagedCache()
+    clone = copy.deepcopy(empty)
+    assert clone.get_seq_length() == 0 and clone.pool is empty.pool
+    model = tiny_model("llama")
+    torch.testing.assert_close(greedy(model, ids(1, 5), clone), greedy(model, ids(1, 5), DynamicCache()))
+    empty.release()
+    with pytest.raises(CacheReleasedError):
+        copy.deepcopy(empty)
+
+
+def test_pickle_says_to_fork():
+    cache = PagedCache()
+    with pytest.raises(TypeError, match=r"cannot be pickled.*cache\.fork\(\)"):
+        pickle.dumps(cache)

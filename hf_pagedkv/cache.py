@@ -199,6 +199,7 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
         self._table = torch.zeros((0, 0), dtype=torch.long)
         self._num_tokens = 0
         self._step = None
+        self._grad_history = False
         for layer in self._paged_layers():
             layer.num_tokens = 0
 
@@ -219,6 +220,7 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
                         for layer in self.layers]
         other._num_layers = self._num_layers
         other._prefix_key = self._prefix_key  # same model, same tokens: a fork may publish them too
+        other._grad_history = self._grad_history
         with self.pool.lock:
             for row in self._rows:
                 self.pool.incref(row.blocks)

@@ -95,3 +95,66 @@ def test_pickle_says_to_fork():
     cache = PagedCache()
     with pytest.raises(TypeError, match=r"cannot be pickled.*cache\.fork\(\)"):
         pickle.dumps(cache)
+
+
+# -- gradients --------------------------------------------------------------------------------------------------------
+def _grads(model, steps, cache, no_grad_steps=0):
+    """Forward `steps` (token ids) one call each through `cache` (the first `no_grad_steps` under no_grad), then
+    backward the summed log-likelihood of the grad calls; returns {parameter name: grad or None}."""
+    model.zero_grad(set_to_none=True)
+    loss = 0
+    for i, x in enumerate(steps):
+        with torch.set_grad_enabled(i >= no_grad_steps):
+            logits = model(x, past_key_values=cache).logits
+        if i >= no_grad_steps:
+            loss = loss + logits.log_softmax(-1)[..., 5].sum()
+    loss.backward()
+    grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _assert_same_grads(got, want):
+    assert got.keys() == want.keys()
+    for name in want:
+        assert want[name] is not None, name  # the reference trains every projection, k_proj / v_proj included
+        assert got[name] is not None, name
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("quant", [None, "k8v4"])
+@pytest.mark.parametrize("rows", ["one", "two", "identical"])  # identical rows are stored once (deduplicated)
+def test_gradients_through_one_forward_equal_dynamic_cache(quant, rows):
+    model = tiny_model("llama")
+    x = {"one": ids(1, 11, seed=3), "two": ids(2, 11, seed=3), "identical": ids(1, 11, seed=3).repeat(2, 1)}[rows]
+    want = _grads(model, [x], DynamicCache())
+    cache = PagedCache(block_size=8, quant=quant)
+    _assert_same_grads(_grads(model, [x], cache), want)
+    assert any("k_proj" in n for n in want)
+    cache.pool.check_invariants()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])  # gemma2: sliding-window layers (window 8) read a slice
+def test_gradients_after_a_prompt_cached_without_grad_equal_dynamic_cache(arch):
+    """A prompt prefilled under no_grad, then a forward with grad: only the new tokens' K/V get gradients."""
+    model = tiny_model(arch)
+    steps = [ids(1, 13, seed=4), ids(1, 5, seed=5)]
+    want = _grads(model, steps, DynamicCache(config=model.config), no_grad_steps=1)
+    _assert_same_grads(_grads(model, steps, PagedCache(block_size=4, config=model.config), no_grad_steps=1), want)
+
+
+def test_backward_into_k_v_cached_with_grad_raises_instead_of_differing():
+    model = tiny_model("llama")
+    steps = [ids(1, 6, seed=6), ids(1, 1, seed=7)]
+    want = _grads(model, steps, DynamicCache())  # DynamicCache backpropagates into the first call's K/V
+    assert want["model.layers.0.self_attn.k_proj.weight"].abs().sum() > 0
+    pool = BlockPool(block_size=4)
+    with pytest.raises(RuntimeError, match=r"no autograd history.*torch\.no_grad\(\).*DynamicCache"):
+        _grads(model, steps, PagedCache(pool=pool))
+    pool.check_invariants()
+    # forward calls with grad that are never backpropagated keep working, with DynamicCache's logits
+    x, nxt = steps
+    paged, ref = PagedCache(pool=pool), DynamicCache()
+    model(x, past_key_values=paged), model(x, past_key_values=ref)
+    torch.testing.assert_close(model(nxt, past_key_values=paged).logits, model(nxt, past_key_values=ref).logits,
+                               rtol=0, atol=1e-6)

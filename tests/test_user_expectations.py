@@ -7,7 +7,9 @@ other modes on one pool, and quiet ordinary runs.
 from __future__ import annotations
 
 import copy
+import gc
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -158,3 +160,42 @@ def test_backward_into_k_v_cached_with_grad_raises_instead_of_differing():
     model(x, past_key_values=paged), model(x, past_key_values=ref)
     torch.testing.assert_close(model(nxt, past_key_values=paged).logits, model(nxt, past_key_values=ref).logits,
                                rtol=0, atol=1e-6)
+
+
+# -- del cache --------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("quant", [None, "k8v4"])
+def test_del_cache_frees_its_blocks_without_cyclic_gc(quant):
+    """Three requests on an 8-block pool, each cache dropped with `del` (no release()) while cyclic GC is off."""
+    model = tiny_model("gemma2")  # sliding-window and full layers, built from the config
+    pool = BlockPool(block_size=8, num_blocks=8, quant=quant)
+    prompts = [ids(1, 17, seed=s) for s in (1, 2, 3)]  # 17 + 6 new tokens: 3 blocks of 8 each
+    gc.collect()
+    gc.disable()
+    try:
+        for x in prompts:
+            dyn, paged = DynamicCache(config=model.config), PagedCache(pool=pool, config=model.config)
+            want, got = greedy(model, x, dyn), greedy(model, x, paged)
+            if quant is None:
+                assert torch.equal(got, want)
+            assert pool.stats().blocks_in_use == 3
+            dead = [weakref.ref(dyn), weakref.ref(paged)]
+            del dyn, paged
+            assert [r() for r in dead] == [None, None]  # both caches freed at once, DynamicCache and PagedCache
+            assert len(pool._pending_release) == 1  # queued by the finalizer, freed by the pool's next operation
+            assert pool.allocator.num_used_blocks == 3
+            block = pool.allocate(1)  # the next allocation drains the queue first
+            assert len(pool._pending_release) == 0 and pool.allocator.num_used_blocks == 1
+            pool.free(block)
+            pool.check_invariants()
+    finally:
+        gc.enable()
+    assert pool.stats().blocks_in_use == 0
+
+
+def test_a_layer_of_a_collected_cache_says_so():
+    cache = PagedCache()
+    cache.update(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), 0)
+    layer = cache.layers[0]
+    del cache
+    with pytest.raises(CacheReleasedError, match="garbage collected"):
+        layer.keys

@@ -321,6 +321,10 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
     def _set_table(self, r: int, start_block: int) -> None:
         """Copy row `r`'s block ids from `start_block` on into the CPU mirror, growing its capacity if needed."""
         blocks = self._rows[r].blocks
+        if self._table.is_inference() and not torch.is_inference_mode_enabled():
+            # NOTE: made by an earlier call under torch.inference_mode(), the table cannot be written in place
+            # outside it; a normal copy (once) lets one cache be used in and out of inference mode, as DynamicCache.
+            self._table = self._table.clone()
         if len(blocks) > self._table.shape[1]:
             grown = torch.zeros((self._table.shape[0], max(len(blocks), 2 * self._table.shape[1])), dtype=torch.long)
             grown[:, : self._table.shape[1]] = self._table

@@ -6,8 +6,10 @@ other modes on one pool, and quiet ordinary runs.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
+import itertools
 import pickle
 import weakref
 
@@ -199,3 +201,43 @@ def test_a_layer_of_a_collected_cache_says_so():
     del cache
     with pytest.raises(CacheReleasedError, match="garbage collected"):
         layer.keys
+
+
+# -- torch.inference_mode() -------------------------------------------------------------------------------------------
+MODES = {"plain": contextlib.nullcontext, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
+
+
+@pytest.mark.parametrize("quant", [None, "k4v4"])
+@pytest.mark.parametrize("first, second", list(itertools.product(MODES, MODES)))
+def test_one_pool_serves_every_mix_of_inference_mode_no_grad_and_plain(quant, first, second):
+    """Requests in one mode, then in another, on one shared pool (which grows in the second mode), and a prompt
+    cache filled in the first mode and continued in the second: the tokens of DynamicCache doing the same (for the
+    quantized pool, of the same requests on a fresh pool in one mode)."""
+    model = tiny_model("llama")
+    prompt, question, big = ids(1, 9, seed=1), ids(1, 4, seed=2), ids(10, 100, seed=3)
+
+    def run(make_cache, first, second):
+        outs = []
+        with MODES[first]():
+            outs.append(greedy(model, prompt, make_cache()))
+            carried = make_cache()
+            model(prompt, past_key_values=carried)  # a prompt cache filled in the first mode ...
+        with MODES[second]():
+            outs.append(greedy(model, torch.cat([prompt, question], 1), carried))  # ... continued in the second
+            outs.append(greedy(model, question, make_cache()))  # storage made in the first mode, written now
+            outs.append(greedy(model, big, make_cache()))  # 10 rows x 14 blocks: the pool (and staging) grow
+        return outs
+
+    pool = BlockPool(block_size=8, quant=quant)
+    got = run(lambda: PagedCache(pool=pool, config=model.config), first, second)
+    if quant is None:
+        want = run(lambda: DynamicCache(config=model.config), first, second)
+    else:
+        fresh = BlockPool(block_size=8, quant=quant)
+        want = run(lambda: PagedCache(pool=fresh, config=model.config), "no_grad", "no_grad")
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    assert pool.num_blocks > 66  # grew past its first chunk (2 blocks + 64 headroom) in the second mode
+    gc.collect()
+    pool.check_invariants()
+    assert pool.stats().blocks_in_use == 0

@@ -12,6 +12,7 @@ import torch
 
 from . import PagedCache
 from .cli_tools import add_tool_commands, run_tool
+from .errors import EMPTY_PROMPT
 from .models import DEFAULT_MODEL, chat_prompt, default_document, load_model
 from .verify import dynamic_cache_bytes
 
@@ -23,8 +24,8 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"hf-pagedkv generate: --file {args.file!r} is not a readable file", file=sys.stderr)
         return 2
     if args.prompt is not None and not args.prompt.strip() and not args.chat:
-        print("hf-pagedkv generate: --prompt is empty and --no-chat adds no template: there is no token to start "
-              "from; give some text", file=sys.stderr)
+        print(f"hf-pagedkv generate: --prompt is empty and --no-chat adds no template: {EMPTY_PROMPT} (some text)",
+              file=sys.stderr)
         return 2
     try:
         model, tokenizer = load_model(args.model)
@@ -44,6 +45,9 @@ def _generate(args: argparse.Namespace) -> int:
         title, text = default_document()
         prompt, source = chat_prompt(tokenizer, title, text), f"a request to summarise {title}"
     input_ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.device)
+    if input_ids.shape[1] == 0:  # text the tokenizer turns into no token at all
+        print(f"hf-pagedkv generate: {source}: {EMPTY_PROMPT} (some text)", file=sys.stderr)
+        return 2
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, return_dict_in_generate=True, output_logits=True)
 
     cache = PagedCache(block_size=args.block_size, config=model.config)

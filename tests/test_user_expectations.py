@@ -17,7 +17,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+import hf_pagedkv
 from hf_pagedkv import BlockPool, CacheReleasedError, PagedCache
+from hf_pagedkv.errors import EMPTY_PROMPT
 from tests.conftest import ids, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -241,3 +243,47 @@ def test_one_pool_serves_every_mix_of_inference_mode_no_grad_and_plain(quant, fi
     gc.collect()
     pool.check_invariants()
     assert pool.stats().blocks_in_use == 0
+
+
+# -- hf_pagedkv.generate on any pool, empty prompts -------------------------------------------------------------------
+@pytest.mark.parametrize("quant", [None, "k8v4"])
+def test_generate_works_on_a_pool_without_prefix_caching(quant):
+    model = tiny_model("llama")
+    pool = BlockPool(block_size=4, num_blocks=16, quant=quant)
+    x = ids(1, 9, seed=1)
+    got = hf_pagedkv.generate(model, x, pool=pool, max_new_tokens=6, do_sample=False)
+    ref_pool = BlockPool(block_size=4, quant=quant)
+    assert torch.equal(got, greedy(model, x, PagedCache(pool=ref_pool, config=model.config)))
+    if quant is None:
+        assert torch.equal(got, greedy(model, x, DynamicCache()))
+    # a left-padded batch: each row as its own unpadded run
+    batch = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
+    mask = (batch != 0).long()
+    out = hf_pagedkv.generate(model, batch, pool=pool, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    for r in range(2):
+        row = batch[r, mask[r].bool()][None]
+        assert torch.equal(out[r, 5:], greedy(model, row, PagedCache(pool=ref_pool))[0, row.shape[1]: row.shape[1] + 3])
+    pool.check_invariants()
+    assert pool.stats().blocks_in_use == 0 and pool.stats().lookups == 0  # nothing looked up, nothing left held
+
+
+def test_an_empty_prompt_gets_the_same_message_everywhere(monkeypatch, capsys):
+    from hf_pagedkv import cli
+
+    model = tiny_model("llama")
+    messages = []
+    for call in (lambda: PagedCache.from_prefix(BlockPool(prefix_caching=True), [], model=model),
+                 lambda: PagedCache.from_prefix(BlockPool(prefix_caching=True), torch.zeros(1, 0, dtype=torch.long),
+                                                model=model),
+                 lambda: hf_pagedkv.generate(model, torch.zeros(1, 0, dtype=torch.long), pool=BlockPool()),
+                 lambda: hf_pagedkv.generate(model, torch.tensor([[0, 0], [5, 6]]), pool=BlockPool(prefix_caching=True),
+                                             attention_mask=torch.tensor([[0, 0], [1, 1]]))):
+        with pytest.raises(ValueError) as e:
+            call()
+        messages.append(str(e.value))
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("the model must not be loaded"))
+    assert cli.main(["generate", "--no-chat", "--prompt", ""]) == 2
+    messages.append(capsys.readouterr().err)
+    assert all(EMPTY_PROMPT in m for m in messages), messages
+    assert messages[0].startswith("PagedCache.from_prefix: ") and messages[2].startswith("hf_pagedkv.generate: ")
+    assert "(row 0 of 2)" in messages[3] and messages[4].startswith("hf-pagedkv generate: --prompt is empty")

@@ -17,7 +17,9 @@ import yaml
 PAGED_CONFIGS = ("fp", "v8", "k8v8", "k8v4", "k4v4", "k4v2", "k2v2", "k4v8")
 #: Reference columns: transformers' `QuantizedCache` with a backend and a bit width.
 REFERENCE_CONFIGS = ("quanto-int4", "quanto-int2", "hqq-int4", "hqq-int2")
-DEFAULT_CONFIGS = ("fp", "v8", "k8v8", "k8v4", "k4v4", "k4v2", "k4v8") + REFERENCE_CONFIGS
+#: What a run compares by default: the ladder (values quantized first) and the references. `k4v8` (keys first) and
+#: `k2v2` are ablations a run names explicitly (`--configs ... k4v8`, or the reference YAML files).
+DEFAULT_CONFIGS = ("fp", "v8", "k8v8", "k8v4", "k4v4", "k4v2") + REFERENCE_CONFIGS
 TASKS = ("perplexity", "summarization")
 #: Data file each task reads when `dataset` is not set (relative to `data_dir`).
 TASK_DATASETS = {"perplexity": "wikitext-2-raw/wiki.test.raw", "summarization": "qmsum/test.jsonl"}

@@ -10,6 +10,7 @@ import contextlib
 import copy
 import gc
 import itertools
+import logging
 import pickle
 import weakref
 
@@ -287,3 +288,81 @@ def test_an_empty_prompt_gets_the_same_message_everywhere(monkeypatch, capsys):
     assert all(EMPTY_PROMPT in m for m in messages), messages
     assert messages[0].startswith("PagedCache.from_prefix: ") and messages[2].startswith("hf_pagedkv.generate: ")
     assert "(row 0 of 2)" in messages[3] and messages[4].startswith("hf-pagedkv generate: --prompt is empty")
+
+
+# -- quiet by default -------------------------------------------------------------------------------------------------
+def _noisy(caplog, recwarn) -> list[str]:
+    """Log records at WARNING or above, and warnings other than DeprecationWarning (ignored project-wide)."""
+    return ([f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.WARNING]
+            + [str(w.message) for w in recwarn if not issubclass(w.category, DeprecationWarning)])
+
+
+def test_a_pool_that_fills_and_an_ordinary_generate_print_nothing(capsys, caplog, recwarn):
+    from hf_pagedkv import PoolExhaustedError
+
+    model = tiny_model("llama")
+    pool = BlockPool(block_size=4, num_blocks=4)  # a one-off small pool
+    greedy(model, ids(1, 5), PagedCache(pool=pool))  # 3 of 4 blocks: over the 85% occupancy threshold
+    with pytest.raises(PoolExhaustedError):
+        greedy(model, ids(1, 30), PagedCache(pool=pool))  # fills the pool: the error is the message
+    gc.collect()
+    with PagedCache(quant="k8v4") as cache:
+        model.generate(ids(2, 40), past_key_values=cache, max_new_tokens=40, do_sample=True, top_p=0.9)
+    assert not pool.health().ok  # the alerts did fire: they are there for whoever looks, not on stderr
+    assert capsys.readouterr() == ("", "")
+    assert _noisy(caplog, recwarn) == []
+
+
+def test_alerts_are_info_records_on_their_own_logger(caplog):
+    caplog.set_level(logging.INFO, logger="hf_pagedkv.alerts")
+    pool = BlockPool(block_size=4, num_blocks=2)
+    pool.allocate(2)
+    assert [a.name for a in pool.health().alerts] == ["occupancy"]
+    fired = [r for r in caplog.records if "alert occupancy:" in r.getMessage()]
+    assert [(r.name, r.levelno) for r in fired] == [("hf_pagedkv.alerts", logging.INFO)]
+
+
+def test_model_loading_prints_no_progress_bar(capsys, caplog, recwarn):
+    from transformers.utils import logging as hf_logging
+
+    from hf_pagedkv import _compat
+    from hf_pagedkv.models import load_model
+    from tests.eval_helpers import tiny_model_dir
+
+    path = tiny_model_dir()
+    capsys.readouterr()
+    assert hf_logging.is_progress_bar_enabled()
+    model, _ = load_model(path)
+    assert model.config.num_hidden_layers == 2
+    assert capsys.readouterr() == ("", "") and _noisy(caplog, recwarn) == []
+    assert hf_logging.is_progress_bar_enabled()  # restored after the load
+    # the GGUF loader's own bar (it calls tqdm directly) is silenced too, and restored
+    gguf = pytest.importorskip(_compat._GGUF_LOADER)
+    with _compat.quiet_model_loading():
+        list(gguf.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."))
+    assert capsys.readouterr().err == ""
+    list(gguf.tqdm(range(3), desc="after"))
+    assert "after" in capsys.readouterr().err
+
+
+@pytest.mark.model  # loads the bundled GGUF once more (~20 s), to see that nothing is printed
+def test_loading_the_bundled_gguf_prints_nothing(capsys, caplog, recwarn):
+    from hf_pagedkv.models import load_model
+
+    model, tokenizer = load_model()
+    assert model.config.num_hidden_layers == 30
+    assert capsys.readouterr() == ("", "") and _noisy(caplog, recwarn) == []
+
+
+def test_an_eval_naming_the_keys_first_ablation_says_so_in_the_report_not_as_a_warning(caplog, monkeypatch):
+    from eval import caches
+    from eval.config import DEFAULT_CONFIGS, EvalConfig
+
+    monkeypatch.setattr("hf_pagedkv.config._warned", set())  # the library warns once per process: not yet
+    assert "k4v8" not in DEFAULT_CONFIGS
+    cfg = EvalConfig(configs=["k8v4", "k4v8"])
+    cache = caches.build("k4v8", cfg, tiny_model("llama").config)
+    assert (cache.pool.quant.key_bits, cache.pool.quant.value_bits) == (4, 8)
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert "an ablation" in caches.describe("k4v8", cfg) and "ablation" not in caches.describe("k8v4", cfg)
+    cache.release()

@@ -103,7 +103,7 @@ def _eval(argv: list[str]) -> int:
     except ImportError as exc:
         raise ImportError(f"`hf-pagedkv eval` needs the repository's eval/ package and its extra ({exc}): run it "
                           "from a clone with `pip install -e '.[eval]'`.") from exc
-    return eval_main(argv)
+    return eval_main(argv, prog="hf-pagedkv eval")
 
 
 def main(argv: list[str] | None = None) -> int:

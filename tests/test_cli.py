@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -231,3 +232,20 @@ def test_generate_bad_options(argv, message, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["generate"] + argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, prog", [(["eval", "--help"], "hf-pagedkv eval"), (None, "python -m eval.drift")])
+def test_eval_help_names_its_command_and_each_default_once(argv, prog, capsys):
+    pytest.importorskip("yaml")
+    from eval.drift import main as drift_main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv) if argv else drift_main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith(f"usage: {prog} [-h]")
+    flat = " ".join(out.split("options:")[1].split())
+    options = re.split(r" (?=--[a-z-]+ [A-Z])", flat)  # one chunk per "--flag VALUE help..."
+    assert len(options) > 20 and "default: None" not in out
+    assert [o for o in options if o.count("(default:") > 1] == []
+    assert "--model MODEL transformers id, local directory or .gguf file (default: the bundled" in flat
+    assert "(default: wikitext-2-raw/wiki.test.raw for perplexity, qmsum/test.jsonl for summarization)" in flat

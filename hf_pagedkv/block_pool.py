@@ -41,8 +41,9 @@ class BlockPool:
         num_blocks (`int`, *optional*): a fixed number of blocks, preallocated once per layer. When they are
             all in use, allocation raises `PoolExhaustedError`.
         max_memory (`int` or `str`, *optional*): a fixed budget in bytes (``"4GiB"``, ``"512MB"``) for all
-            layers' keys and values; turned into `num_blocks` once the layer shapes are known (pass
-            `config=model.config` to `PagedCache` when the cache is created lazily). Exclusive with `num_blocks`.
+            layers' keys and values; turned into `num_blocks` when the first cache writes its first layer, which
+            needs the number of layers: create that cache with ``PagedCache(pool=pool, config=model.config)``
+            (without `config` its first `update` raises `ValueError`). Exclusive with `num_blocks`.
         debug (`bool`, *optional*, defaults to `False`): poison freed blocks with NaN.
         prefix_caching (`bool`, *optional*, defaults to `False`): keep a prefix index (`PrefixIndex`) so that
             requests sharing a prompt prefix share its full blocks (`PagedCache.from_prefix`, `cache.publish`,

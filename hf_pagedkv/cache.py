@@ -42,7 +42,8 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
         config (`PretrainedConfig`, *optional*): the model config; builds the layers up front with their
             sliding windows (like `DynamicCache(config=...)`) and lets `max_memory` size the pool.
         num_blocks (`int`, *optional*), max_memory (`int` or `str`, *optional*): size of the new pool (see
-            `BlockPool`); not allowed together with `pool`.
+            `BlockPool`); not allowed together with `pool`. `max_memory` needs `config` too: the budget is divided
+            over the layers, so their number must be known (``PagedCache(config=model.config, max_memory="4GiB")``).
         quant (`QuantConfig` or `str`, *optional*): quantized storage, e.g. ``"k8v4"`` or
             ``QuantConfig(key_bits=8, value_bits=4)`` (see `QuantConfig`); ``"fp"`` for full precision. `None`
             (default) means the pool's setting, full precision for a new pool. The last, partial block of each row
@@ -51,7 +52,8 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
     Raises:
         ValueError: `block_size` not a positive int or different from the pool's; `pool` not a `BlockPool`;
             `num_blocks`/`max_memory` given with `pool`; `quant` invalid or different from the pool's; a layer
-            type it does not store (by name).
+            type it does not store (by name); at the first `update`, a `max_memory` pool not sized yet and no
+            `config` (the number of layers is unknown).
 
     Example:
 

@@ -17,7 +17,9 @@ import yaml
 PAGED_CONFIGS = ("fp", "v8", "k8v8", "k8v4", "k4v4", "k4v2", "k2v2", "k4v8")
 #: Reference columns: transformers' `QuantizedCache` with a backend and a bit width.
 REFERENCE_CONFIGS = ("quanto-int4", "quanto-int2", "hqq-int4", "hqq-int2")
-DEFAULT_CONFIGS = ("fp", "v8", "k8v8", "k8v4", "k4v4", "k4v2", "k4v8") + REFERENCE_CONFIGS
+#: What a run compares by default: the ladder (values quantized first) and the references. `k4v8` (keys first) and
+#: `k2v2` are ablations a run names explicitly (`--configs ... k4v8`, or the reference YAML files).
+DEFAULT_CONFIGS = ("fp", "v8", "k8v8", "k8v4", "k4v4", "k4v2") + REFERENCE_CONFIGS
 TASKS = ("perplexity", "summarization")
 #: Data file each task reads when `dataset` is not set (relative to `data_dir`).
 TASK_DATASETS = {"perplexity": "wikitext-2-raw/wiki.test.raw", "summarization": "qmsum/test.jsonl"}
@@ -201,7 +203,8 @@ _HELP = {
     "dtype": f"model dtype, one of {', '.join(DTYPES)}",
     "device": "auto (the process's accelerate device), cpu or cuda",
     "num_threads": "torch CPU threads per process, 0 for torch's default (1 is faster on a busy machine)",
-    "dataset": f"local .txt/.raw/.json/.jsonl file or directory, or a datasets name (default: {TASK_DATASETS})",
+    "dataset": "local .txt/.raw/.json/.jsonl file or directory, or a datasets name (default: "
+               + ", ".join(f"{path} for {task}" for task, path in TASK_DATASETS.items()) + ")",
     "dataset_config": "datasets config name (e.g. wikitext-2-raw-v1)",
     "split": "datasets split",
     "text_field": "column holding the text in JSON/JSONL/datasets rows",
@@ -220,11 +223,23 @@ _HELP = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _with_default(f) -> str:
+    """A flag's help: the field's help, then its default, unless the help already says it or there is none."""
+    text = _HELP[f.name]
+    if "default:" in text or f.default is None:
+        return text
+    return f"{text} (default: {f.default})"
+
+
+def build_parser(prog: str = "python -m eval.drift") -> argparse.ArgumentParser:
     """The `python -m eval.drift` / `hf-pagedkv eval` parser: `--config FILE` plus one flag per `EvalConfig` field.
-    Flags default to "not given" so that only what the user typed overrides the file."""
+    Flags default to "not given" so that only what the user typed overrides the file.
+
+    Args:
+        prog (`str`, defaults to `"python -m eval.drift"`): the command shown in the usage line.
+    """
     parser = argparse.ArgumentParser(
-        prog="python -m eval.drift",
+        prog=prog,
         description="Drift of PagedCache quantization configs (and transformers' QuantizedCache) against the "
                     "unquantized DynamicCache baseline, on a dataset.",
         argument_default=argparse.SUPPRESS,
@@ -239,15 +254,17 @@ def build_parser() -> argparse.ArgumentParser:
                                 help=f"cache configs to compare, from {', '.join(PAGED_CONFIGS + REFERENCE_CONFIGS)}"
                                      f" (default: {' '.join(DEFAULT_CONFIGS)})")
         elif f.type in ("int", "int | None"):
-            parser.add_argument(flag, dest=f.name, type=int, help=f"{_HELP[f.name]} (default: {f.default})")
+            parser.add_argument(flag, dest=f.name, type=int, help=_with_default(f))
         else:
-            parser.add_argument(flag, dest=f.name, help=f"{_HELP[f.name]} (default: {f.default})")
+            parser.add_argument(flag, dest=f.name, help=_with_default(f))
     parser.add_argument("-v", "--verbose", action="store_true", default=False)
     return parser
 
 
-def resolve(argv: list[str] | None = None, base: EvalConfig | None = None) -> tuple[EvalConfig, argparse.Namespace]:
-    """Layer `base` (or the defaults), then `--config FILE`, then the other flags of `argv`.
+def resolve(argv: list[str] | None = None, base: EvalConfig | None = None,
+            prog: str = "python -m eval.drift") -> tuple[EvalConfig, argparse.Namespace]:
+    """Layer `base` (or the defaults), then `--config FILE`, then the other flags of `argv` (`prog`: the command
+    named by `--help` and errors).
 
     Returns:
         `(EvalConfig, argparse.Namespace)`: the resolved config and the parsed arguments (for `--verbose`).
@@ -255,7 +272,7 @@ def resolve(argv: list[str] | None = None, base: EvalConfig | None = None) -> tu
     Raises:
         ValueError: an unknown YAML key or an out-of-range setting.
     """
-    args = build_parser().parse_args(argv)
+    args = build_parser(prog).parse_args(argv)
     values = (base or EvalConfig()).to_dict()
     if getattr(args, "config_file", None):
         values.update(load_yaml(args.config_file))

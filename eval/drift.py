@@ -301,9 +301,10 @@ def run(cfg: EvalConfig, model=None, tokenizer=None) -> dict:
     return metrics
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point (`python -m eval.drift`, `hf-pagedkv eval`); prints the report's table."""
-    cfg, args = resolve(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m eval.drift") -> int:
+    """Command-line entry point (`python -m eval.drift`, `hf-pagedkv eval`, whose `prog` names it in `--help`);
+    prints the report's table."""
+    cfg, args = resolve(argv, prog=prog)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     metrics = run(cfg)

@@ -3,12 +3,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib
+
 import transformers
 from packaging.version import Version
 from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer, get_layer_types_and_kwargs
+from transformers.utils import logging as hf_logging
 
 __all__ = ["CACHE_KWARG", "CACHE_KWARG_NAMES", "Cache", "CacheLayerMixin", "DummyLayer", "SUPPORTED_LAYER_TYPES",
-           "TRANSFORMERS_VERSION", "cache_kwargs", "layer_plan"]
+           "TRANSFORMERS_VERSION", "cache_kwargs", "layer_plan", "quiet_model_loading"]
 
 #: layer types PagedCache stores; "dummy" layers (KV shared with another layer, or no attention) store nothing.
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "dummy")
@@ -62,3 +67,32 @@ def layer_plan(config) -> list[tuple[str, int | None]]:
             )
         plan.append((layer_type, kwargs.get("sliding_window")))
     return plan
+
+
+#: transformers' GGUF loader, whose de-quantization progress bar calls `tqdm.auto.tqdm` directly (module attribute `tqdm`)
+_GGUF_LOADER = "transformers.modeling_gguf_pytorch_utils"
+
+
+@contextlib.contextmanager
+def quiet_model_loading():
+    """Silence transformers' progress bars while a model loads, and restore them afterwards.
+
+    Covers the bars `transformers.utils.logging.disable_progress_bar()` controls ("Loading weights") and the GGUF
+    loader's de-quantization bar, which bypasses that switch. Warnings and errors are not touched.
+    """
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        gguf = importlib.import_module(_GGUF_LOADER)
+    except ImportError:  # no gguf support installed: no GGUF bar to silence
+        gguf = None
+    bar = getattr(gguf, "tqdm", None)
+    if bar is not None:
+        gguf.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        if bar is not None:
+            gguf.tqdm = bar
+        if was_enabled:
+            hf_logging.enable_progress_bar()

@@ -1,7 +1,7 @@
-"""Alert rules on pool metrics: a threshold, a direction, and hysteresis so a crossing logs one warning.
+"""Alert rules on pool metrics: a threshold, a direction, and hysteresis so a crossing logs one message.
 
-An alert fires when its value crosses the threshold (logged once, at WARNING, by `hf_pagedkv.metrics`) and
-clears only when the value is back past the threshold by the hysteresis margin (logged at INFO), so a value
+An alert fires when its value crosses the threshold (logged once, at INFO, on the `hf_pagedkv.alerts` logger) and
+clears only when the value is back past the threshold by the hysteresis margin (logged at INFO too), so a value
 hovering around the threshold does not log on every step::
 
     occupancy  0.70  0.86  0.90  0.84  0.86  0.76  0.87
@@ -19,7 +19,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .metrics import MetricsSnapshot
 
-logger = logging.getLogger("hf_pagedkv.metrics")
+# NOTE: INFO, not WARNING: an alert is for an operator who watches a serving pool (`pool.health()`, Prometheus, or
+# `logging.getLogger("hf_pagedkv.alerts").setLevel(logging.INFO)` with a handler); a one-off pool that fills, or a
+# slow step during an eval, is no misuse, so by default nothing reaches stderr.
+logger = logging.getLogger("hf_pagedkv.alerts")
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,7 @@ class AlertRule:
         if not self.active and crossed:
             self.active = True
             self.num_fired += 1
-            logger.warning("hf_pagedkv alert %s: %s", self.name, self.describe.format(value=value, threshold=threshold))
+            logger.info("hf_pagedkv alert %s: %s", self.name, self.describe.format(value=value, threshold=threshold))
         elif self.active and cleared:
             self.active = False
             logger.info("hf_pagedkv alert %s cleared: %s", self.name,

@@ -46,10 +46,11 @@ class BlockPool:
             When a group's blocks are all in use, allocation raises `PoolExhaustedError`.
         max_memory (`int` or `str`, *optional*): a fixed budget in bytes (``"4GiB"``, ``"512MB"``) for all
             layers' keys and values, on all the devices they sit on together (`device_map`); turned into
-            `num_blocks` (the same for every layer group) once the layer shapes are known (pass
-            `config=model.config` to `PagedCache` when the cache is created lazily). Each device holds every block of the layers on it, and that share is checked
-            against the device's memory (`device_budget.py`). Under tensor parallel it is one rank's budget, for
-            that rank's KV heads. Exclusive with `num_blocks`.
+            `num_blocks` (the same for every layer group) when the first cache writes its first layer, which needs
+            the number of layers: create that cache with ``PagedCache(pool=pool, config=model.config)`` (without
+            `config` its first `update` raises `ValueError`). Each device holds every block of the layers on it,
+            and that share is checked against the device's memory (`device_budget.py`). Under tensor parallel it
+            is one rank's budget, for that rank's KV heads. Exclusive with `num_blocks`.
         debug (`bool`, *optional*, defaults to `False`): poison freed blocks with NaN.
         prefix_caching (`bool`, *optional*, defaults to `False`): keep a prefix index (`PrefixIndex`) so that
             requests sharing a prompt prefix share its full blocks (`PagedCache.from_prefix`, `cache.publish`,
@@ -70,11 +71,10 @@ class BlockPool:
     thread timing, `hash()` of a str or set iteration order: free ids come from a min-heap (the lowest, or
     ``after + 1``), eviction from an insertion-ordered LRU, prefix hashes are blake2b of token ids. Ranks running the
     same `generate` calls keep identical block tables (`tests/integration/test_tensor_parallel.py` compares their
-    event logs, under different ``PYTHONHASHSEED``s). Two things can still differ between ranks: a cache dropped
-    without `release()` is freed when the garbage collector finds it (PagedCache holds reference cycles), at a time
-    that differs between processes, so release caches explicitly (``with PagedCache(...)``); and rows share blocks
-    when their K/V are bit-identical on this rank's heads, so rows with different tokens whose K/V happen to match
-    on one rank's heads would share there only. Outputs stay exact either way; only memory differs, so at the limit
+    event logs, under different ``PYTHONHASHSEED``s). A cache dropped without `release()` is freed when its last
+    reference goes (it holds no reference cycle), at the pool's next operation. One thing can still differ between
+    ranks: rows share blocks when their K/V are bit-identical on this rank's heads, so rows with different tokens
+    whose K/V happen to match on one rank's heads would share there only. Outputs stay exact either way; only memory differs, so at the limit
     of a fixed pool one rank could raise `PoolExhaustedError` where another does not (and the others then wait in
     their next collective).
 

@@ -44,7 +44,8 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
         config (`PretrainedConfig`, *optional*): the model config; builds the layers up front with their
             sliding windows (like `DynamicCache(config=...)`) and lets `max_memory` size the pool.
         num_blocks (`int`, *optional*), max_memory (`int` or `str`, *optional*): size of the new pool (see
-            `BlockPool`); not allowed together with `pool`.
+            `BlockPool`); not allowed together with `pool`. `max_memory` needs `config` too: the budget is divided
+            over the layers, so their number must be known (``PagedCache(config=model.config, max_memory="4GiB")``).
         quant (`QuantConfig` or `str`, *optional*): quantized storage, e.g. ``"k8v4"`` or
             ``QuantConfig(key_bits=8, value_bits=4)`` (see `QuantConfig`); ``"fp"`` for full precision. `None`
             (default) means the pool's setting, full precision for a new pool. The last, partial block of each row
@@ -53,7 +54,8 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
     Raises:
         ValueError: `block_size` not a positive int or different from the pool's; `pool` not a `BlockPool`;
             `num_blocks`/`max_memory` given with `pool`; `quant` invalid or different from the pool's; a layer
-            type it does not store (by name).
+            type it does not store (by name); at the first `update`, a `max_memory` pool not sized yet and no
+            `config` (the number of layers is unknown).
 
     Example:
 
@@ -218,17 +220,28 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
                 rt.reset()
         self._num_tokens = 0
         self._step = None
+        self._grad_history = False
         for layer in self._paged_layers():
             layer.num_tokens = 0
 
     # -- hf_pagedkv API -----------------------------------------------------------------------------------------
     def fork(self) -> PagedCache:
-        """A new cache holding the same tokens, sharing every block (copy-on-write); O(blocks), no tensor copy."""
+        """A new cache holding the same tokens, sharing every block (copy-on-write); O(blocks), no tensor copy.
+
+        `copy.deepcopy(cache)` and `copy.copy(cache)` return a fork too, so code written for `DynamicCache` (such as
+        transformers' "re-use a prompt cache" recipe, ``past_key_values = copy.deepcopy(prompt_cache)`` per
+        question) works unchanged and costs no tensor copy. Release each fork when done (or use `with`).
+
+        Raises:
+            CacheReleasedError: this cache was released.
+        """
         self._check_usable()
         other = PagedCache(pool=self.pool, debug=self.debug)
         other.layers = [DummyLayer() if isinstance(layer, DummyLayer) else self._clone_layer(layer, other)
                         for layer in self.layers]
         other._num_layers = self._num_layers
+        other._prefix_key = self._prefix_key  # same model, same tokens: a fork may publish them too
+        other._grad_history = self._grad_history
         with self.pool.lock:
             for mine, rt in [(other._tables_for(rt.window), rt) for rt in self._groups]:  # all groups, then rows
                 for row in rt.rows:
@@ -238,6 +251,25 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
         other._num_tokens = self._num_tokens
         other._after_change()
         return other
+
+    def __deepcopy__(self, memo: dict) -> PagedCache:
+        """`copy.deepcopy(cache)`: an independent cache sharing this one's blocks copy-on-write (see `fork`)."""
+        # NOTE: a fork, not a tensor copy: the blocks are immutable once shared (a write copies first), so the two
+        # caches are as independent as two deep copies. Copying the pool itself would give a second pool per copy.
+        other = self.fork()
+        memo[id(self)] = other
+        return other
+
+    def __copy__(self) -> PagedCache:
+        """`copy.copy(cache)`: a fork too (a shallow copy sharing the block tables would corrupt both caches)."""
+        return self.fork()
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "A PagedCache cannot be pickled: its K/V live in a BlockPool shared with other caches of this process. "
+            "Use cache.fork() (or copy.deepcopy(cache), which forks) for an independent copy in this process; "
+            "cache.layers[i].keys / .values give plain tensors to save."
+        )
 
     def release(self) -> None:
         """Return every block to the pool. Idempotent; the cache cannot be used afterwards."""

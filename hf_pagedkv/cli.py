@@ -9,10 +9,13 @@ import sys
 import time
 
 import torch
+from transformers import set_seed
 
 from . import PagedCache
 from ._compat import cache_kwargs
 from .cli_tools import add_tool_commands, run_tool
+from .config import PRESETS, QuantConfig
+from .errors import EMPTY_PROMPT
 from .models import DEFAULT_MODEL, chat_prompt, default_document, load_model
 from .verify import dynamic_cache_bytes
 
@@ -24,9 +27,11 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"hf-pagedkv generate: --file {args.file!r} is not a readable file", file=sys.stderr)
         return 2
     if args.prompt is not None and not args.prompt.strip() and not args.chat:
-        print("hf-pagedkv generate: --prompt is empty and --no-chat adds no template: there is no token to start "
-              "from; give some text", file=sys.stderr)
+        print(f"hf-pagedkv generate: --prompt is empty and --no-chat adds no template: {EMPTY_PROMPT} (some text)",
+              file=sys.stderr)
         return 2
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
     try:
         model, tokenizer = load_model(args.model)
     except ValueError as e:
@@ -45,10 +50,18 @@ def _generate(args: argparse.Namespace) -> int:
         title, text = default_document()
         prompt, source = chat_prompt(tokenizer, title, text), f"a request to summarise {title}"
     input_ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.device)
-    gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    if input_ids.shape[1] == 0:  # text the tokenizer turns into no token at all
+        print(f"hf-pagedkv generate: {source}: {EMPTY_PROMPT} (some text)", file=sys.stderr)
+        return 2
+    gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, return_dict_in_generate=True,
+               output_logits=True)
+    if args.do_sample:  # None keeps the model's generation_config
+        gen.update({k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p)) if v is not None})
 
-    cache = PagedCache(block_size=args.block_size, config=model.config)
+    quant = QuantConfig.resolve(args.quant)
+    cache = PagedCache(block_size=args.block_size, config=model.config, quant=quant)
     t0 = time.perf_counter()
+    set_seed(args.seed)  # the same seed for the --check run: sampling draws the same tokens from the same logits
     with torch.inference_mode():
         out = model.generate(input_ids, **cache_kwargs(cache), **gen)
     seconds = time.perf_counter() - t0
@@ -59,7 +72,8 @@ def _generate(args: argparse.Namespace) -> int:
     print(f"prompt: {input_ids.shape[1]} tokens ({source}); generated {len(new_tokens)} tokens in {seconds:.1f} s "
           f"({len(new_tokens) / seconds:.1f} tokens/s)")
     cached = cache.get_seq_length()
-    print(f"PagedCache: {stats.blocks_in_use} blocks of {stats.block_size} tokens for {cached} cached tokens, "
+    fmt = f" ({quant.name})" if quant.is_quantized else ""
+    print(f"PagedCache{fmt}: {stats.blocks_in_use} blocks of {stats.block_size} tokens for {cached} cached tokens, "
           f"{stats.bytes_in_use / MiB:.1f} MiB held ({stats.bytes_in_use / max(cached, 1) / 1024:.1f} KiB/token), "
           f"fragmentation {stats.fragmentation:.1%}, pool reserved {stats.bytes_reserved / MiB:.1f} MiB")
     status = 0
@@ -67,6 +81,7 @@ def _generate(args: argparse.Namespace) -> int:
         from transformers import DynamicCache
 
         ref_cache = DynamicCache(config=model.config)
+        set_seed(args.seed)
         with torch.inference_mode():
             ref = model.generate(input_ids, **cache_kwargs(ref_cache), **gen)
         ref_bytes = dynamic_cache_bytes(ref_cache)
@@ -74,9 +89,10 @@ def _generate(args: argparse.Namespace) -> int:
         diff = max((a - b).abs().max().item() for a, b in zip(ref.logits, out.logits))
         print(f"DynamicCache would hold {ref_bytes / MiB:.1f} MiB: PagedCache holds "
               f"{stats.bytes_in_use / ref_bytes:.3f}x")
+        expected = f" (expected with --quant {quant.name}: quantized K/V)" if quant.is_quantized and not same else ""
         print(f"check: output {'IDENTICAL to' if same else 'DIFFERENT from'} DynamicCache "
-              f"({ref.sequences.shape[1] - input_ids.shape[1]} tokens), max |logit difference| {diff:.3g}")
-        status = 0 if same else 1
+              f"({ref.sequences.shape[1] - input_ids.shape[1]} tokens), max |logit difference| {diff:.3g}{expected}")
+        status = 0 if same or quant.is_quantized else 1  # unquantized, any difference is a bug
     cache.release()
     return status
 
@@ -88,7 +104,7 @@ def _eval(argv: list[str]) -> int:
     except ImportError as exc:
         raise ImportError(f"`hf-pagedkv eval` needs the repository's eval/ package and its extra ({exc}): run it "
                           "from a clone with `pip install -e '.[eval]'`.") from exc
-    return eval_main(argv)
+    return eval_main(argv, prog="hf-pagedkv eval")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,8 +123,18 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--file", help="summarise this text file")
     g.add_argument("--no-chat", dest="chat", action="store_false", help="send --prompt as raw text, no chat template")
     g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: %(default)s)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
-    g.add_argument("--check", action="store_true", help="also run DynamicCache and compare the outputs")
+    g.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block (default: PagedCache's, 16, or 32 with --quant)")
+    g.add_argument("--quant", default="fp", choices=list(PRESETS),
+                   help="KV storage format, e.g. k8v4: 8-bit keys, 4-bit values (default: %(default)s)")
+    g.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    g.add_argument("--temperature", type=float, help="sampling temperature, with --do-sample (default: the model's)")
+    g.add_argument("--top-p", type=float, help="nucleus sampling mass, with --do-sample (default: the model's)")
+    g.add_argument("--seed", type=int, default=0, help="random seed, set before each generation (default: %(default)s)")
+    g.add_argument("--num-threads", type=int, default=0,
+                   help="torch CPU threads, 0 for torch's default (1 is faster on a busy machine) (default: 0)")
+    g.add_argument("--check", action="store_true", help="also run DynamicCache and compare the outputs (with "
+                   "--quant, differences are reported, not an error)")
     g.add_argument("-v", "--verbose", action="store_true")
     add_tool_commands(sub)  # plan, tune-block-size, trace
     args = parser.parse_args(argv)
@@ -117,8 +143,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     if args.max_new_tokens <= 0:
         parser.error(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
-    if args.block_size <= 0:
+    if args.block_size is not None and args.block_size <= 0:
         parser.error(f"--block-size must be positive, got {args.block_size}")
+    for flag, value in (("--temperature", args.temperature), ("--top-p", args.top_p)):
+        if value is not None and not args.do_sample:
+            parser.error(f"{flag} applies to sampling: add --do-sample")
+    if args.temperature is not None and args.temperature <= 0:
+        parser.error(f"--temperature must be positive, got {args.temperature}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.num_threads < 0:
+        parser.error(f"--num-threads must be >= 0 (0: torch's default), got {args.num_threads}")
     return _generate(args)
 
 

@@ -1,4 +1,9 @@
-"""Exceptions raised by hf_pagedkv."""
+"""Exceptions raised by hf_pagedkv, and messages shared by several entry points."""
+
+#: Why an empty prompt is refused, the same words in every entry point (`PagedCache.from_prefix`,
+#: `hf_pagedkv.generate`, `hf-pagedkv generate`), each prefixing its own name.
+EMPTY_PROMPT = ("the prompt is empty (0 tokens): the model needs at least one token to compute the next-token "
+                "logits from; give at least one token")
 
 
 class PoolExhaustedError(RuntimeError):

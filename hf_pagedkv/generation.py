@@ -1,4 +1,5 @@
-"""`generate`: `model.generate` with prefix caching on a shared `BlockPool` (attach, generate, publish, release)."""
+"""`generate`: `model.generate` on a shared `BlockPool`, with prefix caching when the pool has it (attach, generate,
+publish, release)."""
 
 from __future__ import annotations
 
@@ -9,24 +10,29 @@ import torch
 from ._compat import CACHE_KWARG_NAMES, cache_kwargs
 from .block_pool import BlockPool
 from .cache import PagedCache
+from .errors import EMPTY_PROMPT
 
 logger = logging.getLogger(__name__)
 
 
 def generate(model, input_ids: torch.LongTensor, pool: BlockPool, attention_mask: torch.Tensor | None = None,
              **generate_kwargs):
-    """Run `model.generate` on `input_ids`, reusing the blocks of any prefix already cached in `pool`.
+    """Run `model.generate` on `input_ids` with caches from `pool`, reusing the blocks of any prefix already cached
+    there when the pool has prefix caching.
 
-    Each row gets a cache from `PagedCache.from_prefix` (the model computes only the tokens after the longest
-    cached full-block prefix), runs `model.generate`, publishes its full blocks -- the prompt and, for greedy or
-    sampling without beams, the generated tokens too, so a follow-up turn hits the whole conversation -- and is
-    released, even if `generate` raises. Rows are generated one by one (each may hit a different prefix);
-    left padding is removed first, so only real tokens are hashed and the output matches an unpadded run.
+    Each row gets a cache on `pool` and runs `model.generate`; the cache is released afterwards, even if `generate`
+    raises. With `BlockPool(prefix_caching=True)` the cache comes from `PagedCache.from_prefix` (the model computes
+    only the tokens after the longest cached full-block prefix), and its full blocks are published before release
+    -- the prompt and, for greedy or sampling without beams, the generated tokens too, so a follow-up turn hits the
+    whole conversation. Without prefix caching nothing is looked up or published. Rows are generated one by one
+    (each may hit a different prefix); left padding is removed first, so only real tokens are hashed and the output
+    matches an unpadded run.
 
     Args:
         model (`PreTrainedModel`): a decoder-only model.
         input_ids (`torch.LongTensor` of shape `[batch, seq_len]` or `[seq_len]`): the prompts.
-        pool (`BlockPool`): a pool created with `prefix_caching=True`, shared by every request of this model.
+        pool (`BlockPool`): the pool the caches take their blocks from, shared by every request of this model
+            (`prefix_caching=True` to share prompt prefixes between requests).
         attention_mask (`torch.Tensor` of shape `[batch, seq_len]`, *optional*): 1 for real tokens, 0 for left
             padding.
         generate_kwargs: passed to `model.generate` (`max_new_tokens`, `do_sample`, `num_beams`,
@@ -39,8 +45,8 @@ def generate(model, input_ids: torch.LongTensor, pool: BlockPool, attention_mask
         per row (sequences without the padding).
 
     Raises:
-        ValueError: the pool has no prefix caching; a cache given (`past_key_values` or `cache`); `attention_mask`
-            not a left-padding mask of the same shape as `input_ids`.
+        ValueError: `pool` not a `BlockPool`; a cache given (`past_key_values` or `cache`); an empty prompt (a row
+            without tokens); `attention_mask` not a left-padding mask of the same shape as `input_ids`.
 
     Example:
 
@@ -51,8 +57,8 @@ def generate(model, input_ids: torch.LongTensor, pool: BlockPool, attention_mask
     >>> pool.stats().hit_rate    # share of prompt tokens served from cached blocks
     ```
     """
-    if not isinstance(pool, BlockPool) or pool.prefix_index is None:
-        raise ValueError("hf_pagedkv.generate needs `pool=BlockPool(prefix_caching=True)`.")
+    if not isinstance(pool, BlockPool):
+        raise ValueError(f"hf_pagedkv.generate needs `pool=` a hf_pagedkv.BlockPool, got {type(pool).__name__}.")
     if given := [name for name in CACHE_KWARG_NAMES if name in generate_kwargs]:
         raise ValueError(f"hf_pagedkv.generate makes its own caches from `pool`; do not pass `{given[0]}`.")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() not in (1, 2):
@@ -60,6 +66,10 @@ def generate(model, input_ids: torch.LongTensor, pool: BlockPool, attention_mask
                          f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else ''}.")
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
+    empty = _empty_rows(input_ids, attention_mask)
+    if empty:
+        where = f" (row {empty[0]} of {input_ids.shape[0]})" if input_ids.shape[0] > 1 else ""
+        raise ValueError(f"hf_pagedkv.generate: {EMPTY_PROMPT}{where}.")
     rows = _unpadded_rows(input_ids, attention_mask)
     outs = [_generate_row(model, row, pool, generate_kwargs) for row in rows]
     if len(outs) == 1 and (attention_mask is None or bool(attention_mask.all())):
@@ -67,6 +77,15 @@ def generate(model, input_ids: torch.LongTensor, pool: BlockPool, attention_mask
     if generate_kwargs.get("return_dict_in_generate"):
         return outs
     return _pad_batch(model, input_ids, rows, outs, generate_kwargs)
+
+
+def _empty_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int]:
+    """Rows without a real token (no column, or an all-zero mask row); [0] for a batch of no rows."""
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        return list(range(input_ids.shape[0])) or [0]
+    if attention_mask is None or attention_mask.shape != input_ids.shape:
+        return []
+    return (~attention_mask.bool().any(1)).nonzero().reshape(-1).tolist()
 
 
 def _unpadded_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
@@ -85,9 +104,14 @@ def _unpadded_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None)
 
 
 def _generate_row(model, ids: torch.Tensor, pool: BlockPool, kwargs: dict):
-    cache = PagedCache.from_prefix(pool, ids, model=model)
+    if pool.prefix_caching:
+        cache = PagedCache.from_prefix(pool, ids, model=model)
+    else:
+        cache = PagedCache(pool=pool, config=model.config)
     try:
         out = model.generate(ids, **cache_kwargs(cache), attention_mask=torch.ones_like(ids), **kwargs)
+        if not pool.prefix_caching:
+            return out
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         config = kwargs.get("generation_config") or model.generation_config
         plain = (kwargs.get("num_beams", config.num_beams) or 1) == 1 and kwargs.get("assistant_model") is None \

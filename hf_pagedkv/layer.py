@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
 
 from ._compat import CacheLayerMixin
+from .errors import CacheReleasedError
 from .page_store import LayerSpec
 
 if TYPE_CHECKING:
@@ -34,13 +36,28 @@ class PagedLayer(CacheLayerMixin):
 
     def __init__(self, cache: PagedCache, layer_idx: int, sliding_window: int | None = None, group: int = 0) -> None:
         super().__init__()
-        self._cache = cache  # the owning cache (block tables, pool)
+        # NOTE: a weak reference: the cache holds its layers, so a strong one would make a cycle, and a cache
+        # dropped without release() would return its blocks only at the next cyclic GC, not at `del cache`.
+        self._cache_ref = weakref.ref(cache)  # the owning cache (block tables, pool)
         self.layer_idx = layer_idx  # index in the model; names this layer's storage in the pool
         self.sliding_window = sliding_window  # tokens of the attention window, or None for full attention
         self.group = group  # the pool's layer group holding this layer's blocks; fixed
         self.is_sliding = sliding_window is not None
         self.num_tokens = 0  # tokens this layer has written; set by the cache only
         self.spec: LayerSpec | None = None  # shape/dtype/device, fixed by the first update
+
+    @property
+    def _cache(self) -> PagedCache:
+        """The owning cache.
+
+        Raises:
+            CacheReleasedError: the cache was garbage collected (its blocks went back to the pool).
+        """
+        cache = self._cache_ref()
+        if cache is None:
+            raise CacheReleasedError(f"The PagedCache of layer {self.layer_idx} was garbage collected and its blocks "
+                                     "returned to the pool; keep a reference to the cache while using its layers.")
+        return cache
 
     # `CacheLayerMixin.__init__` assigns keys/values; here they are read from the pool on demand.
     @property

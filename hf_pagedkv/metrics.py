@@ -281,7 +281,8 @@ class PoolMetrics:
         )
 
     def check_alerts(self) -> Health:
-        """Evaluate every alert rule now (a crossing logs one warning) and report (see `Health`)."""
+        """Evaluate every alert rule now (a crossing logs one INFO message on `hf_pagedkv.alerts`) and report (see
+        `Health`)."""
         snap = self.snapshot()
         firing = tuple(state for rule in self._rules if (state := rule.update(snap)) is not None)
         snap = dataclasses.replace(snap, alerts=tuple(a.name for a in firing))

@@ -12,6 +12,8 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from ._compat import quiet_model_loading
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -59,6 +61,9 @@ def load_model(
         `tuple[PreTrainedModel, PreTrainedTokenizerBase]`: the model in eval mode, and its tokenizer with a pad token
         (the EOS token if it had none) and `padding_side="left"`.
 
+    Loading prints nothing: transformers' progress bars (weights, GGUF de-quantization) are off for the load and
+    restored afterwards; its warnings are kept.
+
     Raises:
         ValueError: the model or its tokenizer could not be loaded from `name_or_path` (the message says why).
     """
@@ -71,8 +76,9 @@ def load_model(
         path = name_or_path
     start = time.perf_counter()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+        with quiet_model_loading():
+            tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     except (OSError, ValueError) as e:  # a missing path, a malformed id, no network for a Hub id
         raise ValueError(f"Could not load the model {name_or_path!r} ({type(e).__name__}: {str(e).splitlines()[0]}). "
                          "Give a local directory with config.json, a .gguf file, a Hub id that is cached offline, or "

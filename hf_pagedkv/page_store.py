@@ -73,6 +73,9 @@ class PageStore:
         """Blocks whose refcount reached 0 (poisoned in debug mode)."""
         self.poison(blocks)
 
+    # NOTE: storage outlives the call that creates it. Made inside `torch.inference_mode()` it would be an inference
+    # tensor, which a later write outside that mode may not update in place; so it is always made outside it.
+    @torch.inference_mode(False)
     def _new(self, spec: LayerSpec, dim: int, num_blocks: int) -> torch.Tensor:
         shape = (spec.num_kv_heads, num_blocks * self.block_size, dim)
         if self.debug and spec.dtype.is_floating_point:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .block_table import BlockTable
+from .errors import EMPTY_PROMPT
 from .prefix_index import hash_blocks
 
 if TYPE_CHECKING:
@@ -145,7 +146,8 @@ class PrefixMixin:
             `PagedCache` holding one row of ``hit_blocks * block_size`` tokens.
 
         Raises:
-            ValueError: the pool has no prefix caching; neither `model` nor `config`; `input_ids` not one row.
+            ValueError: the pool has no prefix caching; neither `model` nor `config`; `input_ids` not one row, or
+                empty.
 
         Example:
 
@@ -164,7 +166,9 @@ class PrefixMixin:
         if kwargs.get("config") is None:
             raise ValueError("from_prefix needs `model=` (or `config=`) to build the cache's layers up front.")
         rows = token_rows(input_ids)
-        if len(rows) != 1 or not rows[0]:
+        if not rows or rows == [[]]:
+            raise ValueError(f"PagedCache.from_prefix: {EMPTY_PROMPT}.")
+        if len(rows) != 1:
             raise ValueError(f"from_prefix takes one non-empty prompt, got {len(rows)} rows; attach rows one by "
                              "one (hf_pagedkv.generate does).")
         ids = rows[0]

@@ -109,6 +109,7 @@ class QuantizedPageStore(QuantizedWriteMixin, QuantizedReadMixin):
         return (self.num_blocks * self.bytes_per_block + self.staging.num_stages * self.staging.bytes_per_stage()
                 + self.sinks.num_stages * self.sinks.bytes_per_stage())
 
+    @torch.inference_mode(False)  # never inference tensors: they outlive the call (see PageStore._new)
     def _new(self, layer_idx: int, num_blocks: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         spec, codes, scales = self.specs[layer_idx], [], []
         for layout in self.layouts[layer_idx]:

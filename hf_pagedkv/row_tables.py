@@ -53,6 +53,10 @@ class RowTables:
         """Copy row `r`'s block ids from block position `start_position` on into the mirror, growing it if needed."""
         row = self.rows[r]
         end = row.num_positions
+        if self.table.is_inference() and not torch.is_inference_mode_enabled():
+            # NOTE: made by an earlier call under torch.inference_mode(), the table cannot be written in place
+            # outside it; a normal copy (once) lets one cache be used in and out of inference mode, as DynamicCache.
+            self.table = self.table.clone()
         if end > self.table.shape[1]:
             grown = torch.zeros((self.table.shape[0], max(end, 2 * self.table.shape[1])), dtype=torch.long)
             grown[:, : self.table.shape[1]] = self.table

@@ -41,6 +41,7 @@ class StagingStore:
         """Bytes of one stage across all layers, keys plus values."""
         return sum(spec.bytes_per_token for spec in self.specs.values()) * self.block_size
 
+    @torch.inference_mode(False)  # never inference tensors: they outlive the call (see PageStore._new)
     def _new(self, spec: LayerSpec, dim: int, num_stages: int) -> torch.Tensor:
         fill = float("nan") if self.debug and spec.dtype.is_floating_point else 0
         return torch.full((spec.num_kv_heads, num_stages * self.block_size, dim), fill, dtype=spec.dtype,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .block_table import num_blocks_for
+from .grad import attach_step_grad, needs_grad
 
 
 @dataclass
@@ -21,6 +22,7 @@ class _Step:
     view_base: dict[int, int | None]  # group -> slot of token 0 of the only row when its blocks are consecutive
     tensors: dict = field(default_factory=dict)  # (group, kind, device) -> slot tensor, built lazily per device
     planned: set = field(default_factory=set)  # groups whose quantized store has seen this step (`plan_write`)
+    grad_history: bool = False  # the tokens before `start` include some computed with grad (see grad.py)
 
 
 class StepMixin:
@@ -35,9 +37,19 @@ class StepMixin:
     plans the new blocks and the copy-on-write of shared partial last blocks, reserves them all at once (the only
     step that can fail, before anything else changes), then applies the plan. Every layer then writes its K/V into
     its group's slot mapping and reads its rows back.
+
+    Under grad mode the rows read back are differentiable with respect to the step's own K/V (`grad.py`).
     """
 
+    _grad_history = False  # this cache holds tokens written from K/V that required grad; cleared by reset()
+
     def _update_layer(self, layer, key_states: torch.Tensor, value_states: torch.Tensor):
+        # NOTE: autograd is kept, not refused: a forward with grad through a PagedCache gets DynamicCache's
+        # gradients (exactly, for tokens cached without grad), so code that merely forgot torch.no_grad() keeps
+        # working, and the one case the pool cannot serve (backpropagating into K/V cached by an earlier forward
+        # with grad) raises in backward() instead of returning different gradients silently.
+        grad = needs_grad(key_states, value_states)
+        step_kv = (key_states, value_states)  # every row, before the duplicate rows are dropped
         q = key_states.shape[2]
         start = layer.num_tokens
         step = self._step
@@ -68,7 +80,12 @@ class StepMixin:
             target = self._plan(step, rt, device) if store.is_quantized else self._tensor(step, rt, "write", device)
             store.write(layer.layer_idx, target, key_states.detach(), value_states.detach())
         layer.num_tokens = step.end
-        return self._read(layer, rt.window_start(step.start), new)
+        lo = rt.window_start(step.start)
+        out = self._read(layer, lo, new)
+        if grad:
+            out = attach_step_grad(out, step_kv, step.start - lo, step.grad_history)
+            self._grad_history = True
+        return out
 
     def _begin_step(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         with self.pool.lock:
@@ -161,7 +178,7 @@ class StepMixin:
         self._num_tokens = end
         self.last_step_tokens = q
         self._maybe_dups = False
-        self._step = _Step(start, end, writers, dup_of, view_base)
+        self._step = _Step(start, end, writers, dup_of, view_base, grad_history=self._grad_history and start > 0)
         pool.events.on_step(self, self._step, *cow0)
         pool.metrics.on_step(self, q, total_src)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -173,3 +174,78 @@ def test_generate_with_an_empty_raw_prompt(monkeypatch, capsys):
     monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("the model must not be loaded"))
     assert cli.main(["generate", "--no-chat", "--prompt", "  "]) == 2
     assert "--prompt is empty" in capsys.readouterr().err
+
+
+def _cli_with_tiny_model(monkeypatch):
+    """`hf_pagedkv.cli` with `load_model` returning the eval tests' tiny Llama and its BPE tokenizer."""
+    from hf_pagedkv import cli
+    from tests.eval_helpers import tiny_model as tiny_model_and_tokenizer
+
+    loaded = tiny_model_and_tokenizer()
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: loaded)
+    return cli
+
+
+GENERATE = ["generate", "--no-chat", "--prompt", "The history of the city", "--max-new-tokens", "12"]
+
+
+def test_generate_quant_option(monkeypatch, capsys):
+    cli = _cli_with_tiny_model(monkeypatch)
+    assert cli.main(GENERATE + ["--quant", "k8v4", "--check"]) == 0  # a quantized check reports, never fails
+    out = capsys.readouterr().out
+    assert "PagedCache (k8v4): " in out and "blocks of 32 tokens" in out  # the quantized pools' block size
+    assert cli.main(GENERATE + ["--block-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "PagedCache: " in out and "blocks of 4 tokens" in out
+
+
+def test_generate_sampling_options_and_threads(monkeypatch, capsys):
+    cli = _cli_with_tiny_model(monkeypatch)
+    threads = []
+    monkeypatch.setattr(cli.torch, "set_num_threads", threads.append)
+    texts = []
+    for seed in (1, 1, 2):
+        argv = GENERATE + ["--do-sample", "--temperature", "1.5", "--top-p", "0.95", "--seed", str(seed), "--check",
+                           "--num-threads", "1"]
+        assert cli.main(argv) == 0
+        out = capsys.readouterr().out
+        assert "check: output IDENTICAL to DynamicCache (12 tokens)" in out  # the same seed for both caches
+        texts.append(out.split("\n\nprompt: ")[0])
+    assert texts[0] == texts[1] != texts[2]  # --seed decides the sample
+    assert cli.main(GENERATE) == 0
+    assert capsys.readouterr().out.split("\n\nprompt: ")[0] not in texts  # greedy without --do-sample
+    assert threads == [1, 1, 1]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--temperature", "0.7"], "--temperature applies to sampling: add --do-sample"),
+    (["--top-p", "0.9"], "--top-p applies to sampling: add --do-sample"),
+    (["--do-sample", "--temperature", "0"], "--temperature must be positive"),
+    (["--do-sample", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["--num-threads", "-1"], "--num-threads must be >= 0"),
+    (["--quant", "k9v9"], "invalid choice: 'k9v9'"),
+])
+def test_generate_bad_options(argv, message, monkeypatch, capsys):
+    from hf_pagedkv import cli
+
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("the model must not be loaded"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate"] + argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, prog", [(["eval", "--help"], "hf-pagedkv eval"), (None, "python -m eval.drift")])
+def test_eval_help_names_its_command_and_each_default_once(argv, prog, capsys):
+    pytest.importorskip("yaml")
+    from eval.drift import main as drift_main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv) if argv else drift_main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith(f"usage: {prog} [-h]")
+    flat = " ".join(out.split("options:")[1].split())
+    options = re.split(r" (?=--[a-z-]+ [A-Z])", flat)  # one chunk per "--flag VALUE help..."
+    assert len(options) > 20 and "default: None" not in out
+    assert [o for o in options if o.count("(default:") > 1] == []
+    assert "--model MODEL transformers id, local directory or .gguf file (default: the bundled" in flat
+    assert "(default: wikitext-2-raw/wiki.test.raw for perplexity, qmsum/test.jsonl for summarization)" in flat

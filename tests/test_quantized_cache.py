@@ -54,6 +54,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_quant_config_presets_and_validation(caplog, monkeypatch):
+    monkeypatch.setattr("hf_pagedkv.config._warned", set())  # the warning is once per process: not yet, whatever ran
     assert QuantConfig.preset("k8v4") == QuantConfig(key_bits=8, value_bits=4)
     assert QuantConfig.from_preset("v8") == QuantConfig(value_bits=8)
     assert QuantConfig.preset("fp").is_quantized is False and QuantConfig.resolve(None).name == "fp"

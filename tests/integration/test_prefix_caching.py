@@ -240,8 +240,6 @@ def test_validation_errors():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="prefix_caching=True"):
         PagedCache.from_prefix(BlockPool(), ids(1, 5), model=model)
-    with pytest.raises(ValueError, match="prefix_caching=True"):
-        hf_pagedkv.generate(model, ids(1, 5), pool=BlockPool())
     pool = make_pool()
     with pytest.raises(ValueError, match="model=.*config="):
         PagedCache.from_prefix(pool, ids(1, 5))

@@ -23,7 +23,7 @@ from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hf_pagedkv import PagedCache, cache_kwargs  # noqa: E402
-from hf_pagedkv.verify import dynamic_cache_bytes  # noqa: E402
+from hf_pagedkv.tools.verify import dynamic_cache_bytes  # noqa: E402
 
 MB = 1e6
 
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
         print(f"| {name} | {dyn / MB:.1f} MB | {paged / MB:.1f} MB | {paged / dyn:.2f}x | "
               f"{'identical' if same else 'DIFFERENT'} |")
     if not args.quick:
-        from hf_pagedkv.models import load_model
+        from hf_pagedkv.tools.models import load_model
 
         smol, _ = load_model()
         paged, dyn, same = run(smol, 1099, 32, args.block_size)

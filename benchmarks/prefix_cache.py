@@ -28,8 +28,8 @@ from transformers import DynamicCache
 import hf_pagedkv
 from eval.config import resolve_data_dir
 from hf_pagedkv import BlockPool, PagedCache, cache_kwargs
-from hf_pagedkv.models import load_model
-from hf_pagedkv.verify import dynamic_cache_bytes
+from hf_pagedkv.tools.models import load_model
+from hf_pagedkv.tools.verify import dynamic_cache_bytes
 
 DATA = str(resolve_data_dir())  # eval/data in the repository, or $HF_PAGEDKV_DATA_DIR
 MiB = 2**20

@@ -27,7 +27,7 @@ from eval.caches import bytes_held, release
 from eval.config import resolve_data_dir
 from eval.tasks.perplexity.metrics import token_kl, token_nll, top1_match
 from hf_pagedkv import PagedCache, QuantConfig, cache_kwargs
-from hf_pagedkv.models import load_model
+from hf_pagedkv.tools.models import load_model
 
 DATA = str(resolve_data_dir() / "wikitext-2-raw" / "wiki.test.raw")  # eval/data, or $HF_PAGEDKV_DATA_DIR
 PAGED = ["fp", "v8", "k8v8", "k8v4", "k4v4", "k4v2", "k2v2", "k4v16", "k16v4"]  # k4v16 / k16v4: K-only / V-only

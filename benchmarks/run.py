@@ -3,7 +3,7 @@
     python benchmarks/run.py            # full run (~15-25 min on 2 CPU cores), writes benchmarks/RESULTS.md + PNGs
     python benchmarks/run.py --quick    # smoke run (~3 min), writes benchmarks/quick/
 
-Measured in one process, on SmolLM2-135M-Instruct (fp32, `hf_pagedkv.models.load_model`) and WikiText-2 test text:
+Measured in one process, on SmolLM2-135M-Instruct (fp32, `hf_pagedkv.tools.models.load_model`) and WikiText-2 test text:
 
 - decode tokens/s and KV bytes against context length (512 to 4096) for DynamicCache, PagedCache fp and every
   quantized preset the installed hf_pagedkv offers (`PagedCache(quant=...)`), with the planner's prediction;
@@ -41,9 +41,9 @@ sys.path.insert(0, str(ROOT))
 
 from eval.config import resolve_data_dir  # noqa: E402
 from hf_pagedkv import BlockPool, PagedCache, cache_kwargs  # noqa: E402
-from hf_pagedkv.models import load_model  # noqa: E402
-from hf_pagedkv.planning import QUANT_PRESETS, ModelShape, plan_capacity  # noqa: E402
-from hf_pagedkv.verify import dynamic_cache_bytes  # noqa: E402
+from hf_pagedkv.tools.models import load_model  # noqa: E402
+from hf_pagedkv.tools.planning import PRESETS, ModelShape, plan_capacity  # noqa: E402
+from hf_pagedkv.tools.verify import dynamic_cache_bytes  # noqa: E402
 
 MiB = 2**20
 DATA = resolve_data_dir() / "wikitext-2-raw" / "wiki.test.raw"  # eval/data, or $HF_PAGEDKV_DATA_DIR
@@ -84,7 +84,7 @@ def quant_presets() -> list[str]:
     if "quant" not in inspect.signature(PagedCache.__init__).parameters:
         return []
     ok = []
-    for name in QUANT_PRESETS:
+    for name in PRESETS:
         if name == "fp":
             continue
         try:

@@ -18,7 +18,7 @@ from transformers import DynamicCache
 
 import hf_pagedkv
 from hf_pagedkv import PagedCache
-from hf_pagedkv.verify import dynamic_cache_bytes, tensor_bytes
+from hf_pagedkv.tools.verify import dynamic_cache_bytes, tensor_bytes
 
 from .config import PAGED_CONFIGS, REFERENCE_CONFIGS, EvalConfig
 

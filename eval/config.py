@@ -47,7 +47,7 @@ class EvalConfig:
         task (`str`, defaults to `"perplexity"`): `perplexity` (teacher-forced scoring, KL, top-1, greedy
             continuation, per-layer K/V error) or `summarization` (QMSum query summaries, ROUGE-L).
         model (`str`, *optional*): transformers id, local directory or `.gguf` file; `None` loads the bundled
-            SmolLM2-135M-Instruct (`hf_pagedkv.models.load_model`).
+            SmolLM2-135M-Instruct (`hf_pagedkv.tools.models.load_model`).
         dtype (`str`, defaults to `"float32"`): model and cache dtype, one of `DTYPES`.
         device (`str`, defaults to `"auto"`): `auto` (the accelerate process's device), `cpu` or `cuda`.
         num_threads (`int`, defaults to 0): torch CPU threads per process; 0 keeps torch's default. On a busy

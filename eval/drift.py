@@ -250,7 +250,7 @@ def run(cfg: EvalConfig, model=None, tokenizer=None) -> dict:
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     if model is None:
-        from hf_pagedkv.models import load_model
+        from hf_pagedkv.tools.models import load_model
 
         model, tokenizer = load_model(cfg.model, dtype=_DTYPES[cfg.dtype], device=str(state.device))
     task_prepare, _ = TASK_MODULES[cfg.task]

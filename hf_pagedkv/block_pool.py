@@ -10,18 +10,19 @@ from collections import deque
 
 import torch
 
-from .block_allocator import BlockAllocator
-from .block_group import BlockGroup
-from .block_table import BlockTable
-from .config import DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, QuantConfig, check_positive_int, parse_bytes
-from .device_budget import blocks_for_budget, check_device_share
-from .errors import PoolExhaustedError
-from .events import EventLog
-from .invariants import check_group_invariants
-from .metrics import Health, PoolMetrics
-from .page_store import LayerSpec
-from .pool_stats import GroupStats, PoolStats
-from .prefix_index import BlockHash, PrefixIndex
+from hf_pagedkv.pool.block_allocator import BlockAllocator
+from hf_pagedkv.block_group import BlockGroup
+from hf_pagedkv.pool.block_table import BlockTable
+from hf_pagedkv.config import DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, QuantConfig, check_positive_int, parse_bytes
+from hf_pagedkv.storage.device_budget import blocks_for_budget, check_device_share
+from hf_pagedkv.errors import PoolExhaustedError
+from hf_pagedkv.observe.events import EventLog
+from hf_pagedkv.pool.invariants import check_group_invariants
+from hf_pagedkv.observe.alerts import Health
+from hf_pagedkv.observe.metrics import PoolMetrics
+from hf_pagedkv.storage.page_store import LayerSpec
+from hf_pagedkv.observe.pool_stats import GroupStats, PoolStats
+from hf_pagedkv.pool.prefix_index import BlockHash, PrefixIndex
 
 logger = logging.getLogger(__name__)
 

@@ -146,7 +146,6 @@ class QuantConfig:
                              "(or 'k<bits>v<bits>' with bits 8, 4, 2, 16) or a QuantConfig.")
         return cls(key_bits=k, value_bits=v, **overrides)
 
-    from_preset = preset
 
     @classmethod
     def resolve(cls, quant: QuantConfig | str | None) -> QuantConfig:

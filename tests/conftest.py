@@ -74,7 +74,7 @@ def one_thread():
 @pytest.fixture(scope="session")
 def smollm():
     """The real SmolLM2-135M-Instruct (fp32) and its tokenizer, loaded once per test session."""
-    from hf_pagedkv.models import load_model
+    from hf_pagedkv.tools.models import load_model
 
     return load_model()
 

@@ -51,6 +51,6 @@ def tiny_model_dir() -> str:
 @functools.lru_cache(maxsize=1)
 def tiny_model():
     """The model and tokenizer of `tiny_model_dir()`, loaded once."""
-    from hf_pagedkv.models import load_model
+    from hf_pagedkv.tools.models import load_model
 
     return load_model(tiny_model_dir())

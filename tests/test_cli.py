@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig
 
 from hf_pagedkv import BlockPool, PagedCache
-from hf_pagedkv.cli import main
+from hf_pagedkv.tools.cli import main
 from tests.conftest import ids, tiny_model
 
 
@@ -139,7 +139,7 @@ def test_generate_subcommand_is_still_there(capsys):
 
 
 def test_generate_with_a_missing_file_fails_before_loading_the_model(monkeypatch, capsys):
-    from hf_pagedkv import cli
+    from hf_pagedkv.tools import cli
 
     monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("the model must not be loaded"))
     assert cli.main(["generate", "--file", "/nonexistent/notes.txt"]) == 2
@@ -161,7 +161,7 @@ def test_plan_refuses_what_the_codecs_cannot_pack(capsys):
 
 
 def test_generate_with_a_model_that_cannot_be_loaded(capsys):
-    from hf_pagedkv import cli
+    from hf_pagedkv.tools import cli
 
     assert cli.main(["generate", "--model", "/nonexistent/model-dir"]) == 2
     err = capsys.readouterr().err
@@ -169,7 +169,7 @@ def test_generate_with_a_model_that_cannot_be_loaded(capsys):
 
 
 def test_generate_with_an_empty_raw_prompt(monkeypatch, capsys):
-    from hf_pagedkv import cli
+    from hf_pagedkv.tools import cli
 
     monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("the model must not be loaded"))
     assert cli.main(["generate", "--no-chat", "--prompt", "  "]) == 2
@@ -177,8 +177,8 @@ def test_generate_with_an_empty_raw_prompt(monkeypatch, capsys):
 
 
 def _cli_with_tiny_model(monkeypatch):
-    """`hf_pagedkv.cli` with `load_model` returning the eval tests' tiny Llama and its BPE tokenizer."""
-    from hf_pagedkv import cli
+    """`hf_pagedkv.tools.cli` with `load_model` returning the eval tests' tiny Llama and its BPE tokenizer."""
+    from hf_pagedkv.tools import cli
     from tests.eval_helpers import tiny_model as tiny_model_and_tokenizer
 
     loaded = tiny_model_and_tokenizer()
@@ -226,7 +226,7 @@ def test_generate_sampling_options_and_threads(monkeypatch, capsys):
     (["--quant", "k9v9"], "invalid choice: 'k9v9'"),
 ])
 def test_generate_bad_options(argv, message, monkeypatch, capsys):
-    from hf_pagedkv import cli
+    from hf_pagedkv.tools import cli
 
     monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("the model must not be loaded"))
     with pytest.raises(SystemExit) as e:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_pagedkv.codecs import CODECS, Int2Codec, Int4Codec, Int8Codec, ReferenceCodec, make_codec
-from hf_pagedkv.codecs.affine import pack, unpack_into
+from hf_pagedkv.storage.codecs import CODECS, Int2Codec, Int4Codec, Int8Codec, ReferenceCodec, make_codec
+from hf_pagedkv.storage.codecs.affine import pack, unpack_into
 
 FAST = {8: Int8Codec, 4: Int4Codec, 2: Int2Codec}
 AXES = ["channel", "token"]

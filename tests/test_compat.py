@@ -188,7 +188,7 @@ def test_our_generate_paths_raise_no_deprecation_warning(one_thread, monkeypatch
     """hf_pagedkv.generate, `hf-pagedkv generate --check` and the eval runner pass the cache under its current name."""
     import hf_pagedkv
     from eval import runner
-    from hf_pagedkv import cli
+    from hf_pagedkv.tools import cli
 
     model = tiny_model("llama")
     monkeypatch.setattr(cli, "load_model", lambda *a, **k: (model, _TinyTokenizer()))

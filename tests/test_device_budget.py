@@ -12,8 +12,8 @@ import torch
 from transformers import LlamaConfig
 
 from hf_pagedkv import BlockPool, PagedCache, block_pool
-from hf_pagedkv.device_budget import blocks_for_budget, check_device_share, device_shares
-from hf_pagedkv.page_store import LayerSpec
+from hf_pagedkv.storage.device_budget import blocks_for_budget, check_device_share, device_shares
+from hf_pagedkv.storage.page_store import LayerSpec
 
 GB = 10**9
 CUDA0, CUDA1 = torch.device("cuda", 0), torch.device("cuda", 1)

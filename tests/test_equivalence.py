@@ -17,7 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_pagedkv import BlockPool, PagedCache, cache_kwargs
-from hf_pagedkv.verify import dynamic_cache_bytes
+from hf_pagedkv.tools.verify import dynamic_cache_bytes
 from tests.conftest import ids, tiny_model
 from tests.tolerances import CROSS_STEP_LOGIT_ATOL
 

@@ -12,7 +12,7 @@ import torch
 from transformers import DynamicCache
 
 import hf_pagedkv
-import hf_pagedkv.cli
+import hf_pagedkv.tools.cli
 from eval import EvalConfig, run
 from eval.caches import build, record_writes, release, snapshot, unavailable_reason
 from eval.config import PAGED_CONFIGS, resolve
@@ -117,7 +117,7 @@ def test_fp_shows_zero_drift_and_writes_the_run(tmp_path):
 def test_finished_runs_are_skipped_and_the_cli_works(tmp_path, capsys):
     argv = ["--model", tiny_model_dir(), "--num-windows", "1", "--prefill-len", "56", "--score-len", "8",
             "--gen-len", "4", "--configs", "fp", "--data-dir", str(DATA_DIR), "--output-dir", str(tmp_path)]
-    assert hf_pagedkv.cli.main(["eval"] + argv) == 0
+    assert hf_pagedkv.tools.cli.main(["eval"] + argv) == 0
     out = capsys.readouterr().out
     assert "| fp | 512 | 1.000 |" in out and "run directory:" in out  # 64 tokens: 4 full blocks
     (run_dir,) = tmp_path.iterdir()

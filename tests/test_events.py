@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_pagedkv import BlockPool, PagedCache
-from hf_pagedkv.trace import analyze, read_trace
+from hf_pagedkv.observe.trace import analyze, read_trace
 from tests.conftest import ids, tiny_model
 
 
@@ -140,13 +140,13 @@ def test_events_go_to_the_logger_and_leave_outputs_exact(caplog):
     model = tiny_model("llama")
     x = ids(2, 9)
     ref = model.generate(x, past_key_values=DynamicCache(), max_new_tokens=6, do_sample=False)
-    caplog.set_level(logging.DEBUG, logger="hf_pagedkv.events")
+    caplog.set_level(logging.DEBUG, logger="hf_pagedkv.observe.events")
     pool = BlockPool(block_size=4)
     pool.events.enable()
     with PagedCache(pool=pool) as cache:
         out = model.generate(x, past_key_values=cache, max_new_tokens=6, do_sample=False)
     assert torch.equal(ref, out)
-    logged = [r.event for r in caplog.records if r.name == "hf_pagedkv.events" and hasattr(r, "event")]
+    logged = [r.event for r in caplog.records if r.name == "hf_pagedkv.observe.events" and hasattr(r, "event")]
     assert logged == pool.events.events()
 
 

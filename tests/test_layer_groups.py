@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
 
 from hf_pagedkv import BlockPool, PagedCache, PoolExhaustedError, cache_kwargs
-from hf_pagedkv.verify import dynamic_cache_bytes
+from hf_pagedkv.tools.verify import dynamic_cache_bytes
 from tests.conftest import VOCAB, ids
 
 W, B = 64, 16  # sliding window, block size

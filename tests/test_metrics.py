@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from hf_pagedkv import BlockPool, PagedCache, PoolExhaustedError
-from hf_pagedkv.metrics import LatencyHistogram
+from hf_pagedkv.observe.latency_histogram import LatencyHistogram
 from tests.conftest import ids, tiny_model
 
 
 def _alert_warnings(caplog, name: str) -> list[logging.LogRecord]:
-    """The records of alert `name` firing: INFO on `hf_pagedkv.alerts` (opt-in, never on stderr by default)."""
-    return [r for r in caplog.records if r.name == "hf_pagedkv.alerts" and r.levelno == logging.INFO
+    """The records of alert `name` firing: INFO on `hf_pagedkv.observe.alerts` (opt-in, never on stderr by default)."""
+    return [r for r in caplog.records if r.name == "hf_pagedkv.observe.alerts" and r.levelno == logging.INFO
             and f"alert {name}:" in r.getMessage()]
 
 
@@ -62,7 +62,7 @@ def test_allocation_failure_alert_logs_once_and_shows_in_health(caplog):
     model = tiny_model("llama")
     pool = BlockPool(block_size=4, num_blocks=2)
     assert pool.health().ok
-    caplog.set_level(logging.INFO, logger="hf_pagedkv.alerts")
+    caplog.set_level(logging.INFO, logger="hf_pagedkv.observe.alerts")
     for _ in range(3):  # three failed prefills of 12 tokens (3 blocks) into a pool of 2
         with PagedCache(pool=pool) as cache, pytest.raises(PoolExhaustedError):
             model(ids(1, 12), past_key_values=cache)
@@ -83,7 +83,7 @@ def test_occupancy_alert_hysteresis(caplog):
     # threshold 0.85, hysteresis 0.1: fires above 0.85, clears only at or below 0.765
     model = tiny_model("llama")
     pool = BlockPool(block_size=4, num_blocks=10)
-    caplog.set_level(logging.INFO, logger="hf_pagedkv.alerts")
+    caplog.set_level(logging.INFO, logger="hf_pagedkv.observe.alerts")
     a = PagedCache(pool=pool)
     model(ids(1, 36), past_key_values=a)  # 9 of 10 blocks: 0.9
     assert [x.name for x in pool.health().alerts] == ["occupancy"]
@@ -108,8 +108,8 @@ def test_step_latency_alert_against_the_run_baseline(monkeypatch, caplog):
     m = pool.metrics
     m.configure(window=2.0, min_window_steps=8, check_interval=0.0)
     clock = [100.0]
-    monkeypatch.setattr("hf_pagedkv.metrics.time.perf_counter", lambda: clock[0])
-    caplog.set_level(logging.INFO, logger="hf_pagedkv.alerts")
+    monkeypatch.setattr("hf_pagedkv.observe.metrics.time.perf_counter", lambda: clock[0])
+    caplog.set_level(logging.INFO, logger="hf_pagedkv.observe.alerts")
 
     class FakeCache:  # any object a weak reference can point to stands for a cache
         pass
@@ -139,7 +139,7 @@ def test_step_latency_alert_against_the_run_baseline(monkeypatch, caplog):
 
 
 def test_prefix_counters_and_hit_rate_alert(monkeypatch, caplog):
-    caplog.set_level(logging.INFO, logger="hf_pagedkv.alerts")
+    caplog.set_level(logging.INFO, logger="hf_pagedkv.observe.alerts")
     off, on = BlockPool(block_size=4), BlockPool(block_size=4, prefix_caching=True)
     for pool in (off, on):  # 50 lookups of 600 tokens in all, 300 of them hits: hit rate 0.5
         fake = dataclasses.replace(pool.stats(), lookups=50, lookup_tokens=600, hit_tokens=300, evictions=7,
@@ -176,7 +176,7 @@ def test_bad_alert_settings():
 
 def test_prometheus_exporter_serves_the_pool():
     parser = pytest.importorskip("prometheus_client.parser")
-    from hf_pagedkv.prometheus import start_prometheus_server
+    from hf_pagedkv.observe.prometheus import start_prometheus_server
 
     model = tiny_model("llama")
     pool = BlockPool(block_size=4, num_blocks=32)
@@ -209,7 +209,7 @@ def test_prometheus_exporter_serves_the_pool():
 
 
 def test_prometheus_missing_dependency_names_the_extra(monkeypatch):
-    from hf_pagedkv.prometheus import start_prometheus_server
+    from hf_pagedkv.observe.prometheus import start_prometheus_server
 
     monkeypatch.setitem(sys.modules, "prometheus_client", None)
     with pytest.raises(ImportError, match=r"pip install 'hf_pagedkv\[metrics\]'"):

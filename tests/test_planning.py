@@ -8,7 +8,7 @@ import pytest
 from transformers import Gemma2Config, LlamaConfig
 
 from hf_pagedkv import BlockPool, PagedCache
-from hf_pagedkv.planning import (
+from hf_pagedkv.tools.planning import (
     ModelShape,
     kv_bytes_per_head_token,
     load_config,

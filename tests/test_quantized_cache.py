@@ -10,7 +10,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import hf_pagedkv.config
 from hf_pagedkv import BlockPool, PagedCache, QuantConfig
-from hf_pagedkv.codecs import make_codec
+from hf_pagedkv.storage.codecs import make_codec
 from tests.conftest import ids, tiny_model
 from tests.eval_helpers import DATA_DIR
 
@@ -56,7 +56,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_quant_config_presets_and_validation(caplog, monkeypatch):
     monkeypatch.setattr("hf_pagedkv.config._warned", set())  # the warning is once per process: not yet, whatever ran
     assert QuantConfig.preset("k8v4") == QuantConfig(key_bits=8, value_bits=4)
-    assert QuantConfig.from_preset("v8") == QuantConfig(value_bits=8)
+    assert QuantConfig.preset("v8") == QuantConfig(value_bits=8)
     assert QuantConfig.preset("fp").is_quantized is False and QuantConfig.resolve(None).name == "fp"
     assert [QuantConfig.preset(p).name for p in PRESETS] == PRESETS
     with pytest.raises(ValueError, match="key_bits.*got 3"):

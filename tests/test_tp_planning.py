@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from hf_pagedkv.cli import main
-from hf_pagedkv.planning import ModelShape, kv_heads_per_rank, plan_capacity
+from hf_pagedkv.tools.cli import main
+from hf_pagedkv.tools.planning import ModelShape, kv_heads_per_rank, plan_capacity
 
 GiB, KiB = 2**30, 2**10
 LLAMA_7B = ModelShape("7B", num_layers=32, num_sliding=0, sliding_window=None, num_kv_heads=32, head_dim=128,

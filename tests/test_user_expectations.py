@@ -270,7 +270,7 @@ def test_generate_works_on_a_pool_without_prefix_caching(quant):
 
 
 def test_an_empty_prompt_gets_the_same_message_everywhere(monkeypatch, capsys):
-    from hf_pagedkv import cli
+    from hf_pagedkv.tools import cli
 
     model = tiny_model("llama")
     messages = []
@@ -315,19 +315,19 @@ def test_a_pool_that_fills_and_an_ordinary_generate_print_nothing(capsys, caplog
 
 
 def test_alerts_are_info_records_on_their_own_logger(caplog):
-    caplog.set_level(logging.INFO, logger="hf_pagedkv.alerts")
+    caplog.set_level(logging.INFO, logger="hf_pagedkv.observe.alerts")
     pool = BlockPool(block_size=4, num_blocks=2)
     pool.allocate(2)
     assert [a.name for a in pool.health().alerts] == ["occupancy"]
     fired = [r for r in caplog.records if "alert occupancy:" in r.getMessage()]
-    assert [(r.name, r.levelno) for r in fired] == [("hf_pagedkv.alerts", logging.INFO)]
+    assert [(r.name, r.levelno) for r in fired] == [("hf_pagedkv.observe.alerts", logging.INFO)]
 
 
 def test_model_loading_prints_no_progress_bar(capsys, caplog, recwarn):
     from transformers.utils import logging as hf_logging
 
     from hf_pagedkv import _compat
-    from hf_pagedkv.models import load_model
+    from hf_pagedkv.tools.models import load_model
     from tests.eval_helpers import tiny_model_dir
 
     path = tiny_model_dir()
@@ -348,7 +348,7 @@ def test_model_loading_prints_no_progress_bar(capsys, caplog, recwarn):
 
 @pytest.mark.model  # loads the bundled GGUF once more (~20 s), to see that nothing is printed
 def test_loading_the_bundled_gguf_prints_nothing(capsys, caplog, recwarn):
-    from hf_pagedkv.models import load_model
+    from hf_pagedkv.tools.models import load_model
 
     model, tokenizer = load_model()
     assert model.config.num_hidden_layers == 30

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hf_pagedkv import PagedCache
-from hf_pagedkv.device_budget import device_shares
+from hf_pagedkv.storage.device_budget import device_shares
 from tests.conftest import ids, tiny_model
 
 BLOCK_SIZE = 4

@@ -25,7 +25,7 @@ QUANT_PRESETS = [None, "k8v8", "k4v4"]
 def make_pool(quant=None, **kwargs) -> BlockPool:
     if quant is None:
         return BlockPool(block_size=B, prefix_caching=True, **kwargs)
-    return BlockPool(block_size=B, prefix_caching=True, quant=QuantConfig.from_preset(quant), **kwargs)
+    return BlockPool(block_size=B, prefix_caching=True, quant=QuantConfig.preset(quant), **kwargs)
 
 
 def fresh(model, x, quant=None, steps=(), **kwargs):
@@ -35,7 +35,7 @@ def fresh(model, x, quant=None, steps=(), **kwargs):
     ones de-quantized, so the hit is exact against the same step boundaries, not against one big prefill."""
     if quant is None:
         return fresh_generate(model, x, **kwargs)
-    cache = PagedCache(pool=BlockPool(block_size=B, quant=QuantConfig.from_preset(quant)))
+    cache = PagedCache(pool=BlockPool(block_size=B, quant=QuantConfig.preset(quant)))
     start = 0
     with torch.no_grad():
         for end in steps:
@@ -258,7 +258,7 @@ def test_validation_errors():
 def test_fault_story_freeing_one_block_too_many(monkeypatch):
     """The bug this project starts from: at a length that is an exact multiple of the block size, one block too
     many is released. debug=True catches it within one step; without debug the output silently drifts."""
-    from hf_pagedkv.step import StepMixin
+    from hf_pagedkv.adapter.step import StepMixin
 
     original = StepMixin._begin_step
     faults = []

@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_pagedkv import BlockPool, PagedCache
-from hf_pagedkv.verify import dynamic_cache_bytes
+from hf_pagedkv.tools.verify import dynamic_cache_bytes
 from tests.eval_helpers import DATA_DIR
 
 pytestmark = pytest.mark.model
@@ -87,15 +87,15 @@ def test_decode_matches_recomputation_without_cache(smollm):
 
 
 def test_quickstart_runs(smollm, monkeypatch, capsys):
-    import hf_pagedkv.models
+    import hf_pagedkv.tools.models
 
-    monkeypatch.setattr(hf_pagedkv.models, "load_model", lambda *a, **k: smollm)
+    monkeypatch.setattr(hf_pagedkv.tools.models, "load_model", lambda *a, **k: smollm)
     runpy.run_path(str(ROOT / "examples" / "quickstart.py"), run_name="__main__")
     assert "identical to DynamicCache: True" in capsys.readouterr().out
 
 
 def test_cli_generate_check_on_the_default_2000_token_input(smollm, monkeypatch, capsys):
-    from hf_pagedkv import cli
+    from hf_pagedkv.tools import cli
 
     monkeypatch.setattr(cli, "load_model", lambda *a, **k: smollm)
     assert cli.main(["generate", "--max-new-tokens", "4", "--check"]) == 0

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from hf_pagedkv.planning import ModelShape, plan_capacity
+from hf_pagedkv.tools.planning import ModelShape, plan_capacity
 from tests.conftest import tiny_model
 from tests.integration import tp_generate as tp
 

@@ -1,0 +1,1 @@
+"""The transformers adapter: PagedCache, PagedLayer, the step logic, prefix attach/publish, generate."""

@@ -1,0 +1,146 @@
+"""`generate`: `model.generate` on a shared `BlockPool`, with prefix caching when the pool has it (attach, generate,
+publish, release)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from hf_pagedkv._compat import CACHE_KWARG_NAMES, cache_kwargs
+from hf_pagedkv.block_pool import BlockPool
+from hf_pagedkv.adapter.paged_cache import PagedCache
+from hf_pagedkv.errors import EMPTY_PROMPT
+
+logger = logging.getLogger(__name__)
+
+
+def generate(model, input_ids: torch.LongTensor, pool: BlockPool, attention_mask: torch.Tensor | None = None,
+             **generate_kwargs):
+    """Run `model.generate` on `input_ids` with caches from `pool`, reusing the blocks of any prefix already cached
+    there when the pool has prefix caching.
+
+    Each row gets a cache on `pool` and runs `model.generate`; the cache is released afterwards, even if `generate`
+    raises. With `BlockPool(prefix_caching=True)` the cache comes from `PagedCache.from_prefix` (the model computes
+    only the tokens after the longest cached full-block prefix), and its full blocks are published before release
+    -- the prompt and, for greedy or sampling without beams, the generated tokens too, so a follow-up turn hits the
+    whole conversation. Without prefix caching nothing is looked up or published. Rows are generated one by one
+    (each may hit a different prefix); left padding is removed first, so only real tokens are hashed and the output
+    matches an unpadded run.
+
+    Args:
+        model (`PreTrainedModel`): a decoder-only model.
+        input_ids (`torch.LongTensor` of shape `[batch, seq_len]` or `[seq_len]`): the prompts.
+        pool (`BlockPool`): the pool the caches take their blocks from, shared by every request of this model
+            (`prefix_caching=True` to share prompt prefixes between requests).
+        attention_mask (`torch.Tensor` of shape `[batch, seq_len]`, *optional*): 1 for real tokens, 0 for left
+            padding.
+        generate_kwargs: passed to `model.generate` (`max_new_tokens`, `do_sample`, `num_beams`,
+            `return_dict_in_generate`, ...); not the cache (`past_key_values`, or `cache` from 5.24).
+
+    Returns:
+        What `model.generate` returns for a batch of one. For a larger batch: a `[batch * num_return_sequences,
+        seq_len + max_new]` tensor laid out as batched `generate` lays it out (the prompts as given, the new
+        tokens right-padded with the pad token), or, with `return_dict_in_generate=True`, a list with one output
+        per row (sequences without the padding).
+
+    Raises:
+        ValueError: `pool` not a `BlockPool`; a cache given (`past_key_values` or `cache`); an empty prompt (a row
+            without tokens); `attention_mask` not a left-padding mask of the same shape as `input_ids`.
+
+    Example:
+
+    ```python
+    >>> import hf_pagedkv
+    >>> pool = hf_pagedkv.BlockPool(prefix_caching=True)
+    >>> out = hf_pagedkv.generate(model, system_and_question_ids, pool=pool, max_new_tokens=32)
+    >>> pool.stats().hit_rate    # share of prompt tokens served from cached blocks
+    ```
+    """
+    if not isinstance(pool, BlockPool):
+        raise ValueError(f"hf_pagedkv.generate needs `pool=` a hf_pagedkv.BlockPool, got {type(pool).__name__}.")
+    if given := [name for name in CACHE_KWARG_NAMES if name in generate_kwargs]:
+        raise ValueError(f"hf_pagedkv.generate makes its own caches from `pool`; do not pass `{given[0]}`.")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() not in (1, 2):
+        raise ValueError(f"`input_ids` must be a [batch, seq_len] tensor, got {type(input_ids).__name__}"
+                         f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else ''}.")
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    empty = _empty_rows(input_ids, attention_mask)
+    if empty:
+        where = f" (row {empty[0]} of {input_ids.shape[0]})" if input_ids.shape[0] > 1 else ""
+        raise ValueError(f"hf_pagedkv.generate: {EMPTY_PROMPT}{where}.")
+    rows = _unpadded_rows(input_ids, attention_mask)
+    outs = [_generate_row(model, row, pool, generate_kwargs) for row in rows]
+    if len(outs) == 1 and (attention_mask is None or bool(attention_mask.all())):
+        return outs[0]
+    if generate_kwargs.get("return_dict_in_generate"):
+        return outs
+    return _pad_batch(model, input_ids, rows, outs, generate_kwargs)
+
+
+def _empty_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int]:
+    """Rows without a real token (no column, or an all-zero mask row); [0] for a batch of no rows."""
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        return list(range(input_ids.shape[0])) or [0]
+    if attention_mask is None or attention_mask.shape != input_ids.shape:
+        return []
+    return (~attention_mask.bool().any(1)).nonzero().reshape(-1).tolist()
+
+
+def _unpadded_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
+    """Each row's real tokens, `[1, num_real_tokens]`."""
+    if attention_mask is None:
+        return [input_ids[r: r + 1] for r in range(input_ids.shape[0])]
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"`attention_mask` must have the shape of `input_ids` {tuple(input_ids.shape)}, got "
+                         f"{tuple(attention_mask.shape)}.")
+    mask = attention_mask.bool()
+    # left padding: zeros then ones, so each row's mask never goes from 1 back to 0
+    if bool((mask[:, :-1] & ~mask[:, 1:]).any()) or not bool(mask[:, -1].all()):
+        raise ValueError("`attention_mask` must describe left padding (0s then 1s in each row); right padding and "
+                         "holes are not supported by hf_pagedkv.generate.")
+    return [input_ids[r, mask[r]][None] for r in range(input_ids.shape[0])]
+
+
+def _generate_row(model, ids: torch.Tensor, pool: BlockPool, kwargs: dict):
+    if pool.prefix_caching:
+        cache = PagedCache.from_prefix(pool, ids, model=model)
+    else:
+        cache = PagedCache(pool=pool, config=model.config)
+    try:
+        out = model.generate(ids, **cache_kwargs(cache), attention_mask=torch.ones_like(ids), **kwargs)
+        if not pool.prefix_caching:
+            return out
+        sequences = out if isinstance(out, torch.Tensor) else out.sequences
+        config = kwargs.get("generation_config") or model.generation_config
+        plain = (kwargs.get("num_beams", config.num_beams) or 1) == 1 and kwargs.get("assistant_model") is None \
+            and kwargs.get("prompt_lookup_num_tokens", config.prompt_lookup_num_tokens) is None
+        # NOTE: beam search returns the best finished beams, not the cache rows in order, and assisted decoding
+        # crops; there only the prompt (identical in every row) is known to match the cached K/V.
+        if plain and sequences.shape[0] == cache.num_rows:
+            cache.publish(sequences)
+        else:
+            cache.publish(ids)
+        return out
+    finally:
+        cache.release()
+
+
+def _pad_batch(model, input_ids: torch.Tensor, rows: list[torch.Tensor], outs: list[torch.Tensor], kwargs: dict):
+    """Lay per-row outputs out as batched `generate` does: prompt as given, new tokens right-padded."""
+    news = [out[:, row.shape[1]:] for row, out in zip(rows, outs)]  # [num_return_sequences, new_r]
+    width = max(n.shape[1] for n in news)
+    config = kwargs.get("generation_config") or model.generation_config
+    pad = kwargs.get("pad_token_id", config.pad_token_id)
+    if pad is None:
+        eos = kwargs.get("eos_token_id", config.eos_token_id)
+        pad = eos[0] if isinstance(eos, (list, tuple)) else eos
+    if pad is None and any(n.shape[1] != width for n in news):
+        raise ValueError("rows generated different lengths and the model has no pad_token_id; pass pad_token_id=.")
+    out = []
+    for r, new in enumerate(news):
+        fill = new.new_full((new.shape[0], width - new.shape[1]), pad if pad is not None else 0)
+        prompt = input_ids[r: r + 1].expand(new.shape[0], -1)  # [num_return_sequences, seq_len]
+        out.append(torch.cat([prompt, new, fill], dim=1))
+    return torch.cat(out, dim=0)  # [batch * num_return_sequences, seq_len + width]

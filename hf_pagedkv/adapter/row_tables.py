@@ -1,0 +1,115 @@
+"""`RowTables`: one layer group's block tables for the rows of one `PagedCache`, and their CPU mirror."""
+
+from __future__ import annotations
+
+import torch
+
+from hf_pagedkv.pool.block_table import BlockTable, num_blocks_for
+
+
+class RowTables:
+    """The block tables of a cache's batch rows in one layer group, with a tensor mirror for slot arithmetic.
+
+    Args:
+        group (`int`): the pool's layer group (`BlockPool.groups`).
+        window (`int`, *optional*): the group's sliding window in tokens; `None` for full attention.
+        block_size (`int`): tokens per block.
+
+    `table` is `[batch, capacity]` int64 on the CPU, indexed by absolute block position: ``table[r, j]`` is the
+    block holding tokens ``j * B .. (j + 1) * B - 1`` of row `r`. Invariants (`check`): every row holds the same
+    number of tokens and has dropped the same number of leading positions (rows of a batch move together);
+    ``table[r, j] == rows[r].blocks[j - num_dropped]`` for every held position `j`; entries before `num_dropped`
+    are stale and never read (a sliding layer reads only its window).
+    """
+
+    def __init__(self, group: int, window: int | None, block_size: int) -> None:
+        self.group = group  # index of the pool's layer group; fixed
+        self.window = window  # sliding window in tokens, or None; fixed
+        self.block_size = block_size  # tokens per block; fixed
+        self.rows: list[BlockTable] = []  # one table per batch row; this list object is registered with the pool
+        self.table = torch.zeros((0, 0), dtype=torch.long)  # mirror [batch, capacity]; changed with `rows` only
+
+    @property
+    def num_dropped(self) -> int:
+        """Leading block positions no longer held (the same in every row)."""
+        return self.rows[0].num_dropped if self.rows else 0
+
+    def window_start(self, num_tokens: int) -> int:
+        """First token a layer of this group reads when it holds `num_tokens` before a step: 0 for full
+        attention, the last ``window - 1`` tokens for a sliding window (as `DynamicSlidingWindowLayer`)."""
+        return 0 if self.window is None else max(0, num_tokens - (self.window - 1))
+
+    def droppable(self, num_tokens: int) -> int:
+        """Block positions wholly before the window of a step that starts at `num_tokens` (0 for full attention)."""
+        return self.window_start(num_tokens) // self.block_size
+
+    def reset(self, batch: int = 0) -> None:
+        """Forget every row (the caller freed their blocks) and start `batch` empty ones."""
+        self.rows.clear()
+        self.rows.extend(BlockTable() for _ in range(batch))
+        self.table = torch.zeros((batch, 0), dtype=torch.long)
+
+    def set_row(self, r: int, start_position: int) -> None:
+        """Copy row `r`'s block ids from block position `start_position` on into the mirror, growing it if needed."""
+        row = self.rows[r]
+        end = row.num_positions
+        if self.table.is_inference() and not torch.is_inference_mode_enabled():
+            # NOTE: made by an earlier call under torch.inference_mode(), the table cannot be written in place
+            # outside it; a normal copy (once) lets one cache be used in and out of inference mode, as DynamicCache.
+            self.table = self.table.clone()
+        if end > self.table.shape[1]:
+            grown = torch.zeros((self.table.shape[0], max(end, 2 * self.table.shape[1])), dtype=torch.long)
+            grown[:, : self.table.shape[1]] = self.table
+            self.table = grown
+        start = max(start_position, row.num_dropped)
+        if end > start:
+            self.table[r, start:end] = torch.tensor(row.blocks[start - row.num_dropped:], dtype=torch.long)
+
+    def select(self, idx: list[int]) -> None:
+        """The mirror follows a row selection (`rows` already replaced by the caller)."""
+        self.table = self.table[torch.tensor(idx, dtype=torch.long)] if idx else self.table[:0]
+
+    def common_prefix(self, num_tokens: int) -> int:
+        """Block positions (absolute) up to which every row names the same blocks (dropped positions count as
+        common, since no row holds them)."""
+        nblk, lo = num_blocks_for(num_tokens, self.block_size), self.num_dropped
+        table = self.table[:, lo:nblk]
+        same = (table == table[:1]).all(0).tolist()  # held positions where every row names the same block
+        return lo + (same.index(False) if False in same else nblk - lo)
+
+    def view_base(self) -> int | None:
+        """For a single row whose held blocks are consecutive: the slot of token 0 if the blocks extended
+        backwards (token `p` is in slot ``view_base + p``), else None."""
+        if len(self.rows) != 1 or not self.rows[0].blocks or not self.rows[0].is_contiguous:
+            return None
+        row = self.rows[0]
+        return (row.blocks[0] - row.num_dropped) * self.block_size
+
+    def read_slots(self, lo: int, end: int) -> torch.Tensor:
+        """Slot of each token ``lo .. end - 1`` of each row, `[batch, end - lo]` int64 (CPU)."""
+        B = self.block_size
+        first, last = lo // B, num_blocks_for(end, B)
+        table = self.table[:, first:last]  # [batch, blocks]
+        slots = (table[:, :, None] * B + torch.arange(B)).reshape(len(self.rows), -1)  # [batch, blocks * B]
+        return slots[:, lo - first * B: end - first * B]  # [batch, end - lo]
+
+    def write_slots(self, writers: list[int], start: int, end: int) -> torch.Tensor:
+        """The slot mapping of tokens ``start .. end - 1`` of rows `writers`, row-major `[len(writers) * q]`."""
+        B = self.block_size
+        pos = torch.arange(start, end)
+        blocks = self.table[torch.tensor(writers)][:, pos // B]  # [writers, q]
+        return (blocks * B + pos % B).reshape(-1)  # [writers * q]
+
+    def check(self) -> list[str]:
+        """Problems (empty when fine): rows out of step with each other, or the mirror out of step with the rows."""
+        problems = []
+        if len({(row.num_tokens, row.num_dropped) for row in self.rows}) > 1:
+            problems.append("rows hold different numbers of tokens or dropped blocks")
+        if self.table.shape[0] != len(self.rows):
+            problems.append(f"mirror has {self.table.shape[0]} rows for {len(self.rows)} tables")
+            return problems
+        for r, row in enumerate(self.rows):
+            held = self.table[r, row.num_dropped: row.num_positions].tolist()
+            if held != row.blocks:
+                problems.append(f"row {r}: mirror {held[-5:]} != table {row.blocks[-5:]}")
+        return problems

@@ -1,0 +1,1 @@
+"""Block bookkeeping, no tensors: ids and refcounts, block tables, the prefix index, invariants."""

@@ -1,0 +1,73 @@
+"""The pool invariants of DESIGN.md, checked per layer group by `BlockPool.check_invariants()` (the tests call it
+after every step)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from hf_pagedkv.pool.block_table import num_blocks_for
+from hf_pagedkv.errors import InvariantError
+
+if TYPE_CHECKING:
+    from hf_pagedkv.block_group import BlockGroup
+
+
+def check_group_invariants(group: BlockGroup) -> None:
+    """Raise `InvariantError` naming the first broken invariant of one layer group and the block ids concerned.
+    The caller holds the pool's lock and has drained pending releases."""
+    alloc, index, B = group.allocator, group.prefix_index, group.block_size
+    where = "" if group.index == 0 else f" [{group.name} group]"
+    free = alloc.free_blocks()
+    idle = set(index.idle_blocks()) if index is not None else set()
+    rc = [alloc.refcount(b) for b in range(alloc.num_blocks)]
+    bad = [b for b in range(alloc.num_blocks) if (b in free) + (b in idle) + (rc[b] > 0) != 1 or rc[b] < 0]
+    if bad:
+        detail = ", ".join(f"{b}: refcount {rc[b]}, free {b in free}, idle {b in idle}" for b in bad[:10])
+        raise InvariantError(f"invariant 1/5 (free xor in use xor cached-idle) broken{where}: {detail}")
+    if len(idle) != alloc.num_idle_blocks:
+        raise InvariantError(f"invariant 1 broken{where}: {len(idle)} idle blocks in the prefix index, "
+                             f"{alloc.num_idle_blocks} counted by the allocator")
+    problems = index.check(free, alloc.num_blocks) if index is not None else []
+    if problems:
+        raise InvariantError(f"invariant 1 (prefix index) broken{where}: {'; '.join(problems)}")
+    stray = sorted(b for b in free if not 0 <= b < alloc.num_blocks)
+    if stray:
+        raise InvariantError(f"invariant 5 (free queue names only real blocks) broken{where}: {stray[:20]}")
+    entries: Counter[int] = Counter()
+    for rows in group.tables.values():
+        for row in rows:
+            want = num_blocks_for(row.num_tokens, B)
+            if row.num_positions != want:
+                raise InvariantError(
+                    f"invariant 3 (table of {row.num_tokens} tokens owns ceil(n/B)={want} blocks) broken{where}: "
+                    f"it owns {row.num_positions} blocks {row.blocks[-5:]}"
+                    + (f" ({row.num_dropped} dropped by the window)" if row.num_dropped else "")
+                )
+            # a sliding window of w keeps tokens >= n - (w - 1) readable: only blocks wholly before them may go
+            may_drop = 0 if group.window is None else max(0, row.num_tokens - group.window + 1) // B
+            if row.num_dropped > may_drop:
+                raise InvariantError(
+                    f"invariant 3 (only blocks outside the window are dropped) broken{where}: a table of "
+                    f"{row.num_tokens} tokens dropped {row.num_dropped} blocks, at most {may_drop} allowed"
+                )
+            if len(set(row.blocks)) != len(row.blocks):
+                dup = [b for b, c in Counter(row.blocks).items() if c > 1]
+                raise InvariantError(f"invariant 3 (a table names a block once) broken{where} for blocks {dup}")
+            entries.update(row.blocks)
+    wrong = [b for b in range(alloc.num_blocks) if rc[b] != entries.get(b, 0)]
+    if wrong:
+        detail = ", ".join(f"{b}: refcount {rc[b]} vs {entries.get(b, 0)} entries" for b in wrong[:10])
+        kind = "a leak" if not group.tables else "refcount mismatch"
+        raise InvariantError(f"invariant 2 (refcount == live table entries) broken{where} ({kind}): {detail}")
+    # the slots written into blocks in use: at least what the tables hold (more only after a crop into a block
+    # another cache still holds: those slots stay written until the block is freed), at most the blocks' slots
+    filled, counted = group.num_filled_slots(), alloc.num_filled_slots
+    if not filled <= counted <= alloc.num_used_blocks * B:
+        raise InvariantError(f"invariant 8 (counters agree with the tables) broken{where}: {counted} written slots "
+                             f"counted, {filled} held by the tables, {alloc.num_used_blocks * B} in blocks in use")
+    if group.store.is_quantized:
+        live = {b for b in range(alloc.num_blocks) if rc[b] > 0} | idle
+        problems = group.store.check(live)
+        if problems:
+            raise InvariantError(f"invariant 6 (quantized store stages) broken{where}: {'; '.join(problems)}")

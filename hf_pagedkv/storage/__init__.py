@@ -1,0 +1,1 @@
+"""The tensors: page stores (full precision and quantized), staging, codecs, device budgets."""

@@ -1,0 +1,89 @@
+"""`StagingStore`: full-precision storage for the blocks of a quantized pool that are not encoded yet."""
+
+from __future__ import annotations
+
+import torch
+
+from hf_pagedkv.storage.page_store import LayerSpec
+
+_MIN_STAGES = 8  # stages allocated at first use; capacity then doubles when full
+
+
+class StagingStore:
+    """The residual window of a quantized pool: one full-precision *stage* per partial block.
+
+    A block of a quantized pool is written token by token into a stage until its last slot is written; then it is
+    encoded once and its stage is returned. So the stages in use are about one per sequence (its partial last block),
+    and the store is sized by the number of live sequences, not by the pool. Layout, per layer::
+
+        keys[layer]:   [num_kv_heads, num_stages * block_size, key_dim]     (model dtype)
+        values[layer]: [num_kv_heads, num_stages * block_size, value_dim]
+
+    Stage `s` holds slots ``s * block_size .. (s + 1) * block_size - 1``. Invariant: a stage id is either free
+    (in `_free`) or owned by exactly one block of the pool (the owner, `QuantizedPageStore`, keeps that map).
+    Capacity grows by doubling (at least 8 stages), never shrinks; new and freed stages are NaN in debug mode.
+    """
+
+    def __init__(self, block_size: int, debug: bool = False) -> None:
+        self.block_size = block_size  # tokens per stage (= block size); fixed
+        self.debug = debug  # poison freed stages with NaN; set by the owning store
+        self.num_stages = 0  # stages allocated in every layer's tensors; changed by `_grow` only
+        self.specs: dict[int, LayerSpec] = {}  # layer_idx -> spec; set once per layer by `add_layer`
+        self.keys: dict[int, torch.Tensor] = {}  # layer_idx -> [num_kv_heads, num_stages * block_size, key_dim]
+        self.values: dict[int, torch.Tensor] = {}  # layer_idx -> [num_kv_heads, num_stages * block_size, value_dim]
+        self._free: list[int] = []  # free stage ids, popped from the end (lowest id last)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_stages - len(self._free)
+
+    def bytes_per_stage(self) -> int:
+        """Bytes of one stage across all layers, keys plus values."""
+        return sum(spec.bytes_per_token for spec in self.specs.values()) * self.block_size
+
+    @torch.inference_mode(False)  # never inference tensors: they outlive the call (see PageStore._new)
+    def _new(self, spec: LayerSpec, dim: int, num_stages: int) -> torch.Tensor:
+        fill = float("nan") if self.debug and spec.dtype.is_floating_point else 0
+        return torch.full((spec.num_kv_heads, num_stages * self.block_size, dim), fill, dtype=spec.dtype,
+                          device=spec.device)
+
+    def add_layer(self, layer_idx: int, spec: LayerSpec) -> None:
+        assert layer_idx not in self.specs, f"layer {layer_idx} already has stages"
+        self.specs[layer_idx] = spec
+        self.keys[layer_idx] = self._new(spec, spec.key_dim, self.num_stages)
+        self.values[layer_idx] = self._new(spec, spec.value_dim, self.num_stages)
+
+    def _grow(self) -> None:
+        new_num = max(_MIN_STAGES, 2 * self.num_stages)
+        for idx, spec in self.specs.items():
+            for store, dim in ((self.keys, spec.key_dim), (self.values, spec.value_dim)):
+                new = self._new(spec, dim, new_num)
+                new[:, : store[idx].shape[1]] = store[idx]
+                store[idx] = new
+        self._free = list(range(new_num - 1, self.num_stages - 1, -1)) + self._free
+        self.num_stages = new_num
+
+    def allocate(self) -> int:
+        """A free stage id (growing the tensors if none is free)."""
+        if not self._free:
+            self._grow()
+        return self._free.pop()
+
+    def free(self, stage: int) -> None:
+        """Return `stage`; NaN-fill it in debug mode."""
+        assert stage not in self._free, f"double free of stage {stage}"
+        self._free.append(stage)
+        if self.debug:
+            for store in (self.keys, self.values):
+                for t in store.values():
+                    if t.dtype.is_floating_point:
+                        t[:, stage * self.block_size: (stage + 1) * self.block_size] = float("nan")
+
+    def block(self, store: dict[int, torch.Tensor], layer_idx: int, stage: int) -> torch.Tensor:
+        """Stage `stage` of one layer's keys or values, a view `[num_kv_heads, block_size, dim]`."""
+        return store[layer_idx].narrow(1, stage * self.block_size, self.block_size)
+
+    def blocks(self, store: dict[int, torch.Tensor], layer_idx: int) -> torch.Tensor:
+        """All stages of one layer's keys or values, a view `[num_kv_heads, num_stages, block_size, dim]`."""
+        t = store[layer_idx]
+        return t.view(t.shape[0], self.num_stages, self.block_size, t.shape[-1])

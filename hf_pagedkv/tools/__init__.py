@@ -1,0 +1,1 @@
+"""Tools around the cache: capacity planner, CLI, model loading, consistency checks."""

@@ -1,0 +1,161 @@
+"""The `hf-pagedkv` command. `hf-pagedkv generate` runs the default model through a PagedCache and reports."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+import torch
+from transformers import set_seed
+
+from hf_pagedkv import PagedCache
+from hf_pagedkv._compat import cache_kwargs
+from hf_pagedkv.tools.cli_tools import add_tool_commands, run_tool
+from hf_pagedkv.config import PRESETS, QuantConfig
+from hf_pagedkv.errors import EMPTY_PROMPT
+from hf_pagedkv.tools.models import DEFAULT_MODEL, chat_prompt, default_document, load_model
+from hf_pagedkv.tools.verify import dynamic_cache_bytes
+
+MiB = 2**20
+
+
+def _generate(args: argparse.Namespace) -> int:
+    if args.file is not None and not os.path.isfile(args.file):
+        print(f"hf-pagedkv generate: --file {args.file!r} is not a readable file", file=sys.stderr)
+        return 2
+    if args.prompt is not None and not args.prompt.strip() and not args.chat:
+        print(f"hf-pagedkv generate: --prompt is empty and --no-chat adds no template: {EMPTY_PROMPT} (some text)",
+              file=sys.stderr)
+        return 2
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    try:
+        model, tokenizer = load_model(args.model)
+    except ValueError as e:
+        print(f"hf-pagedkv generate: --model: {e}", file=sys.stderr)
+        return 2
+    if args.prompt is not None:
+        messages = [{"role": "user", "content": args.prompt}]
+        prompt = (tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) if args.chat
+                  else args.prompt)
+        source = "--prompt"
+    elif args.file is not None:
+        with open(args.file, encoding="utf-8") as fh:
+            prompt = chat_prompt(tokenizer, args.file, fh.read())
+        source = args.file
+    else:
+        title, text = default_document()
+        prompt, source = chat_prompt(tokenizer, title, text), f"a request to summarise {title}"
+    input_ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.device)
+    if input_ids.shape[1] == 0:  # text the tokenizer turns into no token at all
+        print(f"hf-pagedkv generate: {source}: {EMPTY_PROMPT} (some text)", file=sys.stderr)
+        return 2
+    gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, return_dict_in_generate=True,
+               output_logits=True)
+    if args.do_sample:  # None keeps the model's generation_config
+        gen.update({k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p)) if v is not None})
+
+    quant = QuantConfig.resolve(args.quant)
+    cache = PagedCache(block_size=args.block_size, config=model.config, quant=quant)
+    t0 = time.perf_counter()
+    set_seed(args.seed)  # the same seed for the --check run: sampling draws the same tokens from the same logits
+    with torch.inference_mode():
+        out = model.generate(input_ids, **cache_kwargs(cache), **gen)
+    seconds = time.perf_counter() - t0
+    new_tokens = out.sequences[0, input_ids.shape[1]:]
+    print(tokenizer.decode(new_tokens, skip_special_tokens=True).strip())
+    print()
+    stats = cache.pool.stats()
+    print(f"prompt: {input_ids.shape[1]} tokens ({source}); generated {len(new_tokens)} tokens in {seconds:.1f} s "
+          f"({len(new_tokens) / seconds:.1f} tokens/s)")
+    cached = cache.get_seq_length()
+    fmt = f" ({quant.name})" if quant.is_quantized else ""
+    print(f"PagedCache{fmt}: {stats.blocks_in_use} blocks of {stats.block_size} tokens for {cached} cached tokens, "
+          f"{stats.bytes_in_use / MiB:.1f} MiB held ({stats.bytes_in_use / max(cached, 1) / 1024:.1f} KiB/token), "
+          f"fragmentation {stats.fragmentation:.1%}, pool reserved {stats.bytes_reserved / MiB:.1f} MiB")
+    status = 0
+    if args.check:
+        from transformers import DynamicCache
+
+        ref_cache = DynamicCache(config=model.config)
+        set_seed(args.seed)
+        with torch.inference_mode():
+            ref = model.generate(input_ids, **cache_kwargs(ref_cache), **gen)
+        ref_bytes = dynamic_cache_bytes(ref_cache)
+        same = torch.equal(ref.sequences, out.sequences)
+        diff = max((a - b).abs().max().item() for a, b in zip(ref.logits, out.logits))
+        print(f"DynamicCache would hold {ref_bytes / MiB:.1f} MiB: PagedCache holds "
+              f"{stats.bytes_in_use / ref_bytes:.3f}x")
+        expected = f" (expected with --quant {quant.name}: quantized K/V)" if quant.is_quantized and not same else ""
+        print(f"check: output {'IDENTICAL to' if same else 'DIFFERENT from'} DynamicCache "
+              f"({ref.sequences.shape[1] - input_ids.shape[1]} tokens), max |logit difference| {diff:.3g}{expected}")
+        status = 0 if same or quant.is_quantized else 1  # unquantized, any difference is a bug
+    cache.release()
+    return status
+
+
+def _eval(argv: list[str]) -> int:
+    """`hf-pagedkv eval ...`: the drift suite, `python -m eval.drift ...` (the `eval` package of the repository)."""
+    try:
+        from eval.drift import main as eval_main
+    except ImportError as exc:
+        raise ImportError(f"`hf-pagedkv eval` needs the repository's eval/ package and its extra ({exc}): run it "
+                          "from a clone with `pip install -e '.[eval]'`.") from exc
+    return eval_main(argv, prog="hf-pagedkv eval")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["eval"]:  # all of its flags go to eval.drift's own parser
+        return _eval(argv[1:])
+    parser = argparse.ArgumentParser(prog="hf-pagedkv", description="Paged, refcounted KV cache for transformers.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("eval", add_help=False, help="drift of cache configs vs DynamicCache on a dataset "
+                                                "(hf-pagedkv eval --help)")
+    g = sub.add_parser("generate", help="generate through a PagedCache and report the memory it held")
+    g.add_argument("--model", default=DEFAULT_MODEL, help="transformers id, local path or .gguf (default: %(default)s)")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="a chat message to answer (default: summarise a ~2,300-token document Python "
+                     "ships)")
+    src.add_argument("--file", help="summarise this text file")
+    g.add_argument("--no-chat", dest="chat", action="store_false", help="send --prompt as raw text, no chat template")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: %(default)s)")
+    g.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block (default: PagedCache's, 16, or 32 with --quant)")
+    g.add_argument("--quant", default="fp", choices=list(PRESETS),
+                   help="KV storage format, e.g. k8v4: 8-bit keys, 4-bit values (default: %(default)s)")
+    g.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    g.add_argument("--temperature", type=float, help="sampling temperature, with --do-sample (default: the model's)")
+    g.add_argument("--top-p", type=float, help="nucleus sampling mass, with --do-sample (default: the model's)")
+    g.add_argument("--seed", type=int, default=0, help="random seed, set before each generation (default: %(default)s)")
+    g.add_argument("--num-threads", type=int, default=0,
+                   help="torch CPU threads, 0 for torch's default (1 is faster on a busy machine) (default: 0)")
+    g.add_argument("--check", action="store_true", help="also run DynamicCache and compare the outputs (with "
+                   "--quant, differences are reported, not an error)")
+    g.add_argument("-v", "--verbose", action="store_true")
+    add_tool_commands(sub)  # plan, tune-block-size, trace
+    args = parser.parse_args(argv)
+    if args.command != "generate":
+        return run_tool(args, parser)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
+    if args.max_new_tokens <= 0:
+        parser.error(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+    if args.block_size is not None and args.block_size <= 0:
+        parser.error(f"--block-size must be positive, got {args.block_size}")
+    for flag, value in (("--temperature", args.temperature), ("--top-p", args.top_p)):
+        if value is not None and not args.do_sample:
+            parser.error(f"{flag} applies to sampling: add --do-sample")
+    if args.temperature is not None and args.temperature <= 0:
+        parser.error(f"--temperature must be positive, got {args.temperature}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.num_threads < 0:
+        parser.error(f"--num-threads must be >= 0 (0: torch's default), got {args.num_threads}")
+    return _generate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

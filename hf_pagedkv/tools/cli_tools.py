@@ -1,0 +1,289 @@
+"""The planning and observability subcommands of `hf-pagedkv`: ``plan``, ``tune-block-size`` and ``trace``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from hf_pagedkv.block_pool import device_memory
+from hf_pagedkv.config import parse_bytes
+from hf_pagedkv.tools.models import DEFAULT_MODEL
+from hf_pagedkv.tools.planning import (
+    _DTYPES,
+    BLOCK_SIZE_CANDIDATES,
+    PRESETS,
+    ModelShape,
+    kv_heads_per_rank,
+    load_config,
+    plan_capacity,
+    tune_block_size,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def add_tool_commands(sub: argparse._SubParsersAction) -> None:
+    """Add ``plan``, ``tune-block-size`` and ``trace`` to the `hf-pagedkv` subcommands."""
+    p = sub.add_parser("plan", help="KV bytes per token, total KV, weights, and the pool size for a workload")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="default model, local dir, config.json, .gguf, model type ('llama') or Hub id "
+                        "(default: %(default)s)")
+    p.add_argument("--max-seq-len", type=int, required=True, help="tokens per sequence (prompt + generated)")
+    p.add_argument("--batch", type=int, required=True, help="sequences held at once")
+    p.add_argument("--quant", default="fp", choices=list(PRESETS), help="KV format (default: %(default)s)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
+                   help="full-precision dtype of K/V and weights (default: auto = what hf_pagedkv.tools.models.load_model "
+                        "uses for the bundled model, float32; else the config's dtype, or float16)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per block (default: PagedCache's, 16, or 32 when quantized)")
+    p.add_argument("--value-group-size", type=int, default=64,
+                   help="channels per value quantization group (default: %(default)s)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks (from_pretrained(..., tp_plan='auto') under torchrun): each rank holds "
+                        "num_key_value_heads / tp KV heads, and the plan is one rank's (default: %(default)s)")
+    p.add_argument("--memory", help="memory to fit in, one rank's device with --tp, e.g. 24GiB (default: CUDA device "
+                                    "0's memory; without CUDA, this machine's RAM / --tp, as CPU ranks share it)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(run=_plan)
+
+    t = sub.add_parser("tune-block-size", help="fragmentation and block-table entries per block size, recommended")
+    src = t.add_mutually_exclusive_group(required=True)
+    src.add_argument("--lengths", help="file of sequence lengths in tokens (whitespace/comma separated, or JSON)")
+    src.add_argument("--text", help="text file to tokenize, one sample per --sample-by unit")
+    src.add_argument("--dataset", help="a `datasets` name, or a local .json/.jsonl/.csv/.parquet file")
+    t.add_argument("--sample-by", default="line", choices=["line", "paragraph", "document"],
+                   help="how --text splits into samples (default: %(default)s)")
+    t.add_argument("--split", default="train", help="--dataset split (default: %(default)s)")
+    t.add_argument("--column", default="text", help="--dataset text column (default: %(default)s)")
+    t.add_argument("--tokenizer", default=DEFAULT_MODEL, help="tokenizer for --text/--dataset (default: %(default)s)")
+    t.add_argument("--max-samples", type=int, default=2000, help="samples tokenized at most (default: %(default)s)")
+    t.add_argument("--new-tokens", type=int, default=0, help="tokens generated per sequence, added to each length")
+    t.add_argument("--candidates", default=",".join(map(str, BLOCK_SIZE_CANDIDATES)),
+                   help="block sizes to compare (default: %(default)s)")
+    t.add_argument("--max-waste", type=float, default=0.05, help="fragmentation allowed (default: %(default)s)")
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(run=_tune)
+
+    r = sub.add_parser("trace", help="read a block event dump: leaks, double frees, one block's refcount history")
+    r.add_argument("file", help="JSONL written by pool.events.dump()")
+    r.add_argument("--block", type=int, help="print this block's refcount history")
+    r.add_argument("--limit", type=int, default=20, help="blocks listed per finding (default: %(default)s)")
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(run=_trace)
+    for q in (p, t, r):
+        q.add_argument("-v", "--verbose", action="store_true")
+
+
+def fmt_bytes(n: float) -> str:
+    """``1536 -> '1.5 KiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _machine_memory(tp: int = 1) -> tuple[int, str]:
+    """Bytes one of `tp` ranks has, and a label: CUDA device 0's memory (each rank has its own device), else this
+    machine's RAM divided by `tp` (CPU ranks share it)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return device_memory(torch.device("cuda", 0)), f"{torch.cuda.get_device_name(0)} memory"
+    ram = device_memory(torch.device("cpu"))
+    return (ram, "this machine's RAM") if tp == 1 else (ram // tp, f"this machine's RAM / {tp} ranks")
+
+
+def _auto_dtype(model: str) -> str:
+    """float32 for the bundled model (`load_model` de-quantizes the GGUF to float32), else the config's dtype."""
+    if model in (None, DEFAULT_MODEL):
+        return "float32"
+    try:
+        dtype = str(getattr(load_config(model), "dtype", None) or "").removeprefix("torch.")
+    except ValueError:
+        dtype = ""
+    return dtype if dtype in ("float16", "bfloat16", "float32") else "float16"
+
+
+def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    for name in ("max_seq_len", "batch", "block_size", "value_group_size", "tp"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be a positive int, got {getattr(args, name)}")
+    try:
+        memory, where = ((parse_bytes(args.memory), "--memory" if args.tp == 1 else "--memory, one rank's")
+                         if args.memory else _machine_memory(args.tp))
+    except ValueError as e:
+        parser.error(f"--memory {args.memory!r}: {e}")
+    try:
+        model = ModelShape.from_config(load_config(args.model), name=args.model)
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        kv_heads_per_rank(model.num_kv_heads, args.tp)
+    except ValueError as e:
+        parser.error(f"--tp {args.tp}: {e}")
+    if args.dtype == "auto":
+        args.dtype = _auto_dtype(args.model)
+    try:
+        plan = plan_capacity(model, args.max_seq_len, args.batch, quant=args.quant, dtype=args.dtype,
+                             block_size=args.block_size, value_group_size=args.value_group_size, memory=memory,
+                             tp=args.tp)
+    except ValueError as e:  # a block size or value group the codecs cannot pack
+        parser.error(f"--quant {args.quant}: {e}")
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+        return 0 if plan.fits else 1
+    m = model
+    sliding = f", {m.num_sliding} of them sliding-window ({m.sliding_window} tokens)" if m.num_sliding else ""
+    params = f", {m.num_params / 1e6:,.1f}M parameters" if m.num_params else ""
+    print(f"model: {m.name}: {m.num_layers} layers store K/V{sliding}, {m.num_kv_heads} KV heads, "
+          f"head_dim {m.head_dim}{params}")
+    rank = " per rank" if plan.tp > 1 else ""
+    if plan.tp > 1:
+        print(f"tensor parallel: {plan.tp} ranks, each holds {plan.kv_heads_per_rank} of the {m.num_kv_heads} KV "
+              f"heads; bytes below are per rank (the job holds {plan.tp}x)")
+    print(f"KV format: {plan.quant} ({plan.dtype} full precision), block_size {plan.block_size}")
+    per_head = plan.bytes_per_token / (m.num_layers * plan.kv_heads_per_rank)
+    print(f"bytes per token{rank}: {plan.bytes_per_token:,.0f} B ({fmt_bytes(plan.bytes_per_token)}) = "
+          f"{m.num_layers} layers x {plan.kv_heads_per_rank} KV heads x {per_head:,.1f} B (K+V of head_dim "
+          f"{m.head_dim})")
+    print(f"per sequence{rank}: {plan.max_seq_len:,} tokens -> {fmt_bytes(plan.seq_bytes)}")
+    note = (f" (sliding-window layers hold the blocks of their window; exactly the windows, as "
+            f"DynamicCache(config): {fmt_bytes(plan.window_kv_bytes)})") if m.num_sliding else ""
+    print(f"total KV{rank}: batch {plan.batch} -> {fmt_bytes(plan.kv_bytes)}{note}")
+    if plan.weight_bytes is not None:
+        per_param = _DTYPES[plan.dtype].itemsize
+        split = f" / {plan.tp} ranks (norms, replicated, not counted)" if plan.tp > 1 else ""
+        print(f"weights{rank}: {m.num_params / 1e6:,.1f}M parameters x {per_param} B{split} = "
+              f"{fmt_bytes(plan.weight_bytes)}")
+    else:
+        print("weights: unknown (could not count the parameters of this architecture)")
+    quant = "" if plan.quant == "fp" else f", quant={plan.quant!r}"
+    print(f"pool to set{rank} (peak x 1.2): {plan.pool_blocks:,} blocks, {fmt_bytes(plan.pool_bytes)} -> "
+          f"BlockPool(block_size={plan.block_size}{quant}, max_memory={plan.pool_bytes})")
+    need = (plan.weight_bytes or 0) + plan.pool_bytes
+    if plan.fits:
+        print(f"memory: {fmt_bytes(memory)} ({where}): fits, weights + pool = {fmt_bytes(need)} "
+              f"({need / memory:.0%})")
+        return 0
+    free_for_kv = memory - (plan.weight_bytes or 0)
+    per_seq = plan.seq_bytes * 1.2
+    max_batch = max(0, int(free_for_kv // per_seq))
+    print(f"memory: {fmt_bytes(memory)} ({where}): does NOT fit: weights + pool = {fmt_bytes(need)} needed, "
+          f"{fmt_bytes(memory)} available.")
+    fixes = [f"--batch {max_batch}" if max_batch else "a smaller model or more memory"]
+    for preset in list(PRESETS)[list(PRESETS).index(plan.quant) + 1:]:
+        alt = plan_capacity(model, args.max_seq_len, args.batch, quant=preset, dtype=args.dtype,
+                            block_size=args.block_size, value_group_size=args.value_group_size, memory=memory,
+                            tp=args.tp)
+        if alt.fits:
+            fixes.append(f"--quant {preset} ({fmt_bytes(alt.pool_bytes)} pool)")
+            break
+    print("change: " + ", or ".join(fixes))
+    return 1
+
+
+def _read_lengths(path: str) -> list[int]:
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    try:
+        values = json.loads(text) if text.lstrip().startswith("[") else text.replace(",", " ").split()
+        return [int(v) for v in values]
+    except ValueError as e:
+        raise ValueError(f"--lengths {path}: expected integers (tokens) separated by whitespace or commas, or a "
+                         f"JSON list ({e}).") from e
+
+
+def _texts(args: argparse.Namespace) -> list[str]:
+    try:
+        import datasets
+    except ImportError as e:
+        raise ImportError("--text/--dataset need the `datasets` package: pip install 'hf_pagedkv[planning]'") from e
+
+    datasets.disable_progress_bars()
+    if args.text:
+        ds = datasets.load_dataset("text", data_files=args.text, sample_by=args.sample_by, split="train")
+        column = "text"
+    else:
+        ext = os.path.splitext(args.dataset)[1].lstrip(".")
+        builder = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}.get(ext)
+        ds = (datasets.load_dataset(builder, data_files=args.dataset, split="train") if builder and
+              os.path.isfile(args.dataset) else datasets.load_dataset(args.dataset, split=args.split))
+        column = args.column
+        if column not in ds.column_names:
+            raise ValueError(f"--column {column!r} is not in the dataset; columns: {ds.column_names}")
+    texts = [t for t in ds[column][: args.max_samples * 4] if isinstance(t, str) and t.strip()]
+    return texts[: args.max_samples]
+
+
+def _tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    from hf_pagedkv.tools.models import GGUF_FILE, default_model_dir
+
+    if name == DEFAULT_MODEL:
+        return AutoTokenizer.from_pretrained(default_model_dir(), gguf_file=GGUF_FILE)
+    return AutoTokenizer.from_pretrained(name)
+
+
+def _tune(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        candidates = tuple(int(c) for c in args.candidates.split(","))
+        if args.lengths:
+            lengths, source = _read_lengths(args.lengths), args.lengths
+        else:
+            texts = _texts(args)
+            if not texts:
+                raise ValueError("no non-empty text samples found")
+            tok = _tokenizer(args.tokenizer)
+            lengths = [len(ids) for ids in tok(texts, add_special_tokens=True)["input_ids"]]
+            source = f"{len(texts)} samples of {args.text or args.dataset}, {args.tokenizer} tokenizer"
+        if args.new_tokens < 0:
+            raise ValueError(f"--new-tokens must be >= 0, got {args.new_tokens}")
+        lengths = [n + args.new_tokens for n in lengths]
+        rows, best, reason = tune_block_size(lengths, candidates, args.max_waste)
+    except (ValueError, OSError) as e:
+        parser.error(str(e))
+    if args.json:
+        print(json.dumps({"source": source, "rows": [r.__dict__ for r in rows], "recommended": best,
+                          "reason": reason}, indent=2))
+        return 0
+    s = sorted(lengths)
+    print(f"{len(lengths)} sequences ({source}): tokens min {s[0]}, median {s[len(s) // 2]}, max {s[-1]}"
+          f"{f' (each + {args.new_tokens} generated)' if args.new_tokens else ''}")
+    print(f"{'block_size':>10} {'fragmentation':>14} {'entries/seq':>12} {'max entries':>12}")
+    for r in rows:
+        mark = "  <- recommended" if r.block_size == best else ""
+        print(f"{r.block_size:>10} {r.fragmentation:>14.1%} {r.mean_entries:>12.1f} {r.max_entries:>12}{mark}")
+    print(f"recommended block_size={best}: {reason}")
+    return 0
+
+
+def _trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from hf_pagedkv.observe.trace import analyze, format_report, read_trace
+
+    try:
+        header, records = read_trace(args.file)
+    except (ValueError, OSError) as e:
+        parser.error(str(e))
+    report = analyze(records, header)
+    if args.json:
+        out = {"events": report.num_events, "never_freed": report.never_freed,
+               "double_frees": [{"n": h.n, "block": h.block} for h in report.double_frees],
+               "anomalies": report.anomalies}
+        if args.block is not None:
+            out["history"] = [{"n": h.n, "kind": h.kind, "before": h.before, "after": h.after}
+                              for h in report.histories.get(args.block, [])]
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_report(report, block=args.block, limit=args.limit))
+    return 0 if report.ok else 1
+
+
+def run_tool(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Run a subcommand added by `add_tool_commands`."""
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr)
+    return args.run(args, parser)

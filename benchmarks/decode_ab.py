@@ -30,7 +30,10 @@ def child(lengths: list[int], methods: list[str], steps: int, threads: int) -> N
 
     torch.set_num_threads(threads)
     from hf_pagedkv import PagedCache
-    from hf_pagedkv.tools.models import load_model
+    try:
+        from hf_pagedkv.tools.models import load_model
+    except ImportError:  # a base commit from before the folders (hf_pagedkv.models)
+        from hf_pagedkv.models import load_model
 
     model, _ = load_model()
     g = torch.Generator().manual_seed(0)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_pagedkv import InvariantError, PagedCache
+from hf_pagedkv import InvariantError, PagedCache, QuantConfig
+from hf_pagedkv.page_store import LayerSpec
+from hf_pagedkv.quantized_store import QuantizedPageStore
 from tests.conftest import ids, tiny_model
 
 B = 4
@@ -162,21 +164,46 @@ def test_crop_then_a_write_that_refills_at_once_encodes_the_block_again_once(mon
 
 
 def test_a_second_plan_in_the_same_step_does_not_count_again():
-    """A step is planned again for the remaining layers after rows are unshared mid-step (or for another device):
-    those layers encode the step's completed blocks for the first time, so the count stays 1."""
-    cache = PagedCache(block_size=B, quant="k8v4")
-    step(cache, kv(6, seed=0))
-    b1 = cache.block_tables()[0][1]
+    """A step is planned again for the layers still to write when they sit on another device (or after an
+    unshare): those layers encode the step's completed blocks for the first time, so the count stays 1. The next
+    step planning the same full block again is the fault. A bare store, two layers, 4 blocks."""
+    store = QuantizedPageStore(B, QuantConfig.resolve("k8v4"))
+    for layer in (0, 1):
+        store.add_layer(layer, LayerSpec(2, 16, 16, torch.float32, torch.device("cpu")))
+    store.grow(4)
+    slots = torch.arange(2 * B, 3 * B)  # all of block 2, from offset 0
+    new = kv(B, seed=1)
+    plan = store.plan_write(slots, torch.device("cpu"), new_step=True)
+    store.write(0, plan, new[0], new[1])
+    replan = store.plan_write(slots, torch.device("cpu"), new_step=False)  # layer 1 on another device
+    assert plan.done_blocks.tolist() == replan.done_blocks.tolist() == [2]
+    store.write(1, replan, new[2], new[3])
+    assert list(store._num_encodes) == [0, 0, 1, 0] and store.check(live={2}) == []
+    store.plan_write(slots, torch.device("cpu"), new_step=True)  # a new step encodes block 2 again
+    assert list(store._num_encodes) == [0, 0, 2, 0]
+    assert store.check(live={2}) == [(4, "blocks [2] encoded [2] times since they were last opened")]
+    store.release([2])
+    assert list(store._num_encodes) == [0, 0, 0, 0] and store.check(live=set()) == []
+
+
+def test_rows_unshared_mid_step_count_one_encode_per_block():
+    """Two rows equal in layer 0 share the block their 4 new tokens fill (written once, from offset 0); layer 1
+    differs, so the second row gets a copy of it mid-step and the step is planned again. Each row's block was
+    encoded once per layer: the writer's by both plans, the copy's (its layer-0 codes copied) by the second."""
+    g = torch.Generator().manual_seed(0)
+    prefill = [torch.randn(1, 2, 4, 16, generator=g) for _ in range(4)]
+    nxt = [torch.randn(2, 2, 4, 16, generator=g) for _ in range(4)]
+    nxt[0][1], nxt[1][1] = nxt[0][0], nxt[1][0]  # rows equal in layer 0 only
+    cache = PagedCache(block_size=B, quant="k8v4", debug=True)
+    step(cache, prefill)  # b0 encoded
+    cache.batch_repeat_interleave(2)
+    step(cache, nxt)
+    (a0, a1), (c0, c1) = cache.block_tables()
+    assert a0 == c0 and a1 != c1  # the prefill block shared, this step's block unshared
     store = cache.pool.store
-    slots = torch.arange(b1 * B + 2, b1 * B + 4)  # the 2 tokens that fill b1
-    first = kv(2, seed=1)
-    plan = store.plan_write(slots, torch.device("cpu"), new_step=True, start=6)
-    store.write(0, plan, first[0], first[1])
-    replan = store.plan_write(slots, torch.device("cpu"), new_step=False, start=6)  # layer 1 on another device
-    assert replan.done_blocks.tolist() == [b1] and replan.prefix_stage.tolist() == plan.prefix_stage.tolist()
-    store.write(1, replan, first[2], first[3])
-    assert store._num_encodes[b1] == 1
-    cache.pool.check_invariants()
+    assert [store._num_encodes[b] for b in (a0, a1, c1)] == [1, 1, 1]
+    cache.check_invariants()
+    cache.release()
 
 
 def test_fork_and_copy_on_write_carry_the_count():

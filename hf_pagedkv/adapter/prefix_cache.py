@@ -19,15 +19,16 @@ from hf_pagedkv.pool.prefix_index import hash_blocks
 if TYPE_CHECKING:
     from hf_pagedkv.block_pool import BlockPool
 
-_fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (param versions, digest)
+_fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (tensor states, digest)
 _fingerprints_lock = threading.Lock()
 
 
 def model_fingerprint(model) -> bytes:
     """A digest of what a model computes K/V from: its class, config and the bytes of every parameter and buffer.
 
-    Computed once per model object (about 0.4 s per 100M fp32 parameters) and recomputed when a parameter is
-    modified in place (torch's version counters change).
+    Computed once per model object (about 0.4 s per 100M fp32 parameters) and recomputed when a parameter or buffer
+    is modified in place (torch's version counter changes) or another tensor takes its place (a new `Parameter`, or
+    ``p.data = t``: its storage address changes).
 
     Args:
         model (`PreTrainedModel` or `torch.nn.Module`).
@@ -39,12 +40,15 @@ def model_fingerprint(model) -> bytes:
     hashes its own shard (`to_local()`), which is what its K/V are computed from, so no rank gathers the others'
     weights. The ranks' digests differ, but each rank's prefix index sees the same publishes and lookups, so hits
     and misses (and the blocks they decide) are the same on every rank.
+
+    NOTE: a write through ``p.data`` (``p.data.add_(x)``) bumps neither p's version counter nor its address, so it
+    goes unseen; write under ``torch.no_grad()`` instead (as `load_state_dict` and optimizers do).
     """
     named = list(model.named_parameters()) + list(model.named_buffers())
-    versions = tuple(_version(t) for _, t in named)
+    states = tuple(_state(t) for _, t in named)
     with _fingerprints_lock:
         known = _fingerprints.get(model)
-    if known is not None and known[0] == versions:
+    if known is not None and known[0] == states:
         return known[1]
     h = hashlib.sha1(usedforsecurity=False)  # an identity check, not a security boundary
     h.update(type(model).__qualname__.encode())
@@ -59,7 +63,7 @@ def model_fingerprint(model) -> bytes:
             h.update(t.detach().reshape(-1).view(torch.uint8).cpu().numpy())  # raw bytes [numel * itemsize]
     digest = h.digest()
     with _fingerprints_lock:
-        _fingerprints[model] = (versions, digest)
+        _fingerprints[model] = (states, digest)
     return digest
 
 
@@ -69,11 +73,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
-def _version(t: torch.Tensor) -> int:
+def _state(t: torch.Tensor) -> tuple[int, int]:
+    """What tells whether `t` changed since it was hashed: its storage address (another tensor swapped in: a new
+    `Parameter` starts at version 0 again, and ``p.data = t`` keeps p's counter) and its version counter (an
+    in-place write)."""
     try:
-        return t._version
+        version = t._version
     except RuntimeError:  # inference tensors have no version counter (and cannot be modified in place)
-        return -1
+        version = -1
+    return _local(t).data_ptr(), version
 
 
 def prefix_key(pool: BlockPool, model=None, config=None) -> bytes:

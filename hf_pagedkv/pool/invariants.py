@@ -1,5 +1,18 @@
-"""The pool invariants of DESIGN.md, checked per layer group by `BlockPool.check_invariants()` (the tests call it
-after every step)."""
+"""The pool invariants, checked per layer group by `BlockPool.check_invariants()` (the tests call it after every
+step; a `debug=True` cache after every change). Each error names its number:
+
+1. every block is in exactly one state: free, in use (refcount >= 1) or cached-idle (published, refcount 0); the
+   prefix index is consistent (hash <-> block maps inverse) and names no free block;
+2. `refcount[b]` equals the live table entries naming `b` (so with no live table, no block is in use: no leak);
+3. a table holding `n` tokens covers ``ceil(n / block_size)`` block positions (a sliding-window table drops only
+   positions wholly before its window) and names a block once;
+4. quantized pools: a full block is encoded once, since it was last freed or reopened by a crop (the one case
+   of a second encode);
+5. the free queue names only real blocks;
+6. quantized pools: every stage and sink stage is owned by exactly one live block, and none is lost;
+7. a cache's block tables equal their tensor mirror (checked by `PagedCache.check_invariants`);
+8. the written-slot counter agrees with the tables.
+"""
 
 from __future__ import annotations
 
@@ -68,6 +81,8 @@ def check_group_invariants(group: BlockGroup) -> None:
                              f"counted, {filled} held by the tables, {alloc.num_used_blocks * B} in blocks in use")
     if group.store.is_quantized:
         live = {b for b in range(alloc.num_blocks) if rc[b] > 0} | idle
-        problems = group.store.check(live)
-        if problems:
-            raise InvariantError(f"invariant 6 (quantized store stages) broken{where}: {'; '.join(problems)}")
+        problems = group.store.check(live)  # [(invariant number, text)]
+        for number, what in ((4, "a full block is encoded once"), (6, "quantized store stages")):
+            texts = [text for n, text in problems if n == number]
+            if texts:
+                raise InvariantError(f"invariant {number} ({what}) broken{where}: {'; '.join(texts)}")

@@ -39,8 +39,11 @@ class QuantizedPageStore(QuantizedWriteMixin, QuantizedReadMixin):
 
     Crop into an encoded block leaves it encoded and readable; the next write into it *reopens* it (decodes its kept
     tokens into a new stage) and it is encoded again when it refills. That is the one case where tokens are quantized
-    twice (error up to twice the codec's bound). Debug mode fills freed codes with 0xFF and their scales with NaN, and
-    freed stages with NaN.
+    twice (error up to twice the codec's bound). The store sees a crop only through that write, which starts inside
+    the encoded block: a write that starts at offset 0 of an encoded block is a fault (it would re-encode the block
+    without a crop). `_num_encodes` counts each block's encodes since it was last freed or (re)opened, so
+    `check` can report a block encoded twice (invariant 4). Debug mode fills freed codes with 0xFF and their scales
+    with NaN, and freed stages with NaN.
     """
 
     is_quantized = True
@@ -70,6 +73,12 @@ class QuantizedPageStore(QuantizedWriteMixin, QuantizedReadMixin):
         self._sink_of: dict[int, int] = {}  # first block of a sequence -> its sink stage
         self._encoded = bytearray()  # _encoded[b] == 1 iff block b's codes hold it
         self._pending: set[int] = set()  # blocks encoded in the current step that still hold a stage
+        # _num_encodes[b]: steps that encoded block b since it was last freed or (re)opened (1 when encoded, else 0;
+        # 2 or more breaks invariant 4). A step counts once: every layer encodes the block once in that step.
+        self._num_encodes = bytearray()
+        # blocks encoded by the current step: a second plan of the step (another device, or after `_unshare`)
+        # encodes them for the remaining layers, not again
+        self._encoded_in_step: set[int] = set()
         self._debug = debug
 
     @property
@@ -137,6 +146,7 @@ class QuantizedPageStore(QuantizedWriteMixin, QuantizedReadMixin):
                 new[:, : old.shape[1]] = old
             self.codes[idx], self.scales[idx] = codes, scales
         self._encoded.extend(bytes(num_blocks - self.num_blocks))
+        self._num_encodes.extend(bytes(num_blocks - self.num_blocks))
         self.num_blocks = num_blocks
 
     # -- block lifecycle -------------------------------------------------------------------------------------------
@@ -149,8 +159,9 @@ class QuantizedPageStore(QuantizedWriteMixin, QuantizedReadMixin):
             sink = self._sink_of.pop(b, None)
             if sink is not None:
                 self.sinks.free(sink)
-            self._encoded[b] = 0
+            self._encoded[b] = self._num_encodes[b] = 0
             self._pending.discard(b)
+            self._encoded_in_step.discard(b)
         if self.debug and blocks:
             idx = torch.tensor(blocks, dtype=torch.long)
             for layer in self.specs:
@@ -176,7 +187,9 @@ class QuantizedPageStore(QuantizedWriteMixin, QuantizedReadMixin):
             return
         stages, sinks = [], []
         for s, d in zip(src, dst):
-            self._encoded[d] = self._encoded[s]
+            self._encoded[d], self._num_encodes[d] = self._encoded[s], self._num_encodes[s]
+            if s in self._encoded_in_step:  # a mid-step copy (`_unshare`): the step's re-plan encodes it, once
+                self._encoded_in_step.add(d)
             if s in self._stage_of:
                 self._stage_of[d] = self.staging.allocate()
                 stages.append((self._stage_of[s], self._stage_of[d]))
@@ -194,17 +207,29 @@ class QuantizedPageStore(QuantizedWriteMixin, QuantizedReadMixin):
                     for s, d in pairs:
                         area.block(store, idx, d).copy_(area.block(store, idx, s))
 
-    def check(self, live: set[int]) -> list[str]:
-        """Problems with the stage bookkeeping given the `live` blocks (in use or cached-idle): every stage and
-        sink stage is owned by exactly one live block, and no stage is lost."""
+    def check(self, live: set[int]) -> list[tuple[int, str]]:
+        """Problems given the `live` blocks (in use or cached-idle), each as (invariant number, text):
+
+        4. a full block is encoded once: no block was encoded twice since it was last freed or reopened by a crop,
+           and a block is in the encoded state iff one encode is counted for it;
+        6. every stage and sink stage is owned by exactly one live block, and no stage is lost.
+        """
         problems = []
+        twice = [b for b, n in enumerate(self._num_encodes) if n > 1][:10]
+        if twice:
+            counts = [self._num_encodes[b] for b in twice]
+            problems.append((4, f"blocks {twice} encoded {counts} times since they were last opened"))
+        odd = [b for b in range(self.num_blocks) if self._encoded[b] != min(1, self._num_encodes[b])][:10]
+        if odd:
+            states, counts = [self._encoded[b] for b in odd], [self._num_encodes[b] for b in odd]
+            problems.append((4, f"blocks {odd} in state encoded={states} with {counts} encodes counted"))
         for name, owner, area in (("stage", self._stage_of, self.staging), ("sink stage", self._sink_of, self.sinks)):
             dead = sorted(b for b in owner if b not in live)
             if dead:
-                problems.append(f"{name}s held by free blocks {dead[:10]}")
-            if len(set(owner.values())) != len(owner) or len(owner) != area.num_used:
-                problems.append(f"{len(owner)} blocks own {len(set(owner.values()))} distinct {name}s, "
-                                f"{area.num_used} in use")
+                problems.append((6, f"{name}s held by free blocks {dead[:10]}"))
+            distinct = len(set(owner.values()))
+            if distinct != len(owner) or len(owner) != area.num_used:
+                problems.append((6, f"{len(owner)} blocks own {distinct} distinct {name}s, {area.num_used} in use"))
         return problems
 
     def _release_pending(self) -> None:

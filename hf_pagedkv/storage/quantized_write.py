@@ -55,6 +55,7 @@ class QuantizedWriteMixin:
         B = self.block_size
         if new_step:
             self._release_pending()
+            self._encoded_in_step.clear()
         blk, off = slots // B, slots % B  # [n] each
         ublk, inv = torch.unique(blk, return_inverse=True)  # touched blocks, and each token's index among them
         first_off = torch.full((len(ublk),), B, dtype=torch.long).scatter_reduce_(0, inv, off, "amin")
@@ -71,6 +72,11 @@ class QuantizedWriteMixin:
                     recode.append((len(done), b))
                 if stage is not None:
                     self._pending.add(b)
+                if b not in self._encoded_in_step:
+                    if self._encoded[b] and first > 0:  # reopened by a crop, refilled at once: a fresh count
+                        self._num_encodes[b] = 0
+                    self._num_encodes[b] = min(255, self._num_encodes[b] + 1)  # 2: a fault (invariant 4)
+                    self._encoded_in_step.add(b)
                 self._encoded[b] = 1
                 done.append(b)
                 continue
@@ -81,7 +87,7 @@ class QuantizedWriteMixin:
             elif self._encoded[b]:  # an encoded block still holding its stage, cropped and written again
                 opens.append((b, stage, first))
                 self._pending.discard(b)
-            self._encoded[b] = 0
+            self._encoded[b] = self._num_encodes[b] = 0  # open: written into a stage, encoded when it fills
         if opens:
             self._reopen(opens)
         n = len(slots)

@@ -31,7 +31,9 @@ class StagingStore:
         self.specs: dict[int, LayerSpec] = {}  # layer_idx -> spec; set once per layer by `add_layer`
         self.keys: dict[int, torch.Tensor] = {}  # layer_idx -> [num_kv_heads, num_stages * block_size, key_dim]
         self.values: dict[int, torch.Tensor] = {}  # layer_idx -> [num_kv_heads, num_stages * block_size, value_dim]
-        self._free: list[int] = []  # free stage ids, popped from the end (lowest id last)
+        # free stage ids, popped from the end: a freed stage goes on top (reused first, most recently freed first);
+        # the ids a growth adds go in when the list is empty, lowest on top
+        self._free: list[int] = []
 
     @property
     def num_used(self) -> int:
@@ -70,7 +72,11 @@ class StagingStore:
         return self._free.pop()
 
     def free(self, stage: int) -> None:
-        """Return `stage`; NaN-fill it in debug mode."""
+        """Return `stage`; NaN-fill it in debug mode. Freeing a free stage, or an id past the tensors, is a
+        bookkeeping bug of the owner: it would hand one stage to two blocks later, so it raises here instead."""
+        assert 0 <= stage < self.num_stages, (  # the message is built only on failure
+            f"free of unknown stage {stage} (the store has "
+            f"{f'stages 0..{self.num_stages - 1}' if self.num_stages else 'no stages'})")
         assert stage not in self._free, f"double free of stage {stage}"
         self._free.append(stage)
         if self.debug:

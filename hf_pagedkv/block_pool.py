@@ -458,19 +458,10 @@ class BlockPool:
         return self.metrics.check_alerts()
 
     def check_invariants(self) -> None:
-        """Check the pool invariants of DESIGN.md in every layer group; raise `InvariantError` naming the broken
-        one, the group and the blocks.
-
-        1. every block is in exactly one state: free (refcount 0, in the free set), in use (refcount >= 1), or
-           cached-idle (refcount 0, published in the prefix index and in its idle LRU); the prefix index is
-           consistent (hash <-> block maps inverse) and names no free block;
-        2. `refcount[b]` equals the number of live block-table entries naming `b`;
-        3. a table holding `n` tokens covers ``ceil(n / block_size)`` block positions: a full-attention table holds
-           a block for each, a sliding-window table drops only positions wholly before its window; no table names
-           a block twice;
-        5. the free queue has no duplicates and names no block in use (a set, so no duplicates by construction);
-        6. with no live tables, no block is in use (a leak) -- implied by 2.
-        """
+        """Check the pool invariants in every layer group; raise `InvariantError` naming the broken one (by its
+        number), the group and the blocks. The list, with what each checks, is in `pool/invariants.py`: 1 block
+        states, 2 refcounts, 3 blocks per table, 4 encode-once, 5 the free queue, 6 quantized stages, 8 the
+        written-slot counter (7, a cache's tables against their mirror, is `PagedCache.check_invariants()`'s)."""
         with self.lock:
             self._drain()
             for group in self.groups:

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from hf_pagedkv import InvariantError, PagedCache, QuantConfig
-from hf_pagedkv.page_store import LayerSpec
-from hf_pagedkv.quantized_store import QuantizedPageStore
+from hf_pagedkv.storage.page_store import LayerSpec
+from hf_pagedkv.storage.quantized_store import QuantizedPageStore
 from tests.conftest import ids, tiny_model
 
 B = 4

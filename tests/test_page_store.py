@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_pagedkv.page_store import LayerSpec, PageStore
+from hf_pagedkv.storage.page_store import LayerSpec, PageStore
 
 B = 4
 CPU = torch.device("cpu")

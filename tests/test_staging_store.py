@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_pagedkv.page_store import LayerSpec
-from hf_pagedkv.staging_store import StagingStore
+from hf_pagedkv.storage.page_store import LayerSpec
+from hf_pagedkv.storage.staging_store import StagingStore
 
 B = 4
 CPU = torch.device("cpu")

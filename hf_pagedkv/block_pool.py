@@ -117,6 +117,7 @@ class BlockPool:
         self.growable = num_blocks is None and max_memory is None  # grow on demand instead of raising
         self.lock = threading.RLock()  # guards all bookkeeping; held by a cache for a whole step's extension
         self._fixed_blocks = num_blocks  # blocks each layer group gets when it is created, or None
+        self._budget_blocks: int | None = None  # with max_memory: the blocks per group, once the first layer sized it
         self._prefix_caching = prefix_caching  # whether groups keep a prefix index; fixed
         self._debug = debug  # poison freed blocks; applied to every group's store
         self.groups: list[BlockGroup] = []  # layer groups; group 0 is full attention; appended by group_for only
@@ -177,8 +178,9 @@ class BlockPool:
                 group = BlockGroup(gi, window, self.block_size, self.quant, self._debug, self._prefix_caching)
                 self.groups.append(group)
                 self._group_of[window] = gi
-                if self._fixed_blocks is not None:
-                    self._add_blocks(group, self._fixed_blocks)
+                sized = self._fixed_blocks if self._fixed_blocks is not None else self._budget_blocks
+                if sized is not None:
+                    self._add_blocks(group, sized)
                 if gi and self.events.enabled:
                     logger.debug("BlockPool: new layer group %d (%s)", gi, group.name)
             return gi
@@ -223,14 +225,16 @@ class BlockPool:
             if self.max_memory is not None:  # sized by the first layer; each layer's device share checked
                 # NOTE: every group gets the same number of blocks, so the groups together stay within the budget
                 # (each layer belongs to one group); a sliding group rarely needs them all.
-                sized = next((g.allocator.num_blocks for g in self.groups if g.allocator.num_blocks), 0)
-                n = sized or blocks_for_budget(self.max_memory, spec, num_layers, target.store.block_bytes,
-                                               device_memory)
+                n = self._budget_blocks or blocks_for_budget(self.max_memory, spec, num_layers,
+                                                             target.store.block_bytes, device_memory)
                 known = [s for g in self.groups for s in g.store.specs.values()]
                 check_device_share(layer_idx, spec, known, target.store.block_bytes, n, self.max_memory,
                                    device_memory)
-                if target.allocator.num_blocks == 0:
-                    self._add_blocks(target, n)
+                if self._budget_blocks is None:  # every group gets its blocks now: a step reserves in all of them
+                    self._budget_blocks = n
+                    for g in self.groups:
+                        if g.allocator.num_blocks == 0:
+                            self._add_blocks(g, n)
             target.store.add_layer(layer_idx, spec)
 
     # -- allocation --------------------------------------------------------------------------------------------------

@@ -335,3 +335,27 @@ def test_max_memory_beyond_the_device_is_refused_before_allocating():
         cache.update(k, k, 0)
     assert pool.num_blocks == 0 and pool.stats().blocks_in_use == 0
     cache.release()
+
+
+def test_odd_row_operations_and_layer_indices_are_refused_with_the_cache_unchanged():
+    """From a fresh-user trial: negative repeats, float beam indices, a layer index past the config's layers,
+    and a crop after release() get clear errors (DynamicCache raises for the first three too)."""
+    model = tiny_model("llama")
+    cache = PagedCache(block_size=4, config=model.config, debug=True)
+    model(ids(2, 9, seed=3), past_key_values=cache)
+    before = (cache.block_tables(), cache.get_seq_length(), cache.pool.stats())
+    with pytest.raises(ValueError, match="repeats must be a non-negative int, got -1"):
+        cache.batch_repeat_interleave(-1)
+    with pytest.raises(ValueError, match="beam_idx must hold integer row indices"):
+        cache.reorder_cache(torch.tensor([0.0, 1.0]))
+    k = torch.zeros(2, 2, 1, 16)
+    with pytest.raises(IndexError, match="layer_idx=99 is out of range: this PagedCache was built for 3 layers"):
+        cache.update(k, k, 99)
+    with pytest.raises(IndexError, match="layer_idx=-1 is out of range"):
+        cache.update(k, k, -1)
+    assert (cache.block_tables(), cache.get_seq_length(), cache.pool.stats()) == before and len(cache.layers) == 3
+    cache.pool.check_invariants()
+    cache.release()
+    with pytest.raises(CacheReleasedError):
+        cache.crop(-1)
+    assert cache.pool.stats().blocks_in_use == 0

@@ -204,3 +204,19 @@ def test_quantized_hybrid_reads_what_a_one_group_cache_reads(hybrid, quant):
     grouped.release(), lazy.release()
     grouped.pool.check_invariants()
     assert grouped.pool.stats().bytes_in_use == 0
+
+
+def test_max_memory_sizes_every_layer_group(hybrid):
+    """A byte budget gives each group the same number of blocks when the first layer sizes the pool (a step
+    reserves in every group at once), whichever layer type comes first."""
+    for cache in (PagedCache(config=hybrid.config, max_memory="4MiB", debug=True),
+                  PagedCache(pool=BlockPool(max_memory="4MiB"), config=hybrid.config, debug=True)):
+        out = gen(hybrid, ids(1, 100, seed=15), cache, max_new_tokens=20)
+        ref = gen(hybrid, ids(1, 100, seed=15), DynamicCache(config=hybrid.config), max_new_tokens=20)
+        assert_same(out, ref)
+        full, sliding = cache.pool.stats().groups
+        per_block = full.bytes_per_block + sliding.bytes_per_block  # all 4 layers
+        assert full.num_blocks == sliding.num_blocks == 4 * 2**20 // per_block
+        assert cache.pool.stats().bytes_reserved <= 4 * 2**20
+        cache.release()
+        cache.pool.check_invariants()

@@ -131,6 +131,9 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
         Returns:
             keys, values of shape `[batch, num_kv_heads, seq_len, head_dim]`.
         """
+        if layer_idx < 0 or (self._num_layers is not None and layer_idx >= len(self.layers)):
+            raise IndexError(f"layer_idx={layer_idx} is out of range: this PagedCache was built for "
+                             f"{len(self.layers)} layers (config=).")
         while len(self.layers) <= layer_idx:  # a cache built without config: full-attention layers, as DynamicCache
             self.layers.append(PagedLayer(self, len(self.layers), group=self._tables_for(None).group))
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
@@ -146,8 +149,10 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
         write.
 
         Raises:
-            ValueError: `tokens_to_remove` is positive.
+            ValueError: `tokens_to_remove` is positive, or reaches before what sliding-window layers still hold.
+            CacheReleasedError: the cache was released.
         """
+        self.check_usable()
         if tokens_to_remove > 0:
             raise ValueError(
                 f"crop({tokens_to_remove}): pass a negative number of tokens to remove, as with DynamicCache."
@@ -197,7 +202,10 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
         Raises:
             ValueError: an index out of range.
         """
-        idx = torch.as_tensor(beam_idx).reshape(-1).tolist()
+        beam_idx = torch.as_tensor(beam_idx)
+        if beam_idx.is_floating_point() or beam_idx.dtype == torch.bool:
+            raise ValueError(f"reorder_cache: beam_idx must hold integer row indices, got {beam_idx.dtype}.")
+        idx = beam_idx.reshape(-1).tolist()
         if idx == list(range(self.num_rows)):
             return
         # as many rows after as before: leading blocks every row shares keep their counts
@@ -208,7 +216,13 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
         self._select(torch.as_tensor(indices).reshape(-1).tolist())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        """Repeat each row `repeats` times, sharing its blocks (a fork per copy)."""
+        """Repeat each row `repeats` times, sharing its blocks (a fork per copy).
+
+        Raises:
+            ValueError: `repeats` is not a non-negative int (as `DynamicCache`).
+        """
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 0:
+            raise ValueError(f"batch_repeat_interleave: repeats must be a non-negative int, got {repeats!r}.")
         self._select([r for r in range(self.num_rows) for _ in range(repeats)])
         self._maybe_dups = True
 

@@ -32,7 +32,7 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
                    help="default model, local dir, config.json, .gguf, model type ('llama') or Hub id "
                         "(default: %(default)s)")
     p.add_argument("--max-seq-len", type=int, required=True, help="tokens per sequence (prompt + generated)")
-    p.add_argument("--batch", type=int, required=True, help="sequences held at once")
+    p.add_argument("--batch", type=int, default=1, help="sequences held at once (default: %(default)s)")
     p.add_argument("--quant", default="fp", choices=list(PRESETS), help="KV format (default: %(default)s)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
                    help="full-precision dtype of K/V and weights (default: auto = what hf_pagedkv.tools.models.load_model "

@@ -1,4 +1,4 @@
-"""`hf-pagedkv plan`, `tune-block-size` and `trace` (hf_pagedkv/cli_tools.py, wired into hf_pagedkv/cli.py)."""
+"""`hf-pagedkv plan`, `tune-block-size` and `trace` (hf_pagedkv/tools/cli_tools.py, wired into hf_pagedkv/tools/cli.py)."""
 
 from __future__ import annotations
 

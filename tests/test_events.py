@@ -1,4 +1,4 @@
-"""The block event log (hf_pagedkv/events.py) and the trace analysis (hf_pagedkv/trace.py)."""
+"""The block event log (hf_pagedkv/observe/events.py) and the trace analysis (hf_pagedkv/observe/trace.py)."""
 
 from __future__ import annotations
 

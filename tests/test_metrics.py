@@ -1,4 +1,4 @@
-"""Pool metrics, alerts and the Prometheus exporter (hf_pagedkv/metrics.py, alerts.py, prometheus.py)."""
+"""Pool metrics, alerts and the Prometheus exporter (hf_pagedkv/observe/metrics.py, alerts.py, prometheus.py)."""
 
 from __future__ import annotations
 

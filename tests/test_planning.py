@@ -1,4 +1,4 @@
-"""Capacity planner and block-size tuner (hf_pagedkv/planning.py)."""
+"""Capacity planner and block-size tuner (hf_pagedkv/tools/planning.py)."""
 
 from __future__ import annotations
 

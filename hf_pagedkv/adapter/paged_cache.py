@@ -168,27 +168,26 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
                     f"new tokens ({(rt.num_dropped * self.block_size)} tokens onward here). Crop at most the tokens "
                     "of the last forward step, as assisted decoding does."
                 )
-        keep = num_blocks_for(new_len, self.block_size)
+        keep, kept = num_blocks_for(new_len, self.block_size), new_len % self.block_size  # kept: of the last block
         with self.pool.lock:
             for rt in self._groups:
-                tail, store = [], self.pool.groups[rt.group].store
-                alloc = self.pool.groups[rt.group].allocator
+                group = self.pool.groups[rt.group]
                 for row in rt.rows:
                     self.pool.free(row.truncate(keep), rt.group)
                     row.num_tokens = new_len
-                # a last block only this cache's rows hold now holds what they kept (all rows crop together)
+                if not kept:
+                    continue
+                # a last block only this cache's rows hold now holds what they kept (all rows crop together); a
+                # published block keeps its content
                 lasts = Counter(row.blocks[-1] for row in rt.rows if row.blocks)
-                for b, holders in lasts.items():
-                    if new_len % self.block_size and alloc.refcount(b) == holders \
-                            and not self.pool.is_published(b, rt.group):  # a published block keeps its content
-                        alloc.set_fill(b, new_len % self.block_size)
-                for row in rt.rows:
-                    if self.pool.debug and new_len % self.block_size and row.blocks \
-                            and self.pool.groups[rt.group].allocator.refcount(row.blocks[-1]) == 1 \
-                            and not self.pool.is_published(row.blocks[-1], rt.group):  # a published block stays
-                        base = row.blocks[-1] * self.block_size
-                        tail.extend(range(base + new_len % self.block_size, base + self.block_size))
-                store.poison_slots(tail)  # stale tokens past the crop must never be read
+                mine = [b for b, holders in lasts.items()
+                        if group.allocator.refcount(b) == holders and not self.pool.is_published(b, rt.group)]
+                for b in mine:
+                    group.allocator.set_fill(b, kept)
+                if self.pool.debug:  # stale tokens past the crop must never be read (blocks one row holds alone)
+                    B = self.block_size
+                    group.store.poison_slots([b * B + i for b in mine if group.allocator.refcount(b) == 1
+                                              for i in range(kept, B)])
         for layer in self._paged_layers():
             layer.num_tokens = min(layer.num_tokens, new_len)
         self._num_tokens = new_len

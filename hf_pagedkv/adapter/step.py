@@ -261,14 +261,15 @@ class StepMixin:
         end, idx = layer.num_tokens, layer.layer_idx
         rt = self._by_group[layer.group]
         store = self.pool.groups[layer.group].store
-        base = rt.view_base()
+        step = self._step
+        current = step is not None and step.end == end  # the step computed the view base once for its layers
+        base = step.view_base[rt.group] if current else rt.view_base()
         if store.is_quantized:
             first_block = None if base is None else base // self.block_size  # id of block position 0, if extended
             return store.read(idx, rt.table[:, : num_blocks_for(end, self.block_size)], lo, end, first_block, new)
         if base is not None:
             return store.read_view(idx, base + lo, end - lo)
-        step = self._step
-        if step is not None and step.end == end and lo == rt.window_start(step.start):
+        if current and lo == rt.window_start(step.start):
             slots = self._tensor(step, rt, "read", layer.spec.device)
         else:
             slots = rt.read_slots(lo, end).to(layer.spec.device)

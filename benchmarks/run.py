@@ -210,7 +210,7 @@ def hook_overhead(model, prompt: torch.Tensor, step_ms: float, calls: int = 2000
     t0 = _now()
     for _ in range(calls):
         m.on_step(cache, 1, 0)
-        ev.on_step(cache, None, [], [], [])
+        ev.on_step(cache.seq_id, None, [])
         ev.emit("free", [])
     hook_us = 1e6 * (_now() - t0) / calls
     t0 = _now()

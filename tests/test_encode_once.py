@@ -1,7 +1,7 @@
 """Invariant 4: a full block of a quantized pool is encoded once, by the write that fills it, and never re-quantized;
 a crop into an encoded block reopens it, which is the one documented second encode (counted afresh).
 
-`QuantizedPageStore._num_encodes[b]` counts the steps that encoded block b since it was last freed or (re)opened;
+`QuantizedPageStore.states.num_encodes[b]` counts the steps that encoded block b since it was last freed or (re)opened;
 `check_invariants()` reports a count above 1 (and a count that disagrees with the block's state) as invariant 4.
 Block size 4 throughout, two layers of 2 KV heads with head_dim 16 (written directly with `update`) or the tiny
 Llama (3 layers)."""
@@ -34,7 +34,7 @@ def step(cache: PagedCache, t: list[torch.Tensor]) -> None:
 def encodes(cache: PagedCache) -> list[int]:
     """Encode count of each block of row 0, in token order."""
     store = cache.pool.store
-    return [store._num_encodes[b] for b in cache.block_tables()[0]]
+    return [store.states.num_encodes[b] for b in cache.block_tables()[0]]
 
 
 def count_encodes(monkeypatch, cache: PagedCache) -> list[int]:
@@ -64,7 +64,7 @@ def test_each_full_block_counts_one_encode_and_open_blocks_none():
     blocks = cache.block_tables()[0]
     store = cache.pool.store
     cache.release()
-    assert [store._num_encodes[b] for b in blocks] == [0, 0, 0, 0]  # a freed block starts over
+    assert [store.states.num_encodes[b] for b in blocks] == [0, 0, 0, 0]  # a freed block starts over
 
 
 def test_encoding_a_full_block_a_second_time_breaks_invariant_4():
@@ -74,12 +74,12 @@ def test_encoding_a_full_block_a_second_time_breaks_invariant_4():
     store = cache.pool.store
     # the fault: a slot mapping that names every slot of the already encoded b0 again (say a table that still
     # lists it as the row's last block), planned and written through the store's own write path
-    plan = store.plan_write(torch.arange(b0 * B, (b0 + 1) * B), torch.device("cpu"))
+    plan = store.prepare_write(torch.arange(b0 * B, (b0 + 1) * B), torch.device("cpu"))
     assert plan.done_blocks.tolist() == [b0]  # the store encodes it again
     again = kv(B, seed=9)
     store.write(0, plan, again[0], again[1])
     store.write(1, plan, again[2], again[3])
-    assert store._num_encodes[b0] == 2
+    assert store.states.num_encodes[b0] == 2
     with pytest.raises(InvariantError, match=rf"invariant 4 \(a full block is encoded once\) broken: blocks \[{b0}\] "
                                              r"encoded \[2\] times since they were last opened"):
         cache.pool.check_invariants()
@@ -93,14 +93,14 @@ def test_a_counter_that_disagrees_with_the_block_state_breaks_invariant_4():
     b0, b1 = cache.block_tables()[0]
     store = cache.pool.store
     cache.check_invariants()
-    store._num_encodes[b0] = 0  # an encoded block with no encode counted
+    store.states.num_encodes[b0] = 0  # an encoded block with no encode counted
     with pytest.raises(InvariantError, match=rf"invariant 4 .* blocks \[{b0}\] in state encoded=\[1\] with \[0\] "
                                              "encodes counted"):
         cache.pool.check_invariants()
-    store._num_encodes[b0], store._num_encodes[b1] = 1, 1  # an open block with one counted
+    store.states.num_encodes[b0], store.states.num_encodes[b1] = 1, 1  # an open block with one counted
     with pytest.raises(InvariantError, match=rf"invariant 4 .* blocks \[{b1}\] in state encoded=\[0\] with \[1\]"):
         cache.pool.check_invariants()
-    store._num_encodes[b1] = 0
+    store.states.num_encodes[b1] = 0
     cache.check_invariants()
 
 
@@ -109,7 +109,7 @@ def test_stage_problems_are_still_invariant_6():
     step(cache, kv(6, seed=0))
     store = cache.pool.store
     b1 = cache.block_tables()[0][1]
-    store._stage_of.pop(b1)  # the open block loses its stage: one stage in use that nobody owns
+    store.states.stage_of.pop(b1)  # the open block loses its stage: one stage in use that nobody owns
     with pytest.raises(InvariantError, match=r"invariant 6 \(quantized store stages\) broken: 0 blocks own 0 "
                                              r"distinct stages, 1 in use"):
         cache.pool.check_invariants()
@@ -132,7 +132,7 @@ def test_crop_then_refill_token_by_token_reopens_the_block_into_a_stage(monkeypa
         cache.crop(-5)
         assert cache.get_seq_length() == 5 and encodes(cache) == [1, 1]  # still encoded, and readable
         model(x[:, 5:6], past_key_values=cache)  # reopened into a stage
-        assert encodes(cache) == [1, 0] and cache.pool.store._encoded[b1] == 0 and b1 in cache.pool.store._stage_of
+        assert encodes(cache) == [1, 0] and cache.pool.store.states.encoded[b1] == 0 and b1 in cache.pool.store.states.stage_of
         model(x[:, 6:7], past_key_values=cache)
         assert encodes(cache) == [1, 0] and sum(calls) == 3 * 2
         model(x[:, 7:8], past_key_values=cache)  # refilled: encoded again
@@ -173,17 +173,17 @@ def test_a_second_plan_in_the_same_step_does_not_count_again():
     store.grow(4)
     slots = torch.arange(2 * B, 3 * B)  # all of block 2, from offset 0
     new = kv(B, seed=1)
-    plan = store.plan_write(slots, torch.device("cpu"), new_step=True)
+    plan = store.prepare_write(slots, torch.device("cpu"), new_step=True)
     store.write(0, plan, new[0], new[1])
-    replan = store.plan_write(slots, torch.device("cpu"), new_step=False)  # layer 1 on another device
+    replan = store.prepare_write(slots, torch.device("cpu"), new_step=False)  # layer 1 on another device
     assert plan.done_blocks.tolist() == replan.done_blocks.tolist() == [2]
     store.write(1, replan, new[2], new[3])
-    assert list(store._num_encodes) == [0, 0, 1, 0] and store.check(live={2}) == []
-    store.plan_write(slots, torch.device("cpu"), new_step=True)  # a new step encodes block 2 again
-    assert list(store._num_encodes) == [0, 0, 2, 0]
+    assert list(store.states.num_encodes) == [0, 0, 1, 0] and store.check(live={2}) == []
+    store.prepare_write(slots, torch.device("cpu"), new_step=True)  # a new step encodes block 2 again
+    assert list(store.states.num_encodes) == [0, 0, 2, 0]
     assert store.check(live={2}) == [(4, "blocks [2] encoded [2] times since they were last opened")]
     store.release([2])
-    assert list(store._num_encodes) == [0, 0, 0, 0] and store.check(live=set()) == []
+    assert list(store.states.num_encodes) == [0, 0, 0, 0] and store.check(live=set()) == []
 
 
 def test_rows_unshared_mid_step_count_one_encode_per_block():
@@ -201,7 +201,7 @@ def test_rows_unshared_mid_step_count_one_encode_per_block():
     (a0, a1), (c0, c1) = cache.block_tables()
     assert a0 == c0 and a1 != c1  # the prefill block shared, this step's block unshared
     store = cache.pool.store
-    assert [store._num_encodes[b] for b in (a0, a1, c1)] == [1, 1, 1]
+    assert [store.states.num_encodes[b] for b in (a0, a1, c1)] == [1, 1, 1]
     cache.check_invariants()
     cache.release()
 

@@ -392,7 +392,7 @@ def test_debug_mode_poisons_freed_blocks():
     feed(model, cache, ids(1, 10), prefill=10)
     blocks = cache.block_tables()[0]
     store = cache.pool.store
-    stage = store._stage_of[blocks[-1]]
+    stage = store.states.stage_of[blocks[-1]]
     cache.release()
     for layer in store.specs:
         codes, scales = store.codes[layer][0], store.scales[layer][0]

@@ -15,14 +15,19 @@ from hf_pagedkv.config import QuantConfig, check_positive_int
 from hf_pagedkv.errors import CacheReleasedError, InvariantError
 from hf_pagedkv.adapter.paged_layer import PagedLayer
 from hf_pagedkv.storage.page_store import LayerSpec
-from hf_pagedkv.adapter.prefix_cache import PrefixMixin
+from hf_pagedkv.adapter import prefix_cache
+from hf_pagedkv.adapter.grad import attach_step_grad, needs_grad
 from hf_pagedkv.adapter.row_tables import RowTables
-from hf_pagedkv.adapter.step import StepMixin, _Step
+from hf_pagedkv.adapter.step_plan import StepPlan
+from hf_pagedkv.adapter.step_planner import StepPlanner
+from hf_pagedkv.adapter.step_tensors import StepTensors
+from hf_pagedkv.errors import EMPTY_PROMPT
+from hf_pagedkv.storage.read_request import ReadRequest
 
 logger = logging.getLogger(__name__)
 
 
-class PagedCache(StepMixin, PrefixMixin, Cache):
+class PagedCache(Cache):
     """A paged, refcounted KV cache for `generate()` and `forward()`, exact against `DynamicCache`.
 
     Each batch row has a block table into a `BlockPool`; on each forward step the first layer's `update`
@@ -32,8 +37,13 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
     identical (the rows `num_return_sequences` and `num_beams` expand the prompt into) are detected from their
     K/V, checked layer by layer, and stored once. A cache pre-filled with `b` rows that is then given `k * b`
     rows (for example `generate(num_beams=k)` after a prompt was cached) expands itself by forking its rows.
-    With a `BlockPool(prefix_caching=True)`, `from_prefix` and `publish` share prompt prefixes across requests
-    (see `PrefixMixin`).
+    With a `BlockPool(prefix_caching=True)`, `from_prefix` and `publish` share prompt prefixes across requests.
+
+    A forward step: the first layer to see tokens past the cache's length asks the `StepPlanner` to extend every
+    row's table in every layer group (the only part that can fail, all or nothing); the planner returns an
+    immutable `StepPlan`. Every layer of the step then writes its K/V through its group's store
+    (`prepare_write` / `write`) and reads its rows back (`read` with a `ReadRequest`). Under grad mode the rows
+    read back are differentiable with respect to the step's own K/V (`grad.py`).
 
     Args:
         block_size (`int`, *optional*, defaults to 16 (32 when quantized), or the pool's): tokens per block.
@@ -103,7 +113,12 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
         self._groups: list[RowTables] = []  # one per layer group this cache's layers use; full attention first
         self._by_group: dict[int, RowTables] = {}  # pool group index -> its RowTables
         self._num_tokens = 0  # tokens held by every row (rows of a batch have equal lengths, padding included)
-        self._step: _Step | None = None  # the current forward step, set by its first layer
+        self._planner = StepPlanner(pool)  # extends the tables at each step's first layer; fixed
+        self._plan: StepPlan | None = None  # the current forward step, set by its first layer
+        self._step_tensors: StepTensors | None = None  # the current step's index tensors, per group and device
+        self._grad_history = False  # holds tokens written from K/V that required grad; cleared by reset()
+        self._prefix_key: bytes | None = None  # model + format identity for the prefix index; set once
+        self._publish_at_next_step: list[int] | None = None  # a prompt to publish before sliding groups free it
         self.last_step_tokens = 0  # new tokens per row of the last forward step (a sliding group holds them too)
         self._maybe_dups = False  # rows were just forked, so identical rows may be deduplicated next step
         self._released = False
@@ -191,7 +206,7 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
         for layer in self._paged_layers():
             layer.num_tokens = min(layer.num_tokens, new_len)
         self._num_tokens = new_len
-        self._step = None
+        self._end_step()
         self._after_change()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -232,7 +247,7 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
                 self.pool.free([b for row in rt.rows for b in row.blocks], rt.group)
                 rt.reset()
         self._num_tokens = 0
-        self._step = None
+        self._end_step()
         self._grad_history = False
         for layer in self._paged_layers():
             layer.num_tokens = 0
@@ -264,6 +279,110 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
         other._num_tokens = self._num_tokens
         other._after_change()
         return other
+
+    @classmethod
+    def from_prefix(cls, pool: BlockPool, input_ids, model=None, **kwargs) -> PagedCache:
+        """A cache attached to the longest cached full-block prefix of `input_ids` in `pool`.
+
+        At least one token is always left to compute (the model needs it to produce logits): a prompt of exactly
+        ``k * block_size`` tokens hits at most ``k - 1`` blocks. Pass the whole prompt to `model.generate` (or
+        `model(...)` the tokens from `cache.get_seq_length()` on): transformers skips the cached part.
+
+        Args:
+            pool (`BlockPool`): a pool created with `prefix_caching=True`.
+            input_ids (`torch.LongTensor` of shape `[1, seq_len]` or `[seq_len]`, or a list of ints): the prompt,
+                without padding.
+            model (`PreTrainedModel`, *optional*): the model that will run; its weights' fingerprint keys the index
+                (so two models never share blocks) and its config builds the layers. Without it, pass `config=`;
+                the config alone then identifies the model, so do not share the pool with another model that has
+                the same config.
+            kwargs: passed to `PagedCache` (`config`, `debug`).
+
+        Returns:
+            `PagedCache` holding one row of ``hit_blocks * block_size`` tokens.
+
+        Raises:
+            ValueError: the pool has no prefix caching; neither `model` nor `config`; `input_ids` not one row, or
+                empty.
+
+        Example:
+
+        ```python
+        >>> pool = BlockPool(prefix_caching=True)
+        >>> cache = PagedCache.from_prefix(pool, input_ids, model=model)
+        >>> out = model.generate(input_ids, past_key_values=cache, max_new_tokens=20)
+        >>> cache.publish(out)      # later requests sharing this prefix skip it
+        >>> cache.release()
+        ```
+        """
+        if getattr(pool, "prefix_index", None) is None:
+            raise ValueError("from_prefix needs a pool created with BlockPool(prefix_caching=True).")
+        if model is not None:
+            kwargs.setdefault("config", model.config)
+        if kwargs.get("config") is None:
+            raise ValueError("from_prefix needs `model=` (or `config=`) to build the cache's layers up front.")
+        rows = prefix_cache.token_rows(input_ids)
+        if not rows or rows == [[]]:
+            raise ValueError(f"PagedCache.from_prefix: {EMPTY_PROMPT}.")
+        if len(rows) != 1:
+            raise ValueError(f"from_prefix takes one non-empty prompt, got {len(rows)} rows; attach rows one by "
+                             "one (hf_pagedkv.generate does).")
+        ids = rows[0]
+        cache = cls(pool=pool, **kwargs)
+        cache._prefix_key = prefix_cache.prefix_key(pool, model, kwargs["config"])
+        hashes = prefix_cache.hash_blocks(ids[: len(ids) - 1], pool.block_size, cache._prefix_key)  # >= 1 left
+        with pool.lock:  # references and the table that names them appear together (invariant 2)
+            hit = prefix_cache.hit_length(pool, cache._groups, hashes)
+            held = {}
+            for k, rt in enumerate(cache._groups):  # the first group counts the lookup (one per request)
+                lo = rt.droppable(hit * pool.block_size)
+                held[rt.group] = (lo, pool.acquire_prefix(hashes[lo:hit], len(ids), group=rt.group, count=k == 0))
+            cache._attach(hit, held)
+        if any(rt.window is not None for rt in cache._groups):
+            # NOTE: a sliding group frees the prompt's early blocks as soon as decoding starts, long before a
+            # caller publishes; so the prompt is published when the step after the prompt begins (`_begin_step`).
+            cache._publish_at_next_step = ids
+        return cache
+
+    def publish(self, input_ids, model=None) -> int:
+        """Publish this cache's full blocks in the pool's prefix index, so later requests can attach to them.
+
+        Row `r` must hold the K/V of ``input_ids[r][:n]`` (no padding), e.g. the prompt, or the sequences
+        `generate` returned (the cache holds all but their last token). A single row of ids with a cache of
+        several rows (beams, `num_return_sequences`) publishes row 0. Only blocks whose tokens every layer has
+        written are published, so an exception in the middle of a forward pass publishes nothing half-written.
+
+        Args:
+            input_ids (`torch.LongTensor` of shape `[rows, seq_len]` or `[seq_len]`, or lists of ints).
+            model (`PreTrainedModel`, *optional*): for a cache not made by `from_prefix`, the model that filled it.
+
+        Returns:
+            `int`: blocks newly published.
+
+        Raises:
+            ValueError: the pool has no prefix caching; the cache was not built with a config (its layer count is
+                unknown); the number of rows does not match; a block already published for other tokens.
+        """
+        self.check_usable()
+        pool = self.pool
+        if pool.prefix_index is None:
+            raise ValueError("publish needs a pool created with BlockPool(prefix_caching=True).")
+        if self._num_layers is None:
+            raise ValueError("publish needs a cache built with config= (or by from_prefix), so it knows every "
+                             "layer has written a block before publishing it.")
+        if self._prefix_key is None:
+            if model is None:
+                raise ValueError("publish on a cache not made by from_prefix needs `model=` (the model that filled "
+                                 "it) to key the prefix index.")
+            self._prefix_key = prefix_cache.prefix_key(pool, model)
+        rows = prefix_cache.token_rows(input_ids)
+        if len(rows) == 1 and self.num_rows > 1:
+            rows = rows + [[]] * (self.num_rows - 1)  # row 0 holds the shared prompt
+        if len(rows) != self.num_rows:
+            raise ValueError(f"publish got {len(rows)} rows of ids for a cache of {self.num_rows} rows.")
+        layers = self._paged_layers()
+        written = min([layer.num_tokens for layer in layers] + [self._num_tokens]) if layers else 0
+        return prefix_cache.publish_rows(pool, self._groups, rows, written, self._prefix_key)
 
     def __deepcopy__(self, memo: dict) -> PagedCache:
         """`copy.deepcopy(cache)`: an independent cache sharing this one's blocks copy-on-write (see `fork`)."""
@@ -374,6 +493,120 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
                 raise InvariantError(f"invariant 7 (block tables and their mirror agree) broken in the cache's "
                                      f"group {rt.group}: {'; '.join(problems)}")
 
+    # -- internals: the forward step ------------------------------------------------------------------------------
+    def update_layer(self, layer: PagedLayer, key_states: torch.Tensor,
+                     value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write one layer's new K/V (`[batch, num_kv_heads, q, head_dim]`) and return what its attention reads."""
+        # NOTE: autograd is kept, not refused: a forward with grad through a PagedCache gets DynamicCache's
+        # gradients (exactly, for tokens cached without grad), so code that merely forgot torch.no_grad() keeps
+        # working, and the one case the pool cannot serve (backpropagating into K/V cached by an earlier forward
+        # with grad) raises in backward() instead of returning different gradients silently.
+        grad = needs_grad(key_states, value_states)
+        step_kv = (key_states, value_states)  # every row, before the duplicate rows are dropped
+        q = key_states.shape[2]
+        start = layer.num_tokens
+        rt = self._by_group[layer.group]
+        if q == 0:
+            if start == 0:
+                return key_states, value_states
+            return self.read_layer(layer, rt.window_start(start))
+        if start == self._num_tokens:
+            self._begin_step(key_states, value_states)
+        elif self._plan is None or not self._plan.covers(start, q, key_states.shape[0]):
+            raise RuntimeError(
+                f"Layer {layer.layer_idx} holds {start} tokens but this PagedCache holds {self._num_tokens} per row "
+                f"(batch {self.num_rows}); got {q} new tokens for batch {key_states.shape[0]}. An earlier error "
+                "interrupted a forward step: release() this cache and start a new one."
+            )
+        else:
+            for r, w in list(self._plan.dup_of.items()):  # duplicates must stay identical in every layer to share
+                if not (torch.equal(key_states[r], key_states[w]) and torch.equal(value_states[r], value_states[w])):
+                    self._unshare(r)
+        plan, tensors = self._plan, self._step_tensors
+        device, store = layer.spec.device, self.pool.groups[layer.group].store
+        new = (plan.start, key_states.detach(), value_states.detach())  # this step's tokens, for a quantized read
+        if len(plan.writers) < self.num_rows:
+            rows = tensors.writer_rows(device)
+            key_states, value_states = key_states.index_select(0, rows), value_states.index_select(0, rows)
+        with self.pool.lock:  # a growing pool replaces its tensors; no write may land in the old ones
+            store.write(layer.layer_idx, tensors.write_target(rt, store, device), key_states.detach(),
+                        value_states.detach())
+        layer.num_tokens = plan.end
+        lo = rt.window_start(plan.start)
+        out = self.read_layer(layer, lo, new)
+        if grad:
+            out = attach_step_grad(out, step_kv, plan.start - lo, plan.grad_history)
+            self._grad_history = True
+        return out
+
+    def read_layer(self, layer: PagedLayer, lo: int, new: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens `lo .. layer.num_tokens - 1` of every row: `[batch, num_kv_heads, seq_len, head_dim]` each.
+        `new` is `(start, key_states, value_states)` of the current step (a quantized store returns those tokens
+        in full precision)."""
+        end = layer.num_tokens
+        rt = self._by_group[layer.group]
+        plan = self._plan
+        current = plan is not None and plan.end == end  # the step computed the view base once for its layers
+        base = plan.view_base[rt.group] if current else rt.view_base()
+        slot_source = None
+        if current and lo == rt.window_start(plan.start):
+            tensors = self._step_tensors
+            slot_source = lambda device: tensors.slots(rt, "read", device)  # noqa: E731  (shared by the layers)
+        request = ReadRequest(rt.table[:, : num_blocks_for(end, self.block_size)], lo, end, self.block_size,
+                              None if base is None else base // self.block_size, new, slot_source)
+        return self.pool.groups[layer.group].store.read(layer.layer_idx, request)
+
+    def _begin_step(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        prompt = self._publish_at_next_step
+        if prompt is not None and self._num_tokens >= len(prompt):  # every layer wrote the prompt: publish it
+            self._publish_at_next_step = None
+            self.publish(prompt)
+        with self.pool.lock:
+            num_rows = self.num_rows
+            self._match_batch(key_states.shape[0])
+            try:
+                plan = self._planner.begin(self._groups, key_states, value_states, self._num_tokens,
+                                           maybe_dups=self._maybe_dups, grad_history=self._grad_history)
+            except BaseException:  # a full pool: undo the row expansion too, so the pool is exactly as it was
+                if self.num_rows != num_rows and self._num_tokens:
+                    self._select(list(range(0, self.num_rows, self.num_rows // num_rows)))
+                    self._maybe_dups = False
+                raise
+        self._plan, self._step_tensors = plan, StepTensors(plan)
+        self._num_tokens = plan.end
+        self.last_step_tokens = plan.num_new
+        self._maybe_dups = False
+        self.pool.events.on_step(self.seq_id, plan, self._rows)
+        self.pool.metrics.on_step(self, plan.num_new, plan.num_cow_copies)
+        self._after_change()
+
+    def _unshare(self, r: int) -> None:
+        """Duplicate row `r` differs in this layer: it gets its own blocks for the rest of the step."""
+        with self.pool.lock:
+            plan = self._planner.unshare(self._groups, self._plan, r)
+        # the stores already prepared for this step stay prepared (`new_step=False` for the rest)
+        self._plan, self._step_tensors = plan, StepTensors(plan, self._step_tensors.prepared)
+        self._after_change()
+
+    def _end_step(self) -> None:
+        """The tables changed outside a forward step (crop, row selection, reset): no step plan applies."""
+        self._plan = self._step_tensors = None
+
+    def _attach(self, hit: int, held: dict[int, tuple[int, list[int]]]) -> None:
+        """Start this (empty) cache as one row of `hit` full blocks: per group, `(dropped positions, blocks)`
+        (already referenced for this row)."""
+        n = hit * self.block_size
+        for group in held:  # a cache built without config starts its (full-attention) group here
+            if group not in self._by_group:
+                self._tables_for(self.pool.groups[group].window)
+        for rt in self._groups:
+            lo, blocks = held[rt.group]
+            rt.attach_row(lo, blocks, n)
+        self._num_tokens = n
+        for layer in self._paged_layers():
+            layer.num_tokens = n
+        self._after_change()
+
     # -- internals: rows ------------------------------------------------------------------------------------------
     def _select(self, idx: list[int], common: bool = False) -> None:
         """Rows become copies of rows `idx`. With `common`, refcounts move only for block positions after the
@@ -390,7 +623,7 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
                 self.pool.free([b for row in rt.rows for b in row.after(c)], rt.group)
                 rt.rows[:] = new_rows
                 rt.select(idx)
-        self._step = None
+        self._end_step()
         self._after_change()
 
     def _match_batch(self, batch: int) -> None:

@@ -49,6 +49,17 @@ class RowTables:
         self.rows.extend(BlockTable() for _ in range(batch))
         self.table = torch.zeros((batch, 0), dtype=torch.long)
 
+    def attach_row(self, num_dropped: int, blocks: list[int], num_tokens: int) -> None:
+        """Become one row of `num_tokens` tokens whose held positions from `num_dropped` on are `blocks` (a
+        prefix hit; the caller referenced the blocks)."""
+        row = BlockTable(num_dropped=num_dropped)
+        row.append(blocks)
+        row.num_tokens = num_tokens
+        self.reset(0)
+        self.rows.append(row)
+        self.table = torch.zeros((1, 0), dtype=torch.long)
+        self.set_row(0, num_dropped)  # [1, positions]
+
     def set_row(self, r: int, start_position: int) -> None:
         """Copy row `r`'s block ids from block position `start_position` on into the mirror, growing it if needed."""
         row = self.rows[r]

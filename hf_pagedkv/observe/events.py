@@ -161,19 +161,20 @@ class EventLog:
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("%s", json.dumps(record), extra={"event": record})
 
-    def on_step(self, cache, step, cow_rows: list[int], src: list[int], dst: list[int]) -> None:
-        """A forward step of `cache` extended its rows (`step.start` -> `step.end` tokens): record the new blocks
-        of each written row (``append``) and the copy-on-write pairs (``cow``)."""
+    def on_step(self, seq, plan, rows) -> None:
+        """A forward step of cache `seq` extended its rows (`plan.start` -> `plan.end` tokens, a `StepPlan`):
+        record the new blocks of each written row (``append``, from `rows`, the first layer group's block tables)
+        and the copy-on-write pairs (``cow``)."""
         if not self.enabled:
             return
-        seq = getattr(cache, "seq_id", None)
-        first, last = num_blocks_for(step.start, self.block_size), num_blocks_for(step.end, self.block_size)
-        if src:
-            self.emit("cow", dst, seq=seq, rows=cow_rows, src=src, dst=dst, start=step.start)
+        first, last = num_blocks_for(plan.start, self.block_size), num_blocks_for(plan.end, self.block_size)
+        if plan.cow_src:
+            self.emit("cow", list(plan.cow_dst), seq=seq, rows=list(plan.cow_rows), src=list(plan.cow_src),
+                      dst=list(plan.cow_dst), start=plan.start)
         if last > first:
-            for r in step.writers:
-                self.emit("append", cache._rows[r].after(first)[: last - first], seq=seq, row=r, start=step.start,
-                          end=step.end)
+            for r in plan.writers:
+                self.emit("append", rows[r].after(first)[: last - first], seq=seq, row=r, start=plan.start,
+                          end=plan.end)
 
     def _sampled(self, block: int) -> bool:
         return self._cutoff > (1 << 32) - 1 or (block * _HASH_MUL) & 0xFFFFFFFF < self._cutoff

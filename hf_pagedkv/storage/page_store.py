@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_pagedkv.storage.read_request import ReadRequest
+
 
 @dataclass(frozen=True)
 class LayerSpec:
@@ -98,18 +100,42 @@ class PageStore:
                 store[idx] = new
         self.num_blocks = num_blocks
 
-    def write(self, layer_idx: int, slots: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    # -- the store interface (shared with QuantizedPageStore) -------------------------------------------------------
+    def prepare_write(self, slots: torch.Tensor, device: torch.device, *, new_step: bool = True, start: int = 0,
+                      num_new: int | None = None) -> torch.Tensor:
+        """The write target of a step's tokens for every layer on `device`: here the slot mapping itself.
+
+        Args:
+            slots (`torch.LongTensor` of shape `[rows * num_new_tokens]`, CPU): the slot mapping, row-major.
+            device (`torch.device`): the layers' device.
+            new_step, start, num_new: what the quantized store needs (its block states); unused here.
+        """
+        return slots.to(device)
+
+    def write(self, layer_idx: int, target: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Write new tokens into their slots.
 
         Args:
-            slots (`torch.LongTensor` of shape `[rows * num_new_tokens]`): the slot mapping, row-major.
+            target (`torch.LongTensor` of shape `[rows * num_new_tokens]`): from `prepare_write`.
             key_states (`torch.Tensor` of shape `[rows, num_kv_heads, num_new_tokens, key_dim]`).
             value_states (`torch.Tensor` of shape `[rows, num_kv_heads, num_new_tokens, value_dim]`).
         """
         for store, new in ((self.keys, key_states), (self.values, value_states)):
             heads, dim = new.shape[1], new.shape[-1]
             src = new.transpose(0, 1).reshape(heads, -1, dim)  # [num_kv_heads, rows * num_new_tokens, dim]
-            store[layer_idx].index_copy_(1, slots, src)
+            store[layer_idx].index_copy_(1, target, src)
+
+    def read(self, layer_idx: int, request: ReadRequest) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens ``request.lo .. request.end - 1`` of every row: views when the single row's blocks are
+        consecutive (`request.first_block`), a gather otherwise.
+
+        Returns:
+            keys, values of shape `[batch, num_kv_heads, end - lo, head_dim]`.
+        """
+        if request.first_block is not None:
+            return self.read_view(layer_idx, request.first_block * self.block_size + request.lo,
+                                  request.end - request.lo)
+        return self.read_gather(layer_idx, request.slots(self.keys[layer_idx].device))
 
     def read_view(self, layer_idx: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of one row stored in consecutive slots ``start .. start + length - 1``, as views (no copy).

@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from hf_pagedkv.storage.codecs import BlockLayout, codec_name, make_codec
 from hf_pagedkv.config import QuantConfig
+from hf_pagedkv.storage.codecs import BlockLayout, check_finite, codec_name, make_codec
 from hf_pagedkv.storage.page_store import LayerSpec
-from hf_pagedkv.storage.quantized_read import QuantizedReadMixin
-from hf_pagedkv.storage.quantized_write import QuantizedWriteMixin, WritePlan
+from hf_pagedkv.storage.quantized_block_states import QuantizedBlockStates
+from hf_pagedkv.storage.read_request import ReadRequest
 from hf_pagedkv.storage.staging_store import StagingStore
+from hf_pagedkv.storage.write_plan import WritePlan
 
 _CODE_SENTINEL = 0xFF  # debug mode: freed code bytes (their scales become NaN, so a decode shows NaN)
 
 
-class QuantizedPageStore(QuantizedWriteMixin, QuantizedReadMixin):
+class QuantizedPageStore:
     """Preallocated quantized K/V storage for every layer of a pool (the `PageStore` of a `QuantConfig` pool).
 
     Layout, per layer, head-major so that a row whose blocks have consecutive ids reads its codes as a view::
@@ -24,24 +27,20 @@ class QuantizedPageStore(QuantizedWriteMixin, QuantizedReadMixin):
 
     where one block of one head is encoded by the layer's codec (`codecs/`, see `layouts`): keys per channel over the
     block's tokens, values per token in groups along head_dim (KIVI, arXiv 2402.02750). Blocks not encoded yet live in
-    full precision in a `StagingStore`, sized by the number of sequences, not by the pool. Each block is in one state:
-
-    - *fresh*: just allocated (or free), no stage, not encoded;
-    - *open*: `_stage_of[b]` names its stage; the partial last block of a sequence, written token by token;
-    - *encoded*: its codes hold it. A block is encoded once, by the `write` that fills its last slot, and then
-      read by decoding; it is never de-quantized and re-quantized. A block encoded in the current step keeps its
-      stage until the next step starts (`_pending`), because a mid-step `_unshare` may still need its first tokens.
+    full precision in a `StagingStore`, sized by the number of sequences, not by the pool. `states`
+    (`QuantizedBlockStates`) says which blocks are fresh, open (staged) or encoded; a block is encoded once, by the
+    `write` that fills its last slot, and then read by decoding; it is never de-quantized and re-quantized.
 
     Sink: the first `quant.sink_tokens` tokens of each sequence (block 0 of its table, the same block for every
     sequence sharing it) are also written to a small full-precision `StagingStore` of `sink_tokens`-token stages
-    (`_sink_of[b]`), and reads take them from there instead of the decoded codes. A block keeps its sink stage until
+    (`states.sink_of[b]`), and reads take them from there instead of the decoded codes. A block keeps its sink stage until
     it is released; copies (copy-on-write) copy it.
 
     Crop into an encoded block leaves it encoded and readable; the next write into it *reopens* it (decodes its kept
     tokens into a new stage) and it is encoded again when it refills. That is the one case where tokens are quantized
     twice (error up to twice the codec's bound). The store sees a crop only through that write, which starts inside
     the encoded block: a write that starts at offset 0 of an encoded block is a fault (it would re-encode the block
-    without a crop). `_num_encodes` counts each block's encodes since it was last freed or (re)opened, so
+    without a crop). `states.num_encodes` counts each block's encodes since it was last freed or (re)opened, so
     `check` can report a block encoded twice (invariant 4). Debug mode fills freed codes with 0xFF and their scales
     with NaN, and freed stages with NaN.
     """
@@ -64,21 +63,15 @@ class QuantizedPageStore(QuantizedWriteMixin, QuantizedReadMixin):
         self.staging = StagingStore(block_size, debug)  # full-precision stages of open blocks
         self.sink_tokens = quant.sink_tokens  # tokens per sink stage; fixed
         self.sinks = StagingStore(max(1, self.sink_tokens), debug)  # full-precision sink tokens of first blocks
+        self.states = QuantizedBlockStates(block_size, self.sink_tokens, self.staging, self.sinks)  # block states
         self.num_blocks = 0  # blocks allocated in every layer's tensors; changed by `grow` only
         self.specs: dict[int, LayerSpec] = {}  # layer_idx -> spec; set once per layer by `add_layer`
         self.layouts: dict[int, tuple[BlockLayout, BlockLayout]] = {}  # layer_idx -> (key, value) block layouts
         self.codes: dict[int, list[torch.Tensor]] = {}  # layer_idx -> [key_codes, value_codes]
         self.scales: dict[int, list[torch.Tensor]] = {}  # layer_idx -> [key_scales, value_scales]
-        self._stage_of: dict[int, int] = {}  # block -> its stage (open blocks, and pending ones)
-        self._sink_of: dict[int, int] = {}  # first block of a sequence -> its sink stage
-        self._encoded = bytearray()  # _encoded[b] == 1 iff block b's codes hold it
-        self._pending: set[int] = set()  # blocks encoded in the current step that still hold a stage
-        # _num_encodes[b]: steps that encoded block b since it was last freed or (re)opened (1 when encoded, else 0;
-        # 2 or more breaks invariant 4). A step counts once: every layer encodes the block once in that step.
-        self._num_encodes = bytearray()
-        # blocks encoded by the current step: a second plan of the step (another device, or after `_unshare`)
-        # encodes them for the remaining layers, not again
-        self._encoded_in_step: set[int] = set()
+        # accelerators: per-layer finiteness flags of this step's quantized halves, checked at the next step's start
+        # (reading a flag on the host would wait for the device at every layer)
+        self._finite_flags: list[tuple[int, int, torch.Tensor]] = []
         self._debug = debug
 
     @property
@@ -110,9 +103,8 @@ class QuantizedPageStore(QuantizedWriteMixin, QuantizedReadMixin):
 
     def bytes_in_use(self, num_used_blocks: int) -> int:
         """Codes + scales of the blocks in use, plus the full-precision stages of open (partial) blocks and sinks."""
-        num_open = sum(1 for b in self._stage_of if not self._encoded[b])
-        return (num_used_blocks * self.bytes_per_block + num_open * self.staging.bytes_per_stage()
-                + len(self._sink_of) * self.sinks.bytes_per_stage())
+        return (num_used_blocks * self.bytes_per_block + self.states.num_open() * self.staging.bytes_per_stage()
+                + len(self.states.sink_of) * self.sinks.bytes_per_stage())
 
     def bytes_reserved(self) -> int:
         return (self.num_blocks * self.bytes_per_block + self.staging.num_stages * self.staging.bytes_per_stage()
@@ -145,23 +137,13 @@ class QuantizedPageStore(QuantizedWriteMixin, QuantizedReadMixin):
             for new, old in zip(codes + scales, self.codes[idx] + self.scales[idx]):
                 new[:, : old.shape[1]] = old
             self.codes[idx], self.scales[idx] = codes, scales
-        self._encoded.extend(bytes(num_blocks - self.num_blocks))
-        self._num_encodes.extend(bytes(num_blocks - self.num_blocks))
+        self.states.grow(num_blocks)
         self.num_blocks = num_blocks
 
     # -- block lifecycle -------------------------------------------------------------------------------------------
     def release(self, blocks: list[int]) -> None:
         """Blocks whose refcount reached 0: return their stages, forget their codes, poison them in debug mode."""
-        for b in blocks:
-            stage = self._stage_of.pop(b, None)
-            if stage is not None:
-                self.staging.free(stage)
-            sink = self._sink_of.pop(b, None)
-            if sink is not None:
-                self.sinks.free(sink)
-            self._encoded[b] = self._num_encodes[b] = 0
-            self._pending.discard(b)
-            self._encoded_in_step.discard(b)
+        self.states.release(blocks)
         if self.debug and blocks:
             idx = torch.tensor(blocks, dtype=torch.long)
             for layer in self.specs:
@@ -175,7 +157,7 @@ class QuantizedPageStore(QuantizedWriteMixin, QuantizedReadMixin):
             return
         B = self.block_size
         for slot in slots:
-            stage = self._stage_of.get(slot // B)
+            stage = self.states.stage_of.get(slot // B)
             if stage is not None:
                 for store in (self.staging.keys, self.staging.values):
                     for t in store.values():
@@ -185,19 +167,7 @@ class QuantizedPageStore(QuantizedWriteMixin, QuantizedReadMixin):
         """Copy blocks `src[i]` -> `dst[i]` (fresh blocks) in every layer: codes, scales, state and stage."""
         if not src:
             return
-        stages, sinks = [], []
-        for s, d in zip(src, dst):
-            self._encoded[d], self._num_encodes[d] = self._encoded[s], self._num_encodes[s]
-            if s in self._encoded_in_step:  # a mid-step copy (`_unshare`): the step's re-plan encodes it, once
-                self._encoded_in_step.add(d)
-            if s in self._stage_of:
-                self._stage_of[d] = self.staging.allocate()
-                stages.append((self._stage_of[s], self._stage_of[d]))
-            if s in self._sink_of:
-                self._sink_of[d] = self.sinks.allocate()
-                sinks.append((self._sink_of[s], self._sink_of[d]))
-            if s in self._pending:
-                self._pending.add(d)
+        stages, sinks = self.states.copy(src, dst)
         for idx in self.specs:
             for t in self.codes[idx] + self.scales[idx]:
                 s_t, d_t = (torch.tensor(x, dtype=torch.long, device=t.device) for x in (src, dst))
@@ -208,36 +178,8 @@ class QuantizedPageStore(QuantizedWriteMixin, QuantizedReadMixin):
                         area.block(store, idx, d).copy_(area.block(store, idx, s))
 
     def check(self, live: set[int]) -> list[tuple[int, str]]:
-        """Problems given the `live` blocks (in use or cached-idle), each as (invariant number, text):
-
-        4. a full block is encoded once: no block was encoded twice since it was last freed or reopened by a crop,
-           and a block is in the encoded state iff one encode is counted for it;
-        6. every stage and sink stage is owned by exactly one live block, and no stage is lost.
-        """
-        problems = []
-        twice = [b for b, n in enumerate(self._num_encodes) if n > 1][:10]
-        if twice:
-            counts = [self._num_encodes[b] for b in twice]
-            problems.append((4, f"blocks {twice} encoded {counts} times since they were last opened"))
-        odd = [b for b in range(self.num_blocks) if self._encoded[b] != min(1, self._num_encodes[b])][:10]
-        if odd:
-            states, counts = [self._encoded[b] for b in odd], [self._num_encodes[b] for b in odd]
-            problems.append((4, f"blocks {odd} in state encoded={states} with {counts} encodes counted"))
-        for name, owner, area in (("stage", self._stage_of, self.staging), ("sink stage", self._sink_of, self.sinks)):
-            dead = sorted(b for b in owner if b not in live)
-            if dead:
-                problems.append((6, f"{name}s held by free blocks {dead[:10]}"))
-            distinct = len(set(owner.values()))
-            if distinct != len(owner) or len(owner) != area.num_used:
-                problems.append((6, f"{len(owner)} blocks own {distinct} distinct {name}s, {area.num_used} in use"))
-        return problems
-
-    def _release_pending(self) -> None:
-        for b in self._pending:
-            stage = self._stage_of.pop(b, None)
-            if stage is not None:
-                self.staging.free(stage)
-        self._pending.clear()
+        """Problems given the `live` blocks, each as (invariant number, text): see `QuantizedBlockStates.check`."""
+        return self.states.check(live)
 
     def _reopen(self, opens: list[tuple[int, int, int]]) -> None:
         """Decode encoded blocks into their new stages, in every layer: `(block, stage, first new offset)`."""
@@ -248,6 +190,182 @@ class QuantizedPageStore(QuantizedWriteMixin, QuantizedReadMixin):
                     self._decode_blocks(idx, half, torch.tensor([b]), out)
                     if self.debug:
                         out[:, :, first:] = float("nan")
+
+    # -- the store interface (shared with PageStore) ------------------------------------------------------------
+    def prepare_write(self, slots: torch.Tensor, device: torch.device, *, new_step: bool = True, start: int = 0,
+                      num_new: int | None = None) -> WritePlan:
+        """The `WritePlan` of a step's tokens for every layer on `device`: which tokens go to stages and which
+        blocks they complete (encoded by `write`, once). Updates the block states once per step (call again with
+        ``new_step=False`` for another device or after the step's rows changed).
+
+        Args:
+            slots (`torch.LongTensor` of shape `[rows * num_new_tokens]`, CPU): the slot mapping, row-major.
+            device (`torch.device`): where the plan's index tensors go.
+            new_step (`bool`): the first plan of a forward step (releases the stages of last step's encoded blocks).
+            start (`int`): position of each row's first new token (tokens the rows held before the step).
+            num_new (`int`, *optional*): new tokens per row (defaults to all of `slots`: one row).
+
+        Raises:
+            ValueError: (accelerators, at a new step) the previous step wrote NaN or inf K/V into a quantized half;
+                the blocks it encoded hold NaN scales, so release the cache.
+        """
+        if new_step and self._finite_flags:
+            flags, self._finite_flags = self._finite_flags, []
+            finite = torch.stack([f.to(flags[0][2].device) for _, _, f in flags]).tolist()  # one wait per step
+            bad = [(layer, half) for (layer, half, _), ok in zip(flags, finite) if not ok]
+            if bad:
+                layer, half = bad[0]
+                raise ValueError(f"Cannot quantize {('key', 'value')[half]}_states of layer {layer}: the previous "
+                                 "step wrote NaN or inf into a quantized pool (its encoded blocks hold NaN). Quantized "
+                                 "KV storage needs finite keys/values (check the model's dtype for overflow, or use "
+                                 "quant=None); release this cache.")
+        plan, opens = self.states.plan(slots, device, new_step=new_step, start=start, num_new=num_new)
+        if opens:
+            self._reopen(opens)
+        return plan
+
+    def write(self, layer_idx: int, plan: WritePlan, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Write one layer's new tokens as `plan` says: encode the blocks they complete, stage the rest.
+
+        Args:
+            plan (`WritePlan`): from `prepare_write` for this step and device.
+            key_states, value_states (`torch.Tensor` of shape `[rows, num_kv_heads, num_new_tokens, head_dim]`).
+
+        Raises:
+            ValueError: NaN or inf in a quantized half, on the CPU (nothing of this layer was written). On an
+                accelerator the check is deferred to the next step's `prepare_write`, so that no layer waits for
+                the device.
+        """
+        B = self.block_size
+        flats = []
+        for half, new in enumerate((key_states, value_states)):
+            flat = new.transpose(0, 1).reshape(new.shape[1], -1, new.shape[-1])  # [num_kv_heads, rows * q, dim]
+            if self.codecs[half].bits is not None:
+                # NOTE: a sum is NaN/inf iff an element is (barring overflow, then the exact check decides): one op
+                total = flat.sum()
+                if flat.device.type != "cpu":
+                    self._finite_flags.append((layer_idx, half, torch.isfinite(total)))
+                elif not math.isfinite(float(total)):
+                    check_finite(flat, f"{('key', 'value')[half]}_states of layer {layer_idx}")
+            flats.append(flat)
+        c = len(plan.done_blocks)
+        for half, (flat, store) in enumerate(zip(flats, (self.staging.keys, self.staging.values))):
+            heads, dim = flat.shape[0], flat.shape[-1]
+            if c:
+                if plan.done_src is None:  # the new tokens are exactly the completed blocks, in order (a prefill)
+                    buf = flat.view(heads, c, B, dim)
+                else:
+                    buf = flat.new_empty((heads, c, B, dim))  # [num_kv_heads, c, block_size, dim]
+                    if len(plan.prefix_rank):  # earlier tokens from the blocks' stages
+                        stages = self.staging.blocks(store, layer_idx).index_select(1, plan.prefix_stage)
+                        buf.index_copy_(1, plan.prefix_rank, stages)
+                    if len(plan.recode_rank):  # earlier tokens of a block reopened by a crop, from its codes
+                        tmp = flat.new_empty((heads, len(plan.recode_rank), B, dim))
+                        buf.index_copy_(1, plan.recode_rank, self._decode_blocks(layer_idx, half, plan.recode_blocks,
+                                                                                 tmp))
+                    buf.view(heads, c * B, dim).index_copy_(1, plan.done_dst, flat.index_select(1, plan.done_src))
+                codes, scales = self.codecs[half].encode(buf)  # [num_kv_heads, c, code_size], [.., scale_size]
+                self.codes[layer_idx][half].index_copy_(1, plan.done_blocks, codes)
+                self.scales[layer_idx][half].index_copy_(1, plan.done_blocks, scales)
+            if len(plan.stage_dst):
+                src = flat if plan.stage_src is None else flat.index_select(1, plan.stage_src)
+                store[layer_idx].index_copy_(1, plan.stage_dst, src.to(store[layer_idx].dtype))
+            if len(plan.sink_dst):  # the sink tokens, also in full precision
+                sink = (self.sinks.keys, self.sinks.values)[half][layer_idx]
+                sink.index_copy_(1, plan.sink_dst, flat.index_select(1, plan.sink_src).to(sink.dtype))
+
+    # -- read ------------------------------------------------------------------------------------------------------
+    def _decode_blocks(self, layer_idx: int, half: int, blocks: torch.Tensor, out: torch.Tensor,
+                       base: int | None = None) -> torch.Tensor:
+        """Decode `blocks` (ids `[n]` or `[batch, n]`; or the `n` consecutive blocks from id `base`, read as views)
+        into `out` `[num_kv_heads, (batch,) n, block_size, dim]`."""
+        codes, scales = self.codes[layer_idx][half], self.scales[layer_idx][half]
+        if base is not None:
+            n = blocks.shape[-1]
+            c, s = codes.narrow(1, base, n), scales.narrow(1, base, n)  # [num_kv_heads, n, size]
+        else:
+            idx = blocks.reshape(-1).to(codes.device)
+            c = codes.index_select(1, idx).unflatten(1, blocks.shape)  # [num_kv_heads, (batch,) n, code_size]
+            s = scales.index_select(1, idx).unflatten(1, blocks.shape)
+        return self.codecs[half].decode(c, s, out)
+
+    def read(self, layer_idx: int, request: ReadRequest) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens ``request.lo .. request.end - 1`` of every row, de-quantized (see `ReadRequest`)."""
+        return self._read(layer_idx, request.table, request.lo, request.end, request.first_block, request.new)
+
+    def _read(self, layer_idx: int, table: torch.Tensor, lo: int, end: int, base: int | None = None,
+              new: tuple[int, torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens `lo .. end - 1` of every row, de-quantized::
+
+            blocks:  [ encoded | encoded | partial: stage, or codes ]  tokens < start: from the store
+            tokens:    lo ..                         start .. end - 1  tokens >= start: this step's, from `new`
+                                                                       (full precision, as QuantizedCache does)
+
+        Args:
+            table (`torch.LongTensor` of shape `[batch, >= ceil(end / block_size)]`, CPU): each row's block ids.
+            lo, end (`int`): the token range to read.
+            base (`int`, *optional*): the first block id when `batch == 1` and the row's blocks are consecutive
+                (codes are then read as views, not gathered).
+            new (`tuple`, *optional*): `(start, key_states, value_states)`, this step's tokens `start .. end - 1` of
+                every row, `[batch, num_kv_heads, end - start, head_dim]`.
+
+        Returns:
+            keys, values of shape `[batch, num_kv_heads, end - lo, head_dim]`.
+        """
+        B, spec = self.block_size, self.specs[layer_idx]
+        start = end if new is None else new[0]
+        batch, first = table.shape[0], lo // B
+        full = max(0, start // B - first)  # blocks entirely before `start`: full, hence encoded
+        rest = start % B if start // B >= first else 0  # tokens of the partial block before `start`
+        partial = table[:, start // B].tolist() if rest else None  # each row's partial block
+        n_sink = min(self.sink_tokens, start) if first == 0 else 0  # tokens read from the sink, in full precision
+        sinks = [self.states.sink_of[b] for b in table[:, 0].tolist()] if n_sink else None  # each row's sink stage
+        out = []
+        for half, dim in enumerate((spec.key_dim, spec.value_dim)):
+            buf = torch.empty((spec.num_kv_heads, batch, end - first * B, dim), dtype=spec.dtype, device=spec.device)
+            if full and base is not None and batch == 1:  # the common decode case: views in, one buffer out
+                dst = buf[:, 0, : full * B].view(spec.num_kv_heads, full, B, dim)  # [num_kv_heads, full, B, dim]
+                self._decode_blocks(layer_idx, half, table[0, first: first + full], dst, base + first)
+            elif full:
+                dst = buf[:, :, : full * B].unflatten(2, (full, B))  # [num_kv_heads, batch, full, B, dim]
+                self._decode_blocks(layer_idx, half, table[:, first: first + full], dst)
+            if rest:
+                self._read_partial(layer_idx, half, partial, rest, buf[:, :, full * B:])
+            if n_sink:
+                self._read_sinks(layer_idx, half, sinks, n_sink, buf)
+            if new is not None and end > start:
+                buf[:, :, start - first * B:] = new[1 + half].transpose(0, 1)  # [num_kv_heads, batch, q, dim]
+            out.append(buf[:, :, lo - first * B:].transpose(0, 1))  # [batch, num_kv_heads, end - lo, dim]
+        return out[0], out[1]
+
+    def _read_sinks(self, layer_idx: int, half: int, stages: list[int], n: int, out: torch.Tensor) -> None:
+        """The first `n` tokens of each row from its sink stage (`stages`, one per row) into `out`
+        `[num_kv_heads, batch, >= n, dim]`."""
+        store = (self.sinks.keys, self.sinks.values)[half]
+        if len(stages) == 1:
+            out[:, 0, :n].copy_(self.sinks.block(store, layer_idx, stages[0])[:, :n])
+            return
+        idx = torch.tensor(stages, device=out.device)
+        out[:, :, :n] = self.sinks.blocks(store, layer_idx)[:, idx, :n]  # [num_kv_heads, batch, n, dim]
+
+    def _read_partial(self, layer_idx: int, half: int, blocks: list[int], n: int, out: torch.Tensor) -> None:
+        """The first `n` tokens of one partial block per row into `out` `[num_kv_heads, batch, >= n, dim]`: from
+        its stage when open, by decoding when encoded (cropped into, or completed in this step)."""
+        B, store = self.block_size, (self.staging.keys, self.staging.values)[half]
+        if len(blocks) == 1 and not self.states.encoded[blocks[0]]:
+            stage = self.staging.block(store, layer_idx, self.states.stage_of[blocks[0]])  # [num_kv_heads, B, dim]
+            out[:, 0, :n].copy_(stage[:, :n])
+            return
+        enc = [r for r, b in enumerate(blocks) if self.states.encoded[b]]
+        staged = [r for r, b in enumerate(blocks) if not self.states.encoded[b]]
+        if staged:
+            stages = torch.tensor([self.states.stage_of[blocks[r]] for r in staged], device=out.device)
+            src = self.staging.blocks(store, layer_idx)[:, stages, :n]  # [num_kv_heads, len(staged), n, dim]
+            out[:, torch.tensor(staged, device=out.device), :n] = src
+        if enc:
+            tmp = out.new_empty((out.shape[0], len(enc), B, out.shape[-1]))  # [num_kv_heads, len(enc), B, dim]
+            self._decode_blocks(layer_idx, half, torch.tensor([blocks[r] for r in enc]), tmp)
+            out[:, torch.tensor(enc, device=out.device), :n] = tmp[:, :, :n]
 
 
 __all__ = ["QuantizedPageStore", "WritePlan"]

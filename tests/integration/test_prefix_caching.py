@@ -258,9 +258,7 @@ def test_validation_errors():
 def test_fault_story_freeing_one_block_too_many(monkeypatch):
     """The bug this project starts from: at a length that is an exact multiple of the block size, one block too
     many is released. debug=True catches it within one step; without debug the output silently drifts."""
-    from hf_pagedkv.adapter.step import StepMixin
-
-    original = StepMixin._begin_step
+    original = PagedCache._begin_step
     faults = []
 
     def begin_step_with_off_by_one(self, key_states, value_states):  # test-only fault, never in the package
@@ -272,7 +270,7 @@ def test_fault_story_freeing_one_block_too_many(monkeypatch):
     model = tiny_model("llama")
     prompts = [ids(1, 2 * B + 2, seed=81)[0].tolist(), ids(1, 2 * B + 1, seed=82)[0].tolist()]
     refs = [fresh_greedy(model, p, 8) for p in prompts]
-    monkeypatch.setattr(StepMixin, "_begin_step", begin_step_with_off_by_one)
+    monkeypatch.setattr(PagedCache, "_begin_step", begin_step_with_off_by_one)
 
     # debug=True: the step that frees the block reads it back poisoned (NaN), or the next step's check fails
     pool = make_pool(debug=True)

@@ -1,0 +1,165 @@
+"""`StepPlanner`: extend a cache's block tables for one forward step, in every layer group, all or nothing."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from hf_pagedkv.adapter.row_tables import RowTables
+from hf_pagedkv.adapter.step_plan import StepPlan
+from hf_pagedkv.pool.block_table import num_blocks_for
+
+
+class StepPlanner:
+    """Plans and applies the block-table changes of a forward step. A step looks like this for a row of block
+    size 4::
+
+        before (start=6):  [ b7: t0 t1 t2 t3 | b8: t4 t5 .  . ]
+        new tokens q=3:                                 t6 t7 | t8 -> needs one new block
+        after  (end=9):    [ b7: t0 t1 t2 t3 | b8: t4 t5 t6 t7 | b9: t8 .  .  . ]
+
+    `begin` first lets a sliding-window group free the blocks wholly before this step's window, finds rows whose
+    K/V are identical (stored once), plans the new blocks and the copy-on-write of shared partial last blocks per
+    group, reserves them all at once (the only part that can fail, before anything else changes), then applies the
+    plan to the cache's `RowTables` and returns it as an immutable `StepPlan`.
+
+    Args:
+        pool (`BlockPool`): the pool the tables' blocks belong to. The caller holds `pool.lock`.
+    """
+
+    def __init__(self, pool) -> None:
+        self.pool = pool  # fixed
+        self.block_size = pool.block_size  # fixed
+
+    def begin(self, groups: list[RowTables], key_states: torch.Tensor, value_states: torch.Tensor, start: int,
+              maybe_dups: bool = False, grad_history: bool = False) -> StepPlan:
+        """Extend every row of every group from `start` by this step's tokens.
+
+        Args:
+            groups (`list[RowTables]`): the cache's tables, one per layer group, each with `batch` rows.
+            key_states, value_states (`torch.Tensor` of shape `[batch, num_kv_heads, q, head_dim]`): the first
+                layer's new K/V (compared to find duplicate rows).
+            start (`int`): tokens each row holds.
+            maybe_dups (`bool`): rows were just forked, so a one-token step may have duplicate rows too.
+            grad_history (`bool`): some cached tokens were written from K/V that required grad.
+
+        Raises:
+            PoolExhaustedError: a fixed pool cannot hold the step's blocks (nothing changed).
+        """
+        batch, q = key_states.shape[0], key_states.shape[2]
+        B, pool = self.block_size, self.pool
+        end = start + q
+        # A sliding group lets go of the blocks wholly before this step's window first: no layer reads them again.
+        # NOTE: so a crop can go back at most one step's tokens (what assisted decoding does).
+        for rt in groups:
+            drop = rt.droppable(start)
+            if drop > rt.num_dropped:
+                for row in rt.rows:
+                    pool.free(row.drop_front(drop), rt.group)
+        find = batch > 1 and (q > 1 or maybe_dups)
+        dup_of = self.find_duplicates(groups, key_states, value_states) if find else {}
+        writers = [r for r in range(batch) if r not in dup_of]
+        # Plan: new blocks per writer, and which writers must copy a shared partial last block first, per group.
+        n_new = num_blocks_for(end, B) - num_blocks_for(start, B)
+        plans = []
+        for rt in groups:
+            rows, cow = rt.rows, []
+            if start % B:
+                alloc = pool.groups[rt.group].allocator
+                dropped = Counter(rows[r].blocks[-1] for r in dup_of)  # duplicates let go of their blocks
+                holders: dict[int, int] = {}
+                for r in writers:
+                    last = rows[r].blocks[-1]
+                    holders.setdefault(last, alloc.refcount(last) - dropped[last])
+                    # another holder still reads it, or the prefix index names its content: copy before writing
+                    if holders[last] > 1 or pool.is_published(last, rt.group):
+                        cow.append(r)
+                        holders[last] -= 1
+            plans.append((rt, cow, n_new * len(writers) + len(cow)))
+        for rt, _, need in plans:  # all groups or none: a group that cannot serve raises before any reservation
+            if not pool.can_reserve(need, rt.group):
+                pool.reserve(need, rt.group)  # raises PoolExhaustedError; nothing changed yet
+        for rt, _, need in plans:
+            pool.reserve(need, rt.group)
+        # Apply.
+        view_base = {}
+        total_src, cow0 = 0, ((), (), ())
+        first = start // B
+        fills = [min(B, end - p * B) for p in range(first, num_blocks_for(end, B))]
+        for rt, cow, _ in plans:
+            g, rows = rt.group, rt.rows
+            for r in dup_of:
+                pool.free(rows[r].blocks, g)  # never frees: the writer row holds the same blocks
+            src, dst = [], []
+            for r in cow:
+                row = rows[r]
+                new = pool.allocate(1, after=row.blocks[-2] if len(row.blocks) > 1 else None, group=g)[0]
+                src.append(row.replace_last(new))
+                dst.append(new)
+            pool.copy_on_write(src, dst, g)
+            pool.free(src, g)  # each copied block keeps its other holders (or stays cached if published)
+            for r in writers:
+                row = rows[r]
+                if n_new:
+                    row.append(pool.allocate(n_new, after=row.blocks[-1] if row.blocks else None, group=g))
+                row.num_tokens = end
+                rt.set_row(r, first)
+                pool.mark_written(row.after(first), fills, g)
+            for r, w in dup_of.items():
+                rows[r] = rows[w].copy()
+                pool.incref(rows[r].blocks, g)
+                rt.table[r] = rt.table[w]
+            view_base[g] = rt.view_base()
+            total_src += len(src)
+            if rt is groups[0]:
+                cow0 = (tuple(cow), tuple(src), tuple(dst))
+        return StepPlan(start, end, tuple(writers), dup_of, view_base, grad_history=grad_history and start > 0,
+                        cow_rows=cow0[0], cow_src=cow0[1], cow_dst=cow0[2], num_cow_copies=total_src, num_rows=batch)
+
+    def find_duplicates(self, groups: list[RowTables], key_states: torch.Tensor,
+                        value_states: torch.Tensor) -> dict[int, int]:
+        """Rows with identical block tables and bit-identical new K/V in this layer -> the first such row."""
+        # A cheap fingerprint first (bit-identical rows have equal sums), so distinct rows are not compared pairwise.
+        sums = torch.stack([key_states.flatten(1).sum(1), value_states.flatten(1).sum(1)], 1).tolist()
+        candidates: dict[tuple, list[int]] = {}
+        for r in range(key_states.shape[0]):
+            tables = tuple(tuple(rt.rows[r].blocks) for rt in groups)
+            candidates.setdefault((tables, *sums[r]), []).append(r)
+        dup_of = {}
+        for members in candidates.values():
+            firsts: list[int] = []
+            for r in members:
+                same = (w for w in firsts if torch.equal(key_states[r], key_states[w])
+                        and torch.equal(value_states[r], value_states[w]))
+                w = next(same, None)
+                if w is None:
+                    firsts.append(r)
+                else:
+                    dup_of[r] = w
+        return dup_of
+
+    def unshare(self, groups: list[RowTables], plan: StepPlan, r: int) -> StepPlan:
+        """A duplicate row turned out different in a later layer: give it its own copy of this step's blocks, in
+        every layer group (later layers of any group may differ too). Returns the plan with `r` a writer.
+
+        Raises:
+            PoolExhaustedError: a fixed pool cannot hold the copies (nothing changed).
+        """
+        pool, first = self.pool, plan.start // self.block_size
+        for rt in groups:  # all groups or none
+            if not pool.can_reserve(len(rt.rows[r].after(first)), rt.group):
+                pool.reserve(len(rt.rows[r].after(first)), rt.group)  # raises
+        for rt in groups:
+            pool.reserve(len(rt.rows[r].after(first)), rt.group)
+        for rt in groups:
+            row = rt.rows[r]
+            old = row.truncate(first)
+            row.append(pool.allocate(len(old), after=row.blocks[-1] if row.blocks else None, group=rt.group))
+            pool.copy_on_write(old, row.after(first), rt.group)  # earlier layers were identical: exact
+            pool.free(old, rt.group)  # still held by the writer row
+            rt.set_row(r, first)
+        return plan.with_writer(r)
+
+
+__all__ = ["StepPlanner"]

@@ -1,0 +1,64 @@
+"""`StepTensors`: the index tensors of one `StepPlan`, built once per layer group and device, shared by its layers."""
+
+from __future__ import annotations
+
+import torch
+
+from hf_pagedkv.adapter.row_tables import RowTables
+from hf_pagedkv.adapter.step_plan import StepPlan
+
+
+class StepTensors:
+    """Lazily built index tensors of one step plan: the writer rows, the slot mapping, the slots each layer group
+    reads, and each group's store write target (what `store.prepare_write` returns), per device.
+
+    Args:
+        plan (`StepPlan`): the step.
+        prepared (`set[int]`, *optional*): groups whose store has already prepared a write in this step (a plan
+            replaced mid-step by `StepPlan.with_writer` keeps them, so a quantized store does not start the step
+            twice).
+    """
+
+    def __init__(self, plan: StepPlan, prepared: set[int] | None = None) -> None:
+        self.plan = plan  # fixed
+        self.prepared: set[int] = set(prepared or ())  # groups whose store saw `prepare_write(new_step=True)`
+        self._tensors: dict[tuple, object] = {}  # (group, kind, device) -> tensor or write target
+
+    def writer_rows(self, device: torch.device) -> torch.Tensor:
+        """`[len(writers)]` int64: the rows whose K/V are written."""
+        key = (None, "writers", device)
+        if key not in self._tensors:
+            self._tensors[key] = torch.tensor(self.plan.writers, dtype=torch.long, device=device)
+        return self._tensors[key]
+
+    def slots(self, rt: RowTables, kind: str, device: torch.device) -> torch.Tensor:
+        """One group's slots on `device`: ``"write"``, the slot mapping of the writers' new tokens, row-major
+        `[len(writers) * num_new]`; ``"read"``, the slots of the tokens its layers read, `[batch, n]`."""
+        key = (rt.group, kind, device)
+        t = self._tensors.get(key)
+        if t is None:
+            plan = self.plan
+            base = plan.view_base.get(rt.group)
+            if kind == "write" and base is not None:
+                t = torch.arange(plan.start, plan.end) + base  # consecutive slots
+            elif kind == "write":
+                t = rt.write_slots(list(plan.writers), plan.start, plan.end)
+            else:
+                t = rt.read_slots(rt.window_start(plan.start), plan.end)
+            t = t.to(device)
+            self._tensors[key] = t
+        return t
+
+    def write_target(self, rt: RowTables, store, device: torch.device):
+        """What `store.write` takes for this step's tokens of group `rt` on `device`, prepared once (the first
+        preparation of a group in a step starts the step in its store)."""
+        key = (rt.group, "target", device)
+        if key not in self._tensors:
+            slots = self.slots(rt, "write", torch.device("cpu"))
+            self._tensors[key] = store.prepare_write(slots, device, new_step=rt.group not in self.prepared,
+                                                     start=self.plan.start, num_new=self.plan.num_new)
+            self.prepared.add(rt.group)
+        return self._tensors[key]
+
+
+__all__ = ["StepTensors"]

@@ -1,0 +1,215 @@
+"""`QuantizedBlockStates`: which blocks of a quantized store are fresh, open (staged) or encoded, and their stages."""
+
+from __future__ import annotations
+
+import torch
+
+from hf_pagedkv.storage.staging_store import StagingStore
+from hf_pagedkv.storage.write_plan import WritePlan
+
+
+class QuantizedBlockStates:
+    """The block-state bookkeeping of a `QuantizedPageStore` (the tensors stay in the store). Each block is in one
+    state:
+
+    - *fresh*: just allocated (or free), no stage, not encoded;
+    - *open*: ``stage_of[b]`` names its stage; the partial last block of a sequence, written token by token;
+    - *encoded*: its codes hold it. A block is encoded once, by the write that fills its last slot, and then read
+      by decoding. A block encoded in the current step keeps its stage until the next step starts (`pending`),
+      because a mid-step unshare may still need its first tokens.
+
+    A step's tokens go like this for block size 4, a row holding 6 tokens that gets 3 more::
+
+        before:  [ b0: encoded | b1: t4 t5 .  .  (open, stage s) ]
+        write:                          t6 t7 | t8          t7 fills b1: encode [t4 t5 from s | t6 t7 new] once
+        after:   [ b0: encoded | b1: encoded | b2: t8 . . . (open, new stage) ]
+
+    Args:
+        block_size (`int`): tokens per block.
+        sink_tokens (`int`): leading tokens of each sequence also kept in full precision (0: none).
+        staging, sinks (`StagingStore`): the stages of open blocks and the sink stages; this object allocates and
+            frees them.
+    """
+
+    def __init__(self, block_size: int, sink_tokens: int, staging: StagingStore, sinks: StagingStore) -> None:
+        self.block_size = block_size  # fixed
+        self.sink_tokens = sink_tokens  # fixed
+        self.staging, self.sinks = staging, sinks  # fixed
+        self.stage_of: dict[int, int] = {}  # block -> its stage (open blocks, and pending ones)
+        self.sink_of: dict[int, int] = {}  # first block of a sequence -> its sink stage
+        self.encoded = bytearray()  # encoded[b] == 1 iff block b's codes hold it
+        self.pending: set[int] = set()  # blocks encoded in the current step that still hold a stage
+        # num_encodes[b]: steps that encoded block b since it was last freed or (re)opened (1 when encoded, else 0;
+        # 2 or more breaks invariant 4). A step counts once: every layer encodes the block once in that step.
+        self.num_encodes = bytearray()
+        # blocks encoded by the current step: a second plan of the step (another device, or after an unshare)
+        # encodes them for the remaining layers, not again
+        self.encoded_in_step: set[int] = set()
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.encoded)
+
+    def num_open(self) -> int:
+        """Blocks held in a stage (open, not encoded)."""
+        return sum(1 for b in self.stage_of if not self.encoded[b])
+
+    def grow(self, num_blocks: int) -> None:
+        """Track `num_blocks` blocks (new ones fresh)."""
+        self.encoded.extend(bytes(num_blocks - len(self.encoded)))
+        self.num_encodes.extend(bytes(num_blocks - len(self.num_encodes)))
+
+    def plan(self, slots: torch.Tensor, device: torch.device, new_step: bool = True, start: int = 0,
+             num_new: int | None = None) -> tuple[WritePlan, list[tuple[int, int, int]]]:
+        """Route a step's new tokens: to stages, or into the blocks they complete, updating the block states once
+        per step (call again with ``new_step=False`` for another device or after the step's rows changed).
+
+        Args:
+            slots (`torch.LongTensor` of shape `[rows * num_new_tokens]`, CPU): the slot mapping, row-major.
+            device (`torch.device`): where the plan's index tensors go.
+            new_step (`bool`): the first plan of a forward step (releases the stages of last step's encoded blocks).
+            start (`int`): position of each row's first new token (tokens the rows held before the step).
+            num_new (`int`, *optional*): new tokens per row (defaults to all of `slots`: one row).
+
+        Returns:
+            The `WritePlan`, and the encoded blocks this write reopens (a crop cut into them): `(block, stage,
+            first new offset)` each, whose kept tokens the store must decode into their new stage.
+        """
+        num_new = num_new or len(slots)
+        B = self.block_size
+        if new_step:
+            self._release_pending()
+            self.encoded_in_step.clear()
+        blk, off = slots // B, slots % B  # [n] each
+        ublk, inv = torch.unique(blk, return_inverse=True)  # touched blocks, and each token's index among them
+        first_off = torch.full((len(ublk),), B, dtype=torch.long).scatter_reduce_(0, inv, off, "amin")
+        complete = torch.zeros(len(ublk), dtype=torch.bool)
+        complete[inv[off == B - 1]] = True  # a write to the last slot fills the block
+        done, prefix, recode, opens = [], [], [], []
+        for b, is_done, first in zip(ublk.tolist(), complete.tolist(), first_off.tolist()):
+            stage = self.stage_of.get(b)
+            if is_done:
+                if first > 0 and stage is not None:
+                    prefix.append((len(done), stage))
+                elif first > 0:
+                    assert self.encoded[b], f"block {b} is written from offset {first} but holds no earlier tokens"
+                    recode.append((len(done), b))
+                if stage is not None:
+                    self.pending.add(b)
+                if b not in self.encoded_in_step:
+                    if self.encoded[b] and first > 0:  # reopened by a crop, refilled at once: a fresh count
+                        self.num_encodes[b] = 0
+                    self.num_encodes[b] = min(255, self.num_encodes[b] + 1)  # 2: a fault (invariant 4)
+                    self.encoded_in_step.add(b)
+                self.encoded[b] = 1
+                done.append(b)
+                continue
+            if stage is None:
+                stage = self.stage_of[b] = self.staging.allocate()
+                if self.encoded[b]:
+                    opens.append((b, stage, first))
+            elif self.encoded[b]:  # an encoded block still holding its stage, cropped and written again
+                opens.append((b, stage, first))
+                self.pending.discard(b)
+            self.encoded[b] = self.num_encodes[b] = 0  # open: written into a stage, encoded when it fills
+        n = len(slots)
+        sink_src, sink_dst = self._plan_sinks(slots, start, num_new) if start < self.sink_tokens else ([], [])
+        tok_done = complete[inv]  # [n] tokens that land in a completed block
+        rank = torch.full((len(ublk),), -1, dtype=torch.long)
+        rank[complete] = torch.arange(len(done))
+        done_src = tok_done.nonzero().squeeze(1)
+        done_dst = rank[inv[done_src]] * B + off[done_src]
+        direct = len(done_src) == n and torch.equal(done_dst, torch.arange(n))
+        stage_src = (~tok_done).nonzero().squeeze(1)
+        stage_ids = torch.tensor([self.stage_of.get(b, -1) for b in ublk.tolist()], dtype=torch.long)
+        stage_dst = stage_ids[inv[stage_src]] * B + off[stage_src]
+
+        def dev(x):
+            return torch.tensor(x, dtype=torch.long, device=device) if isinstance(x, list) else x.to(device)
+
+        plan = WritePlan(
+            stage_src=None if len(stage_src) == n else dev(stage_src), stage_dst=dev(stage_dst),
+            done_blocks=dev(done), done_src=None if direct else dev(done_src), done_dst=dev(done_dst),
+            prefix_rank=dev([r for r, _ in prefix]), prefix_stage=dev([s for _, s in prefix]),
+            recode_rank=dev([r for r, _ in recode]), recode_blocks=dev([b for _, b in recode]),
+            sink_src=dev(sink_src), sink_dst=dev(sink_dst))
+        return plan, opens
+
+    def _plan_sinks(self, slots: torch.Tensor, start: int, q: int) -> tuple[list[int], list[int]]:
+        """(token indices, sink slots) of the new tokens at positions < `sink_tokens`, giving each first block that
+        lacks one a sink stage. Token `i` of the row-major slot mapping is at position ``start + i % q``."""
+        B, S = self.block_size, self.sink_tokens
+        idx = torch.arange(len(slots)).view(-1, q)[:, : S - start].reshape(-1)  # [rows * (S - start)]
+        src, dst = idx.tolist(), []
+        for slot in slots[idx].tolist():
+            block = slot // B
+            if block not in self.sink_of:
+                self.sink_of[block] = self.sinks.allocate()
+            dst.append(self.sink_of[block] * S + slot % B)
+        return src, dst
+
+    def release(self, blocks: list[int]) -> None:
+        """Blocks whose refcount reached 0 become fresh; their stages and sink stages are freed."""
+        for b in blocks:
+            stage = self.stage_of.pop(b, None)
+            if stage is not None:
+                self.staging.free(stage)
+            sink = self.sink_of.pop(b, None)
+            if sink is not None:
+                self.sinks.free(sink)
+            self.encoded[b] = self.num_encodes[b] = 0
+            self.pending.discard(b)
+            self.encoded_in_step.discard(b)
+
+    def copy(self, src: list[int], dst: list[int]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Blocks `dst[i]` (fresh) take the state of `src[i]` (copy-on-write), with new stages of their own.
+        Returns the `(src stage, dst stage)` pairs of stages and of sink stages whose content the store copies."""
+        stages, sinks = [], []
+        for s, d in zip(src, dst):
+            self.encoded[d], self.num_encodes[d] = self.encoded[s], self.num_encodes[s]
+            if s in self.encoded_in_step:  # a mid-step copy (unshare): the step's re-plan encodes it, once
+                self.encoded_in_step.add(d)
+            if s in self.stage_of:
+                self.stage_of[d] = self.staging.allocate()
+                stages.append((self.stage_of[s], self.stage_of[d]))
+            if s in self.sink_of:
+                self.sink_of[d] = self.sinks.allocate()
+                sinks.append((self.sink_of[s], self.sink_of[d]))
+            if s in self.pending:
+                self.pending.add(d)
+        return stages, sinks
+
+    def check(self, live: set[int]) -> list[tuple[int, str]]:
+        """Problems given the `live` blocks (in use or cached-idle), each as (invariant number, text):
+
+        4. a full block is encoded once: no block was encoded twice since it was last freed or reopened by a crop,
+           and a block is in the encoded state iff one encode is counted for it;
+        6. every stage and sink stage is owned by exactly one live block, and no stage is lost.
+        """
+        problems = []
+        twice = [b for b, n in enumerate(self.num_encodes) if n > 1][:10]
+        if twice:
+            counts = [self.num_encodes[b] for b in twice]
+            problems.append((4, f"blocks {twice} encoded {counts} times since they were last opened"))
+        odd = [b for b in range(self.num_blocks) if self.encoded[b] != min(1, self.num_encodes[b])][:10]
+        if odd:
+            states, counts = [self.encoded[b] for b in odd], [self.num_encodes[b] for b in odd]
+            problems.append((4, f"blocks {odd} in state encoded={states} with {counts} encodes counted"))
+        for name, owner, area in (("stage", self.stage_of, self.staging), ("sink stage", self.sink_of, self.sinks)):
+            dead = sorted(b for b in owner if b not in live)
+            if dead:
+                problems.append((6, f"{name}s held by free blocks {dead[:10]}"))
+            distinct = len(set(owner.values()))
+            if distinct != len(owner) or len(owner) != area.num_used:
+                problems.append((6, f"{len(owner)} blocks own {distinct} distinct {name}s, {area.num_used} in use"))
+        return problems
+
+    def _release_pending(self) -> None:
+        for b in self.pending:
+            stage = self.stage_of.pop(b, None)
+            if stage is not None:
+                self.staging.free(stage)
+        self.pending.clear()
+
+
+__all__ = ["QuantizedBlockStates"]

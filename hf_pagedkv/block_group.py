@@ -54,6 +54,10 @@ class BlockGroup:
                     fill[b] = max(fill.get(b, 0), min(B, row.num_tokens - j * B))
         return sum(fill.values())
 
+    def num_rows(self) -> int:
+        """Live tables of this group (O(caches), for `stats()`)."""
+        return sum(len(rows) for rows in self.tables.values())
+
     def rows(self) -> list[BlockTable]:
         """Every live table of this group."""
         return [row for rows in self.tables.values() for row in rows]

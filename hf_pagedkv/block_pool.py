@@ -373,7 +373,7 @@ class BlockPool:
         logger.debug("BlockPool evicted %d cached-idle blocks of its %s group", n, group.name)
 
     # -- owners (live block tables) --------------------------------------------------------------------------------
-    def _register(self, rows: list[BlockTable] | None = None, group: int = 0) -> int:
+    def register_owner(self, rows: list[BlockTable] | None = None, group: int = 0) -> int:
         """A new owner token; `rows` (a list object the owner keeps filling) are its tables in `group`."""
         with self.lock:
             self._drain()
@@ -383,13 +383,13 @@ class BlockPool:
                 self.groups[group].tables[token] = rows
             return token
 
-    def _add_rows(self, token: int, group: int, rows: list[BlockTable]) -> None:
+    def add_rows(self, token: int, group: int, rows: list[BlockTable]) -> None:
         """Register an owner's tables in another layer group."""
         with self.lock:
             assert token in self._owners and token not in self.groups[group].tables
             self.groups[group].tables[token] = rows
 
-    def _unregister(self, token: int) -> None:
+    def unregister_owner(self, token: int) -> None:
         """Forget an owner whose rows are already empty (an explicit `PagedCache.release()`)."""
         with self.lock:
             self._owners.discard(token)
@@ -397,7 +397,7 @@ class BlockPool:
                 rows = group.tables.pop(token, None)
                 assert not rows, "unregister of an owner that still holds blocks"
 
-    def _release_owner(self, token: int) -> None:
+    def release_owner(self, token: int) -> None:
         """Free every block of one owner's rows and forget them (the cache was released or garbage collected).
 
         NOTE: this runs from a `weakref.finalize`, which the garbage collector may call in any thread at any point,
@@ -407,7 +407,7 @@ class BlockPool:
         self._pending_release.append(token)  # deque.append is atomic
 
     def _drain(self) -> None:
-        """Free the blocks of owners queued by `_release_owner`. Called with `lock` held."""
+        """Free the blocks of owners queued by `release_owner`. Called with `lock` held."""
         while self._pending_release:
             token = self._pending_release.popleft()
             self._owners.discard(token)
@@ -444,7 +444,7 @@ class BlockPool:
                 blocks_free=sum(g.allocator.num_free_blocks for g in self.groups),
                 tokens_stored=sum(g.tokens_stored for g in per_group),
                 bytes_per_block=sum(g.bytes_per_block for g in per_group),
-                num_sequences=max(len(g.rows()) for g in self.groups),
+                num_sequences=max(g.num_rows() for g in self.groups),
                 bytes_in_use=sum(g.bytes_in_use for g in per_group),
                 bytes_reserved=sum(g.bytes_reserved for g in per_group),
                 blocks_cached=sum(g.allocator.num_idle_blocks for g in self.groups),

@@ -3,8 +3,8 @@
 #
 # Two lanes, one per supported transformers version (pyproject.toml allows transformers>=5.23,<5.25):
 #   1. the whole suite on the pinned version (scripts/constraints.txt: 5.23.0), in $VENV (default .venv);
-#   2. the contract, equivalence and real-model tests (tests/test_compat.py, tests/test_equivalence.py,
-#      tests/test_layer_groups.py, `-m model`)
+#   2. the contract, equivalence and real-model tests (tests/test_compat.py, tests/adapter/test_equivalence.py,
+#      tests/adapter/test_layer_groups.py, `-m model`)
 #      on the other supported version (OTHER_TRANSFORMERS_SPEC below), in .venv-tf524, set up by scripts/setup.sh
 #      with TRANSFORMERS_SPEC. It adds a few minutes of setup the first time, then ~10 minutes of tests.
 #
@@ -58,7 +58,7 @@ if [[ "$SECOND_LANE" == "1" ]]; then
     echo "test.sh: lane 2: contract, equivalence and real-model tests on transformers $lib ($OTHER_VENV)" >&2
     # NOTE: two pytest runs: a run selects by path or by marker, not "these files or that marker"; the first leaves
     # out the model-marked tests of these files, which the second runs.
-    run_pytest "$OTHER_VENV" "lane 2" tests/test_compat.py tests/test_equivalence.py tests/test_layer_groups.py \
+    run_pytest "$OTHER_VENV" "lane 2" tests/test_compat.py tests/adapter/test_equivalence.py tests/adapter/test_layer_groups.py \
         -m "not model" || lane2=$?
     run_pytest "$OTHER_VENV" "lane 2 (model)" tests -m model || lane2=$?
     echo "test.sh: lane 2 (transformers $lib) exit status $lane2, $(lane_time "$start") s" >&2

@@ -80,7 +80,7 @@ def test_same_answers_as_dynamic_cache_through_the_cache_api(block_size):
             assert torch.equal(pk, dk) and torch.equal(pv, dv), (op, idx)
         _assert_same(paged, dyn, op)
     # crop: DynamicCache's sliding layers cannot crop past their window, so compare on the full layers. The sliding
-    # group keeps the last step's tokens (what assisted decoding takes back; tests/test_layer_groups.py goes deeper).
+    # group keeps the last step's tokens (what assisted decoding takes back; tests/adapter/test_layer_groups.py goes deeper).
     paged.crop(-1)
     assert paged.get_seq_length() == dyn.get_seq_length() - 1
     assert torch.equal(paged.layers[1].keys, dyn.layers[1].keys[:, :, :-1])

@@ -122,9 +122,9 @@ class PagedCache(Cache):
         self.last_step_tokens = 0  # new tokens per row of the last forward step (a sliding group holds them too)
         self._maybe_dups = False  # rows were just forked, so identical rows may be deduplicated next step
         self._released = False
-        self._owner = pool._register()  # this cache's token in the pool's table registry
+        self._owner = pool.register_owner()  # this cache's token in the pool's table registry
         self.seq_id = self._owner  # names this cache in the block event log
-        self._finalizer = weakref.finalize(self, pool._release_owner, self._owner)  # frees blocks if never released
+        self._finalizer = weakref.finalize(self, pool.release_owner, self._owner)  # frees blocks if never released
         layers = []
         if config is not None:
             for idx, (kind, window) in enumerate(layer_plan(config)):
@@ -409,7 +409,7 @@ class PagedCache(Cache):
             return
         self.reset()
         self._finalizer.detach()
-        self.pool._unregister(self._owner)  # the rows are empty now
+        self.pool.unregister_owner(self._owner)  # the rows are empty now
         self._released = True
 
     def __enter__(self) -> PagedCache:
@@ -463,7 +463,7 @@ class PagedCache(Cache):
                                    "build the cache with config=model.config so every layer is known up front.")
             rt = RowTables(group, window, self.block_size)
             rt.reset(self.num_rows)
-            self.pool._add_rows(self._owner, group, rt.rows)
+            self.pool.add_rows(self._owner, group, rt.rows)
             self._groups.insert(0 if window is None else len(self._groups), rt)  # full attention first
             self._by_group[group] = rt
         return rt

@@ -2,7 +2,7 @@
 `max_memory` over both, and generates exactly what `DynamicCache` does on the same model.
 
 The two-GPU case needs two CUDA devices; the CPU case runs the same test with both halves on the CPU (one device, so
-it checks the loading, the outputs and the budget arithmetic, not the placement). `tests/test_device_budget.py`
+it checks the loading, the outputs and the budget arithmetic, not the placement). `tests/storage/test_device_budget.py`
 checks the placement and the per-device refusal on the CPU alone, with ``cpu`` and ``meta`` as the two devices.
 """
 

@@ -19,11 +19,11 @@ def hold(pool: BlockPool, blocks: list[int], num_tokens: int) -> int:
     row.append(blocks)
     row.num_tokens = num_tokens
     pool.mark_written(blocks, [min(B, num_tokens - j * B) for j in range(len(blocks))])  # as a cache's write does
-    return pool._register([row])
+    return pool.register_owner([row])
 
 
 def release(pool: BlockPool, owner: int) -> None:
-    pool._release_owner(owner)
+    pool.release_owner(owner)
     pool.check_invariants()  # also frees the queued owner
 
 
@@ -200,7 +200,7 @@ def test_threads_hammering_one_pool_keep_the_invariants():
                 pool.publish_blocks(hashes, hit + rest)
                 if rnd.random() < 0.2:
                     pool.check_invariants()
-                pool._release_owner(owner)
+                pool.release_owner(owner)
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 

@@ -548,12 +548,12 @@ class PagedCache(Cache):
         plan = self._plan
         current = plan is not None and plan.end == end  # the step computed the view base once for its layers
         base = plan.view_base[rt.group] if current else rt.view_base()
-        slot_source = None
+        block_source = None
         if current and lo == rt.window_start(plan.start):
             tensors = self._step_tensors
-            slot_source = lambda device: tensors.slots(rt, "read", device)  # noqa: E731  (shared by the layers)
+            block_source = lambda device: tensors.indices(rt, "read", device)  # noqa: E731  (shared by the layers)
         request = ReadRequest(rt.table[:, : num_blocks_for(end, self.block_size)], lo, end, self.block_size,
-                              None if base is None else base // self.block_size, new, slot_source)
+                              None if base is None else base // self.block_size, new, block_source)
         return self.pool.groups[layer.group].store.read(layer.layer_idx, request)
 
     def _begin_step(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

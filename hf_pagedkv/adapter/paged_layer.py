@@ -133,12 +133,19 @@ class PagedLayer(CacheLayerMixin):
         self._cache.check_usable()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        elif LayerSpec.of(key_states, value_states) != self.spec:
+        elif not self._matches(key_states, value_states):
             raise ValueError(
                 f"Layer {self.layer_idx} was created for {self.spec}, but got "
                 f"{LayerSpec.of(key_states, value_states)}; a PagedCache serves one model in one dtype."
             )
         return self._cache.update_layer(self, key_states, value_states)
+
+    def _matches(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
+        """Whether new K/V have this layer's spec (compared field by field: no `LayerSpec` built per step)."""
+        spec = self.spec
+        return (key_states.shape[1] == spec.num_kv_heads and key_states.shape[-1] == spec.key_dim
+                and value_states.shape[-1] == spec.value_dim and key_states.dtype == spec.dtype
+                and key_states.device == spec.device)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """`(kv_length, kv_offset)` of what the next `update` with `query_length` tokens returns."""

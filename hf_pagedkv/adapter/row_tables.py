@@ -96,14 +96,6 @@ class RowTables:
         row = self.rows[0]
         return (row.blocks[0] - row.num_dropped) * self.block_size
 
-    def read_slots(self, lo: int, end: int) -> torch.Tensor:
-        """Slot of each token ``lo .. end - 1`` of each row, `[batch, end - lo]` int64 (CPU)."""
-        B = self.block_size
-        first, last = lo // B, num_blocks_for(end, B)
-        table = self.table[:, first:last]  # [batch, blocks]
-        slots = (table[:, :, None] * B + torch.arange(B)).reshape(len(self.rows), -1)  # [batch, blocks * B]
-        return slots[:, lo - first * B: end - first * B]  # [batch, end - lo]
-
     def write_slots(self, writers: list[int], start: int, end: int) -> torch.Tensor:
         """The slot mapping of tokens ``start .. end - 1`` of rows `writers`, row-major `[len(writers) * q]`."""
         B = self.block_size

@@ -99,13 +99,17 @@ class StepPlanner:
                 dst.append(new)
             pool.copy_on_write(src, dst, g)
             pool.free(src, g)  # each copied block keeps its other holders (or stays cached if published)
+            written = []  # blocks of the writers' positions from `first` on, row after row
+            copied = set(cow)
             for r in writers:
                 row = rows[r]
                 if n_new:
                     row.append(pool.allocate(n_new, after=row.blocks[-1] if row.blocks else None, group=g))
                 row.num_tokens = end
-                rt.set_row(r, first)
-                pool.mark_written(row.after(first), fills, g)
+                if n_new or r in copied:  # NOTE: a decode step inside a block leaves the row's block ids as they were
+                    rt.set_row(r, first)
+                written += row.after(first)
+            pool.mark_written(written, fills * len(writers), g)
             for r, w in dup_of.items():
                 rows[r] = rows[w].copy()
                 pool.incref(rows[r].blocks, g)

@@ -31,9 +31,10 @@ class StepTensors:
             self._tensors[key] = torch.tensor(self.plan.writers, dtype=torch.long, device=device)
         return self._tensors[key]
 
-    def slots(self, rt: RowTables, kind: str, device: torch.device) -> torch.Tensor:
-        """One group's slots on `device`: ``"write"``, the slot mapping of the writers' new tokens, row-major
-        `[len(writers) * num_new]`; ``"read"``, the slots of the tokens its layers read, `[batch, n]`."""
+    def indices(self, rt: RowTables, kind: str, device: torch.device) -> torch.Tensor:
+        """One group's index tensors on `device`: ``"write"``, the slot mapping of the writers' new tokens,
+        row-major `[len(writers) * num_new]`; ``"read"``, the block ids of the positions its layers read (from the
+        window start's block), `[batch, n]`."""
         key = (rt.group, kind, device)
         t = self._tensors.get(key)
         if t is None:
@@ -44,7 +45,7 @@ class StepTensors:
             elif kind == "write":
                 t = rt.write_slots(list(plan.writers), plan.start, plan.end)
             else:
-                t = rt.read_slots(rt.window_start(plan.start), plan.end)
+                t = rt.table[:, rt.window_start(plan.start) // rt.block_size: -(-plan.end // rt.block_size)]
             t = t.to(device)
             self._tensors[key] = t
         return t
@@ -54,7 +55,7 @@ class StepTensors:
         preparation of a group in a step starts the step in its store)."""
         key = (rt.group, "target", device)
         if key not in self._tensors:
-            slots = self.slots(rt, "write", torch.device("cpu"))
+            slots = self.indices(rt, "write", torch.device("cpu"))
             self._tensors[key] = store.prepare_write(slots, device, new_step=rt.group not in self.prepared,
                                                      start=self.plan.start, num_new=self.plan.num_new)
             self.prepared.add(rt.group)

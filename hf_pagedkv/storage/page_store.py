@@ -135,7 +135,8 @@ class PageStore:
         if request.first_block is not None:
             return self.read_view(layer_idx, request.first_block * self.block_size + request.lo,
                                   request.end - request.lo)
-        return self.read_gather(layer_idx, request.slots(self.keys[layer_idx].device))
+        return self.read_blocks(layer_idx, request.blocks(self.keys[layer_idx].device),
+                                request.lo % self.block_size, request.end - request.lo)
 
     def read_view(self, layer_idx: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of one row stored in consecutive slots ``start .. start + length - 1``, as views (no copy).
@@ -148,22 +149,48 @@ class PageStore:
         return k.unsqueeze(0), v.unsqueeze(0)
 
     def read_gather(self, layer_idx: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of several rows, gathered into new contiguous tensors.
+        """K/V of several rows, gathered into new tensors: one `index_select` per tensor for the whole batch.
 
         Args:
             slots (`torch.LongTensor` of shape `[batch, seq_len]`): slot of each token of each row.
 
         Returns:
-            keys, values of shape `[batch, num_kv_heads, seq_len, head_dim]`.
+            keys, values of shape `[batch, num_kv_heads, seq_len, head_dim]`: each row and head a contiguous
+            `[seq_len, head_dim]` matrix, the batch and head strides swapped (a transposed view of the
+            `[num_kv_heads, batch, seq_len, head_dim]` gather), which attention reads as it is.
         """
         batch, seq_len = slots.shape
+        flat = slots.reshape(-1)
         out = []
         for store in (self.keys, self.values):
-            t = store[layer_idx]
-            g = torch.empty((batch, t.shape[0], seq_len, t.shape[-1]), dtype=t.dtype, device=t.device)
-            for b in range(batch):  # one index_select per row, straight into its contiguous output slice
-                torch.index_select(t, 1, slots[b], out=g[b])  # [num_kv_heads, seq_len, dim]
-            out.append(g)
+            t = store[layer_idx]  # [num_kv_heads, slots, dim]
+            g = t.index_select(1, flat).view(t.shape[0], batch, seq_len, t.shape[-1])
+            out.append(g.transpose(0, 1))  # [batch, num_kv_heads, seq_len, dim]
+        return out[0], out[1]
+
+    def read_blocks(self, layer_idx: int, blocks: torch.Tensor, offset: int,
+                    length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of several rows, gathered block by block (one `index_select` of whole blocks per tensor: copies of
+        `block_size * head_dim` elements, not of single tokens).
+
+        Args:
+            blocks (`torch.LongTensor` of shape `[batch, n]`): each row's blocks, in token order.
+            offset (`int`): the row's first token within its first block; `length`: tokens per row
+                (``offset + length <= n * block_size``).
+
+        Returns:
+            keys, values of shape `[batch, num_kv_heads, length, head_dim]`: each row's head a contiguous
+            `[length, head_dim]` matrix, the batch and head strides swapped (a view of the block gather).
+        """
+        batch, n = blocks.shape
+        B, flat = self.block_size, blocks.reshape(-1)
+        out = []
+        for store in (self.keys, self.values):
+            t = store[layer_idx]  # [num_kv_heads, slots, dim]
+            heads, dim = t.shape[0], t.shape[-1]
+            g = t.view(heads, -1, B * dim).index_select(1, flat)  # [num_kv_heads, batch * n, B * dim]
+            g = g.view(heads, batch, n * B, dim).narrow(2, offset, length)
+            out.append(g.transpose(0, 1))  # [batch, num_kv_heads, length, dim]
         return out[0], out[1]
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:

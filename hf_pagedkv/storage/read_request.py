@@ -24,8 +24,9 @@ class ReadRequest:
         new (`tuple`, *optional*): `(start, key_states, value_states)`, the current step's tokens ``start .. end -
             1`` of every row, `[batch, num_kv_heads, end - start, head_dim]` in full precision (a quantized store
             returns these rather than its staged copies, as transformers' `QuantizedCache` does).
-        slot_source (`callable`, *optional*): `device -> [batch, end - lo]` slots of the tokens, when the caller
-            has them already (shared by every layer of a step); computed from `table` otherwise.
+        block_source (`callable`, *optional*): `device -> [batch, ceil(end / block_size) - lo // block_size]`
+            block ids of the read positions (`table`'s columns from ``lo // block_size``) on a device, when the caller
+            has them already (shared by every layer of a step); taken from `table` otherwise.
     """
 
     table: torch.Tensor
@@ -34,17 +35,19 @@ class ReadRequest:
     block_size: int
     first_block: int | None = None
     new: tuple[int, torch.Tensor, torch.Tensor] | None = None
-    slot_source: Callable[[torch.device], torch.Tensor] | None = None
+    block_source: Callable[[torch.device], torch.Tensor] | None = None
 
-    def slots(self, device: torch.device) -> torch.Tensor:
-        """Slot of each token ``lo .. end - 1`` of each row: `[batch, end - lo]` int64 on `device`."""
-        if self.slot_source is not None:
-            return self.slot_source(device)
-        B = self.block_size
-        first, last = self.lo // B, -(-self.end // B)
-        table = self.table[:, first:last]  # [batch, blocks]
-        slots = (table[:, :, None] * B + torch.arange(B)).reshape(table.shape[0], -1)  # [batch, blocks * B]
-        return slots[:, self.lo - first * B: self.end - first * B].to(device)
+    @property
+    def first_position(self) -> int:
+        """Block position of token `lo`."""
+        return self.lo // self.block_size
+
+    def blocks(self, device: torch.device) -> torch.Tensor:
+        """Block ids of the positions read, `[batch, ceil(end / block_size) - lo // block_size]` int64 on `device`;
+        token `lo` is at offset ``lo % block_size`` of the first."""
+        if self.block_source is not None:
+            return self.block_source(device)
+        return self.table[:, self.first_position: -(-self.end // self.block_size)].to(device)
 
 
 __all__ = ["ReadRequest"]

@@ -280,5 +280,7 @@ class PrefixMixin:
             for rt in self._groups:  # a sliding group publishes the full blocks it still holds
                 row = rt.rows[r]
                 mine = hashes[row.num_dropped:]
+                if self._evictor is not None and self._evictor.num_intact_blocks is not None:
+                    mine = mine[: self._evictor.num_intact_blocks]  # retention: later blocks hold other tokens now
                 published += pool.publish_blocks(mine, row.blocks[: len(mine)], group=rt.group)
         return published

@@ -111,6 +111,9 @@ class StepMixin:
         if prompt is not None and start >= len(prompt):  # every layer has written the prompt: publish it first
             self._publish_at_next_step = None
             self.publish(prompt)
+        if self._evictor is not None:  # retention (hf_pagedkv/retention): evict before this step is planned
+            self._evictor.before_step(self, q)
+            start, end = self._num_tokens, self._num_tokens + q
         # A sliding group lets go of the blocks wholly before this step's window first: no layer reads them again.
         # NOTE: so a crop can go back at most one step's tokens (what assisted decoding does).
         for rt in self._groups:

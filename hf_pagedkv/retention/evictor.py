@@ -88,7 +88,6 @@ class Evictor:
         B = cache.block_size
         held = rt.rows[0].num_tokens if rt.rows else 0
         plan = self.policy.plan(held, held + self.num_evicted, new, B, step=self.num_steps)
-        self.num_steps += 1
         if plan.drop_positions and held:
             self._drop(cache, rt, plan.drop_positions)
         elif plan.keep_tokens is not None and 0 < plan.keep_tokens < held:

@@ -80,7 +80,8 @@ class ImportancePolicy(RetentionPolicy):
         raise NotImplementedError
 
     def select(self, keys: torch.Tensor, keep: int) -> torch.Tensor:
-        """The `keep` highest-scoring tokens per head, the protected sinks and recent tokens first, ascending.
+        """The `keep` highest-scoring tokens per head (ties: the older first), the protected sinks and recent tokens
+        first; ascending.
 
         Args:
             keys (`torch.Tensor` of shape `[batch, num_kv_heads, held, head_dim]`).
@@ -93,5 +94,8 @@ class ImportancePolicy(RetentionPolicy):
         s = self.scores(keys).clone()  # [batch, num_kv_heads, held]
         s[..., : self.sink_tokens] = float("inf")
         s[..., max(0, held - self.recent_tokens):] = float("inf")
-        idx = s.topk(keep, dim=-1, sorted=False).indices  # [batch, num_kv_heads, keep]
+        # NOTE: a stable sort, so equal scores keep the older token: equal scores are common (RoPE is a rotation, so
+        # a repeated token has the same key norm at every position in the first layer), and the choice must not
+        # depend on the kernel
+        idx = s.argsort(dim=-1, descending=True, stable=True)[..., :keep]  # [batch, num_kv_heads, keep]
         return idx.sort(dim=-1).values

@@ -74,15 +74,16 @@ def reference_select(keys: torch.Tensor, keep: int, kind: str, sink: int, recent
 
 
 def compacted_dynamic_reference(model, x: torch.Tensor, steps: list[int], budget: int, kind: str, sink: int,
-                                recent: int) -> torch.Tensor:
+                                recent: int, only_step: int | None = None) -> torch.Tensor:
     """Logits of `x` fed in `steps` through a `DynamicCache` whose layers are compacted by hand to `budget` tokens
-    per head before each step that starts above it; positions are passed explicitly (the true ones)."""
+    per head before each step that starts above it (only before step number `only_step`, if given); positions are
+    passed explicitly (the true ones)."""
     cache = DynamicCache(config=model.config)
     logits, pos = [], 0
     with torch.no_grad():
-        for q in steps:
+        for i, q in enumerate(steps):
             held = cache.get_seq_length()
-            if held > budget:
+            if held > budget and only_step in (None, i):
                 for layer in cache.layers:
                     idx = reference_select(layer.keys, budget, kind, sink, recent)
                     layer.keys = layer.keys.gather(2, idx[..., None].expand(-1, -1, -1, layer.keys.shape[-1]))

@@ -191,8 +191,9 @@ def report_text(cfg: LongContextConfig, metrics: dict) -> str:
              f"data: `{cfg.dataset}`; block size {cfg.block_size}; sinks {cfg.sink_tokens}, recent tokens "
              f"{cfg.recent_tokens}; {metrics['environment']['seconds']} s.", ""]
     if cfg.task == "perplexity":
-        lines += [f"{cfg.num_windows} windows of {cfg.context_len} tokens, chunks of {cfg.chunk}, every "
-                  f"{cfg.score_stride}th chunk after the budget scored.", "", "<!-- table -->",
+        lines += [f"{cfg.num_windows} windows of {cfg.context_len} tokens fed in chunks of {cfg.chunk}; 1 in "
+                  f"{cfg.score_stride} chunks after the budget scored (the same tokens for every method). KV bytes "
+                  "and tokens held at the end of the stream (the last chunk included).", "", "<!-- table -->",
                   "| budget | method | ppl | vs full | vs recompute | KV bytes held | tokens held |",
                   "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
         for budget, row in metrics["perplexity"].items():

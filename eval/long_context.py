@@ -102,6 +102,12 @@ def recompute_nll(model, ids: torch.Tensor, cfg: LongContextConfig, budget: int,
     return {"nll": torch.cat(nll).tolist(), "bytes_in_use": None, "tokens_held": budget, "tokens_seen": None}
 
 
+def columns(cfg: LongContextConfig) -> list[tuple[str, str]]:
+    """`(method, quant)` pairs of a perplexity run: every method in full precision, then each cache method in each
+    other KV format of `quants` (the recomputation reference has no cache to quantize)."""
+    return [(m, q) for q in cfg.quants for m in cfg.methods if q == "fp" or m != "recompute"]
+
+
 def run_perplexity(model, tokenizer, cfg: LongContextConfig) -> tuple[list[dict], dict]:
     data_cfg = EvalConfig(dataset=cfg.dataset, data_dir=cfg.data_dir)
     ids = tokenize_prefix(load_text(data_cfg), tokenizer, cfg.context_len * cfg.num_windows)
@@ -112,24 +118,25 @@ def run_perplexity(model, tokenizer, cfg: LongContextConfig) -> tuple[list[dict]
         window = torch.tensor([ids[w * cfg.context_len: (w + 1) * cfg.context_len]], device=model.device)
         for budget in cfg.budgets:
             scored = scored_chunks(cfg, budget)
-            for method in cfg.methods:
+            for method, quant in columns(cfg):
                 set_seed(cfg.seed)
                 t0 = time.perf_counter()
                 if method == "recompute":
                     rec = recompute_nll(model, window, cfg, budget, scored)
                 else:
-                    cache = PagedCache(block_size=cfg.block_size, config=model.config,
+                    cache = PagedCache(block_size=cfg.block_size, config=model.config, quant=quant,
                                        retention=policy_for(method, cfg, budget))
                     rec = stream_nll(model, window, cache, cfg, scored)
                     cache.release()
-                rec.update(window=w, budget=budget, method=method, seconds=round(time.perf_counter() - t0, 2))
-                logger.info("window %d budget %d %s: ppl %.3f (%.1f s)", w, budget, method,
+                name = method if quant == "fp" else f"{method}+{quant}"
+                rec.update(window=w, budget=budget, method=name, seconds=round(time.perf_counter() - t0, 2))
+                logger.info("window %d budget %d %s: ppl %.3f (%.1f s)", w, budget, name,
                             math.exp(sum(rec["nll"]) / len(rec["nll"])), rec["seconds"])
                 records.append(rec)
     table = {}
     for budget in cfg.budgets:
         row = {}
-        for method in cfg.methods:
+        for method in dict.fromkeys(r["method"] for r in records):
             recs = [r for r in records if r["budget"] == budget and r["method"] == method]
             nll = [x for r in recs for x in r["nll"]]
             held = [r["bytes_in_use"] for r in recs if r["bytes_in_use"] is not None]
@@ -203,6 +210,17 @@ def report_text(cfg: LongContextConfig, metrics: dict) -> str:
                 held = f"{m['bytes_in_use'] / 2**20:.1f} MiB" if m["bytes_in_use"] is not None else "-"
                 lines.append(f"| {budget} | {method} | {m['ppl']:.3f} | {rel(full)} | {rel(ref)} | {held} | "
                              f"{m['tokens_held']} |")
+        if any(q != "fp" for q in cfg.quants):
+            lines += ["<!-- table -->", "", "Memory-matched: every cache column by the bytes it holds (eviction, "
+                      "quantization, both).", "", "| budget | method | KV bytes held | ppl | vs full |",
+                      "| ---: | --- | ---: | ---: | ---: |"]
+            for budget, row in metrics["perplexity"].items():
+                full = row["full"]["ppl"] if "full" in row else None
+                for method, m in sorted(((k, v) for k, v in row.items() if v["bytes_in_use"] is not None),
+                                        key=lambda kv: kv[1]["bytes_in_use"]):
+                    rel = f"{100 * (m['ppl'] / full - 1):+.1f}%" if full else "-"
+                    lines.append(f"| {budget} | {method} | {m['bytes_in_use'] / 2**20:.1f} MiB | {m['ppl']:.3f} | "
+                                 f"{rel} |")
     else:
         lines += [f"Contexts {cfg.contexts} tokens, depths {cfg.depths}%, {cfg.num_keys} keys each.", "",
                   "<!-- table -->", "| method | ratio | accuracy | " + " | ".join(f"depth {d}%" for d in cfg.depths)
@@ -222,11 +240,13 @@ def write_plot(run_dir: Path, cfg: LongContextConfig, metrics: dict) -> str | No
     fig = Figure(figsize=(6, 3.5))
     ax = fig.add_subplot()
     if cfg.task == "perplexity":
-        budgets = [int(b) for b in metrics["perplexity"]]
-        for method in cfg.methods:
-            ax.plot(budgets, [metrics["perplexity"][str(b)][method]["ppl"] for b in budgets], marker="o", label=method)
-        ax.set(xlabel="budget (tokens kept)", ylabel="perplexity beyond the budget", yscale="log",
-               title=f"streaming perplexity, {cfg.context_len}-token windows")
+        for budget, row in metrics["perplexity"].items():
+            for method, m in row.items():
+                if m["bytes_in_use"] is not None:
+                    ax.scatter(m["bytes_in_use"] / 2**20, m["ppl"], label=f"{method} ({budget})")
+                    ax.annotate(method, (m["bytes_in_use"] / 2**20, m["ppl"]), fontsize=6)
+        ax.set(xlabel="KV MiB held at the end of the stream", ylabel="perplexity beyond the budget", yscale="log",
+               title=f"streaming perplexity vs memory, {cfg.context_len}-token windows")
         name = "perplexity.png"
     else:
         for method in cfg.methods:

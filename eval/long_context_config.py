@@ -46,6 +46,8 @@ class LongContextConfig:
             `recompute`; the protected sinks / recent tokens of the importance policies.
         block_size (`int`, defaults to 16): `PagedCache` block size.
         methods (`list[str]`): from `PPL_METHODS` (perplexity) or `PASSKEY_METHODS` (passkey).
+        quants (`list[str]`, defaults to fp): KV formats (`QuantConfig` presets) each cache method also runs with
+            (perplexity), for the memory-matched comparison of eviction against quantization (``key_diff+k8v4``).
         contexts (`list[int]`, defaults to 1024 2048 4096), depths (`list[int]`, defaults to 10 50 90),
             ratios (`list[float]`, defaults to 0.25 0.5 0.75), num_keys (`int`, defaults to 4): passkey contexts in
             tokens, needle depths in percent, compression ratios, and seeded keys per (context, depth).
@@ -67,6 +69,7 @@ class LongContextConfig:
     recent_tokens: int = 64
     block_size: int = 16
     methods: list[str] = field(default_factory=lambda: list(PPL_METHODS))
+    quants: list[str] = field(default_factory=lambda: ["fp"])
     contexts: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
     depths: list[int] = field(default_factory=lambda: [10, 50, 90])
     ratios: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75])
@@ -83,7 +86,7 @@ class LongContextConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"LongContextConfig.{name} must be a positive int, got {value!r}.")
         for name, kind in (("budgets", int), ("contexts", int), ("depths", int), ("ratios", float),
-                           ("methods", str)):
+                           ("methods", str), ("quants", str)):
             value = getattr(self, name)
             if isinstance(value, (str, int, float)):
                 value = [v for v in re.split(r"[,\s]+", str(value)) if v]
@@ -92,6 +95,10 @@ class LongContextConfig:
         bad = [m for m in self.methods if m not in allowed]
         if bad:
             raise ValueError(f"LongContextConfig.methods: {bad} not among the {self.task} methods {allowed}.")
+        from hf_pagedkv.config import QuantConfig
+
+        for q in self.quants:
+            QuantConfig.resolve(q)  # raises ValueError naming the preset
         if self.task == "perplexity" and any(b >= self.context_len or b <= self.sink_tokens + self.recent_tokens
                                              for b in self.budgets):
             raise ValueError(f"LongContextConfig.budgets {self.budgets} must lie between sink_tokens + recent_tokens "

@@ -37,6 +37,20 @@ def test_streaming_perplexity_run(tiny, tmp_path):
     assert json.loads((run_dir / "metrics.json").read_text()) == run(cfg)  # a finished run is read back, not redone
 
 
+def test_memory_matched_columns(tiny, tmp_path):
+    model, tokenizer = tiny
+    cfg = LongContextConfig(num_windows=1, context_len=256, budgets=[96], chunk=32, score_stride=2, recent_tokens=16,
+                            methods=["full", "key_diff", "recompute"], quants=["fp", "k8v4"], data_dir=str(DATA_DIR),
+                            output_dir=str(tmp_path))
+    row = run(cfg, model, tokenizer)["perplexity"]["96"]
+    assert list(row) == ["full", "key_diff", "recompute", "full+k8v4", "key_diff+k8v4"]
+    assert row["key_diff+k8v4"]["bytes_in_use"] < row["key_diff"]["bytes_in_use"] < row["full"]["bytes_in_use"]
+    assert row["full+k8v4"]["bytes_in_use"] < row["full"]["bytes_in_use"]
+    assert "Memory-matched" in (cfg.run_dir() / "report.md").read_text()
+    with pytest.raises(ValueError, match="k9"):
+        LongContextConfig(quants=["k9"])
+
+
 def test_passkey_examples_and_run(tiny, tmp_path):
     model, tokenizer = tiny
     cfg = LongContextConfig(task="passkey", methods=["full", "sink_window", "key_norm"], contexts=[256],

@@ -245,6 +245,8 @@ def write_plot(run_dir: Path, cfg: LongContextConfig, metrics: dict) -> str | No
                 if m["bytes_in_use"] is not None:
                     ax.scatter(m["bytes_in_use"] / 2**20, m["ppl"], label=f"{method} ({budget})")
                     ax.annotate(method, (m["bytes_in_use"] / 2**20, m["ppl"]), fontsize=6)
+                else:  # the recomputation reference holds no cache
+                    ax.axhline(m["ppl"], color="grey", ls="--", lw=0.8, label=f"{method} ({budget})")
         ax.set(xlabel="KV MiB held at the end of the stream", ylabel="perplexity beyond the budget", yscale="log",
                title=f"streaming perplexity vs memory, {cfg.context_len}-token windows")
         name = "perplexity.png"

@@ -416,9 +416,10 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
             return RetentionStats(None, self._num_tokens, self._num_tokens, 0, 0)
         return self._evictor.stats(self._num_tokens)
 
-    def retention_tables(self) -> RowTables:
-        """The block tables a retention policy acts on (the full-attention group, the only one it supports)."""
-        return self._groups[0]
+    def retention_tables(self) -> RowTables | None:
+        """The block tables a retention policy acts on (the full-attention group, the only one it supports); None
+        before a cache built without config has seen its first layer."""
+        return self._groups[0] if self._groups else None
 
     def retention_layers(self) -> list[PagedLayer]:
         return self._paged_layers()

@@ -23,7 +23,7 @@ class RetentionOwner(Protocol):
     block_size: int
     seq_id: int
 
-    def retention_tables(self) -> RowTables: ...  # the cache's one layer group (full attention)
+    def retention_tables(self) -> RowTables | None: ...  # the cache's one layer group (full attention), if any
 
     def retention_layers(self) -> list: ...  # its PagedLayers
 
@@ -85,10 +85,12 @@ class Evictor:
             PoolExhaustedError: a compaction needs fresh blocks a fixed pool does not have (nothing changed).
         """
         rt = cache.retention_tables()
+        if rt is None or not rt.rows:  # nothing stored yet
+            return
         B = cache.block_size
-        held = rt.rows[0].num_tokens if rt.rows else 0
+        held = rt.rows[0].num_tokens
         plan = self.policy.plan(held, held + self.num_evicted, new, B, step=self.num_steps)
-        if plan.drop_positions and held:
+        if plan.drop_positions:
             self._drop(cache, rt, plan.drop_positions)
         elif plan.keep_tokens is not None and 0 < plan.keep_tokens < held:
             self._compact(cache, rt, plan.keep_tokens)

@@ -61,6 +61,17 @@ def test_a_window_that_evicts_nothing_equals_dynamic_cache(llama):
     assert cache.retention_stats().tokens_evicted == 0
 
 
+def test_a_cache_built_without_config_evicts_the_same(llama):
+    x = ids(1, sum(STEPS), seed=3)
+    policy = SinkWindow(sink_tokens=4, window=8)
+    lazy = PagedCache(block_size=B, retention=policy, debug=True)
+    built = PagedCache(block_size=B, config=llama.config, retention=policy)
+    assert torch.equal(run_steps(llama, x, STEPS, lazy), run_steps(llama, x, STEPS, built))
+    assert lazy.retention_stats() == built.retention_stats() and lazy.retention_stats().tokens_evicted > 0
+    lazy.release()
+    built.release()
+
+
 def test_a_long_stream_holds_only_the_sink_and_window_blocks(llama):
     W, S = 16, 4
     pool = BlockPool(block_size=B, num_blocks=12)  # a fixed pool 12 blocks deep: 48 tokens, the stream is 400

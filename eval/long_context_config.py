@@ -45,7 +45,8 @@ class LongContextConfig:
         sink_tokens (`int`, defaults to 4), recent_tokens (`int`, defaults to 64): the sinks of `sink_window` and
             `recompute`; the protected sinks / recent tokens of the importance policies.
         block_size (`int`, defaults to 16): `PagedCache` block size.
-        methods (`list[str]`): from `PPL_METHODS` (perplexity) or `PASSKEY_METHODS` (passkey).
+        methods (`list[str]`, *optional*): from `PPL_METHODS` (perplexity) or `PASSKEY_METHODS` (passkey); all of
+            the task's by default.
         quants (`list[str]`, defaults to fp): KV formats (`QuantConfig` presets) each cache method also runs with
             (perplexity), for the memory-matched comparison of eviction against quantization (``key_diff+k8v4``).
         contexts (`list[int]`, defaults to 1024 2048 4096), depths (`list[int]`, defaults to 10 50 90),
@@ -68,7 +69,7 @@ class LongContextConfig:
     sink_tokens: int = 4
     recent_tokens: int = 64
     block_size: int = 16
-    methods: list[str] = field(default_factory=lambda: list(PPL_METHODS))
+    methods: list[str] | None = None
     quants: list[str] = field(default_factory=lambda: ["fp"])
     contexts: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
     depths: list[int] = field(default_factory=lambda: [10, 50, 90])
@@ -85,6 +86,8 @@ class LongContextConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"LongContextConfig.{name} must be a positive int, got {value!r}.")
+        if self.methods is None:
+            self.methods = list(PPL_METHODS if self.task == "perplexity" else PASSKEY_METHODS)
         for name, kind in (("budgets", int), ("contexts", int), ("depths", int), ("ratios", float),
                            ("methods", str), ("quants", str)):
             value = getattr(self, name)

@@ -48,7 +48,7 @@ from .tasks.perplexity.metrics import token_nll
 logger = logging.getLogger(__name__)
 
 
-# -- caches -------------------------------------------------------------------------------------------------------------
+# -- caches ------------------------------------------------------------------------------------------------------------
 def policy_for(method: str, cfg: LongContextConfig, budget: int | None = None, ratio: float | None = None,
                context: int | None = None):
     """The retention policy of `method` for a token `budget` (perplexity) or a compression `ratio` of a `context`
@@ -67,7 +67,7 @@ def policy_for(method: str, cfg: LongContextConfig, budget: int | None = None, r
     return cls(budget=budget, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens)
 
 
-# -- streaming perplexity -----------------------------------------------------------------------------------------------
+# -- streaming perplexity ----------------------------------------------------------------------------------------------
 def scored_chunks(cfg: LongContextConfig, budget: int) -> list[int]:
     """Start offsets of the chunks scored at this budget: after the budget, every `score_stride`-th, each with a
     next token to predict after it."""
@@ -147,7 +147,7 @@ def run_perplexity(model, tokenizer, cfg: LongContextConfig) -> tuple[list[dict]
     return records, {"perplexity": table}
 
 
-# -- passkey ------------------------------------------------------------------------------------------------------------
+# -- passkey -----------------------------------------------------------------------------------------------------------
 @torch.no_grad()
 def answer(model, tokenizer, cache: PagedCache, example: dict, max_new_tokens: int = 8) -> tuple[str, dict]:
     """Prefill the context in one step, append the question as the next step (the cache compresses the context
@@ -192,7 +192,7 @@ def run_passkey(model, tokenizer, cfg: LongContextConfig) -> tuple[list[dict], d
     return records, {"passkey": table}
 
 
-# -- report -------------------------------------------------------------------------------------------------------------
+# -- report ------------------------------------------------------------------------------------------------------------
 def report_text(cfg: LongContextConfig, metrics: dict) -> str:
     lines = [f"# Long contexts: {cfg.task}", "", f"Model: {cfg.model or 'SmolLM2-135M-Instruct (bundled GGUF)'}; "
              f"data: `{cfg.dataset}`; block size {cfg.block_size}; sinks {cfg.sink_tokens}, recent tokens "

@@ -22,8 +22,8 @@ class EvictionPlan(NamedTuple):
 class RetentionPolicy:
     """The interface of a retention policy (one small frozen dataclass per method, as kvpress has one press each).
 
-    Before each forward step the cache asks `plan(held, seen, new, block_size, step)` what to evict; a token-level policy
-    also implements `select`. Tokens are counted in the cache's *logical* order: a row holds `held` tokens in its
+    Before each forward step the cache asks `plan(held, seen, new, block_size, step)` what to evict; a token-level
+    policy also implements `select`. Tokens are counted in the cache's *logical* order: a row holds `held` tokens in its
     block slots ``0 .. held - 1`` (oldest first), after `seen - held` tokens were evicted.
     """
 

@@ -8,17 +8,23 @@ from hf_pagedkv.errors import CacheReleasedError, InvariantError, PoolExhaustedE
 from hf_pagedkv.adapter.generation import generate
 from hf_pagedkv.adapter.paged_layer import PagedLayer
 from hf_pagedkv.pool.prefix_index import BlockHash
+from hf_pagedkv.retention import KeyDiff, KeyNorm, RetentionPolicy, RetentionStats, SinkWindow
 
 __all__ = [
     "BlockHash",
     "BlockPool",
     "CacheReleasedError",
     "InvariantError",
+    "KeyDiff",
+    "KeyNorm",
     "PagedCache",
     "PagedLayer",
     "PoolExhaustedError",
     "PoolStats",
     "QuantConfig",
+    "RetentionPolicy",
+    "RetentionStats",
+    "SinkWindow",
     "cache_kwargs",
     "generate",
 ]

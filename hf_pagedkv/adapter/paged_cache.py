@@ -22,6 +22,8 @@ from hf_pagedkv.adapter.step_plan import StepPlan
 from hf_pagedkv.adapter.step_planner import StepPlanner
 from hf_pagedkv.adapter.step_tensors import StepTensors
 from hf_pagedkv.errors import EMPTY_PROMPT
+from hf_pagedkv.retention.evictor import Evictor
+from hf_pagedkv.retention.retention_stats import RetentionStats
 from hf_pagedkv.storage.read_request import ReadRequest
 
 logger = logging.getLogger(__name__)
@@ -60,12 +62,16 @@ class PagedCache(Cache):
             ``QuantConfig(key_bits=8, value_bits=4)`` (see `QuantConfig`); ``"fp"`` for full precision. `None`
             (default) means the pool's setting, full precision for a new pool. The last, partial block of each row
             stays in full precision; `layers[i].keys` / `.values` return de-quantized tensors.
+        retention (`RetentionPolicy`, *optional*): evict tokens before each forward step and give their blocks
+            back (`SinkWindow`, `KeyNorm`, `KeyDiff` in `hf_pagedkv.retention`); `get_seq_length()` keeps counting
+            every token seen, `retention_stats()` says how many are held. Full-attention models only for now.
 
     Raises:
         ValueError: `block_size` not a positive int or different from the pool's; `pool` not a `BlockPool`;
             `num_blocks`/`max_memory` given with `pool`; `quant` invalid or different from the pool's; a layer
             type it does not store (by name); at the first `update`, a `max_memory` pool not sized yet and no
-            `config` (the number of layers is unknown).
+            `config` (the number of layers is unknown); `retention` not a policy, or given for a model with
+            sliding-window layers.
 
     Example:
 
@@ -88,6 +94,7 @@ class PagedCache(Cache):
         num_blocks: int | None = None,
         max_memory: int | str | None = None,
         quant: QuantConfig | str | None = None,
+        retention=None,
     ) -> None:
         if block_size is not None:
             check_positive_int("block_size", block_size)
@@ -121,6 +128,7 @@ class PagedCache(Cache):
         self._publish_at_next_step: list[int] | None = None  # a prompt to publish before sliding groups free it
         self.last_step_tokens = 0  # new tokens per row of the last forward step (a sliding group holds them too)
         self._maybe_dups = False  # rows were just forked, so identical rows may be deduplicated next step
+        self._evictor = None if retention is None else Evictor(retention)  # retention policy state, or None
         self._released = False
         self._owner = pool.register_owner()  # this cache's token in the pool's table registry
         self.seq_id = self._owner  # names this cache in the block event log
@@ -154,8 +162,19 @@ class PagedCache(Cache):
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Tokens cached per row (layer `layer_idx`)."""
+        """Tokens seen per row (layer `layer_idx`): cached ones, plus those a retention policy evicted."""
         return super().get_seq_length(layer_idx)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        """`(kv_length, kv_offset)` of layer `layer_idx` for a step of `query_length` tokens (see
+        `PagedLayer.get_mask_sizes`). With a retention policy, the step's eviction happens here, between steps:
+        transformers builds the mask from these sizes before any layer runs, so they must describe what stays."""
+        layers = self._paged_layers()
+        if self._evictor is not None and query_length and all(layer.num_tokens == self._num_tokens for layer in layers):
+            with self.pool.lock:
+                self._evictor.evict(self, query_length)
+            self._after_change()
+        return super().get_mask_sizes(query_length, layer_idx)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens from every row (a negative int, as `DynamicCache`).
@@ -175,6 +194,8 @@ class PagedCache(Cache):
         if tokens_to_remove == 0 or self._num_tokens == 0:
             return
         new_len = max(0, self._num_tokens + tokens_to_remove)
+        if self._evictor is not None:  # retention: evicted tokens cannot come back
+            self._evictor.check_crop(new_len)
         for rt in self._groups:  # a sliding group must still hold the window the next step reads
             if rt.droppable(new_len) < rt.num_dropped:
                 raise ValueError(
@@ -250,7 +271,9 @@ class PagedCache(Cache):
         self._end_step()
         self._grad_history = False
         for layer in self._paged_layers():
-            layer.num_tokens = 0
+            layer.num_tokens = layer.num_evicted = 0
+        if self._evictor is not None:
+            self._evictor.reset()
 
     # -- hf_pagedkv API -----------------------------------------------------------------------------------------
     def fork(self) -> PagedCache:
@@ -270,6 +293,7 @@ class PagedCache(Cache):
         other._num_layers = self._num_layers
         other._prefix_key = self._prefix_key  # same model, same tokens: a fork may publish them too
         other._grad_history = self._grad_history
+        other._evictor = None if self._evictor is None else self._evictor.copy()
         with self.pool.lock:
             for mine, rt in [(other._tables_for(rt.window), rt) for rt in self._groups]:  # all groups, then rows
                 for row in rt.rows:
@@ -382,7 +406,8 @@ class PagedCache(Cache):
             raise ValueError(f"publish got {len(rows)} rows of ids for a cache of {self.num_rows} rows.")
         layers = self._paged_layers()
         written = min([layer.num_tokens for layer in layers] + [self._num_tokens]) if layers else 0
-        return prefix_cache.publish_rows(pool, self._groups, rows, written, self._prefix_key)
+        intact = None if self._evictor is None else self._evictor.num_intact_blocks  # retention: later blocks differ
+        return prefix_cache.publish_rows(pool, self._groups, rows, written, self._prefix_key, max_blocks=intact)
 
     def __deepcopy__(self, memo: dict) -> PagedCache:
         """`copy.deepcopy(cache)`: an independent cache sharing this one's blocks copy-on-write (see `fork`)."""
@@ -439,6 +464,7 @@ class PagedCache(Cache):
 
     def __repr__(self) -> str:
         quant = f", quant={self.pool.quant.name}" if self.pool.quant.is_quantized else ""
+        quant += f", retention={self._evictor.policy!r}" if self._evictor is not None else ""
         return (f"PagedCache(rows={self.num_rows}, tokens={self._num_tokens}, block_size={self.block_size}, "
                 f"layers={len(self.layers)}{quant}{', released' if self._released else ''})")
 
@@ -458,6 +484,9 @@ class PagedCache(Cache):
         group = self.pool.group_for(window)
         rt = self._by_group.get(group)
         if rt is None:
+            if window is not None and self._evictor is not None:
+                raise ValueError(f"retention={self._evictor.policy!r} is not supported yet on models with "
+                                 f"sliding-window layers (window {window}); use it with full-attention models.")
             if self._num_tokens:
                 raise RuntimeError("A layer of a new layer group appeared after this PagedCache stored tokens; "
                                    "build the cache with config=model.config so every layer is known up front.")
@@ -472,6 +501,7 @@ class PagedCache(Cache):
     def _clone_layer(layer: PagedLayer, owner: PagedCache) -> PagedLayer:
         new = PagedLayer(owner, layer.layer_idx, layer.sliding_window, group=layer.group)
         new.num_tokens, new.spec, new.is_initialized = layer.num_tokens, layer.spec, layer.is_initialized
+        new.num_evicted = layer.num_evicted
         if layer.is_initialized:
             new.dtype, new.device = layer.dtype, layer.device
         return new
@@ -492,6 +522,35 @@ class PagedCache(Cache):
             if problems:
                 raise InvariantError(f"invariant 7 (block tables and their mirror agree) broken in the cache's "
                                      f"group {rt.group}: {'; '.join(problems)}")
+        evicted = 0 if self._evictor is None else self._evictor.num_evicted
+        bad = [layer.layer_idx for layer in self._paged_layers() if layer.is_initialized
+               and (layer.num_evicted != evicted or layer.num_tokens > self._num_tokens)]
+        if bad:
+            raise InvariantError(f"retention: layers {bad} disagree with the cache on tokens held/evicted "
+                                 f"({self._num_tokens} held, {evicted} evicted)")
+
+    # -- retention (hf_pagedkv/retention: the Evictor works through these) ------------------------------------------
+    def retention_stats(self) -> RetentionStats:
+        """Tokens seen vs held per row, and what the retention policy evicted (`RetentionStats`)."""
+        if self._evictor is None:
+            return RetentionStats(None, self._num_tokens, self._num_tokens, 0, 0)
+        return self._evictor.stats(self._num_tokens)
+
+    def retention_tables(self) -> RowTables | None:
+        """The block tables a retention policy acts on (the full-attention group, the only one it supports); None
+        before a cache built without config has seen its first layer."""
+        return self._groups[0] if self._groups else None
+
+    def retention_layers(self) -> list[PagedLayer]:
+        return self._paged_layers()
+
+    def set_held(self, held: int, evicted: int) -> None:
+        """After an eviction: every row and layer holds `held` tokens, `evicted` were evicted before them."""
+        self._num_tokens = held
+        self._end_step()
+        for layer in self._paged_layers():
+            layer.num_tokens = min(layer.num_tokens, held)
+            layer.num_evicted = evicted
 
     # -- internals: the forward step ------------------------------------------------------------------------------
     def update_layer(self, layer: PagedLayer, key_states: torch.Tensor,
@@ -564,6 +623,8 @@ class PagedCache(Cache):
         with self.pool.lock:
             num_rows = self.num_rows
             self._match_batch(key_states.shape[0])
+            if self._evictor is not None:  # retention (hf_pagedkv/retention): evict before this step is planned
+                self._evictor.before_step(self, key_states.shape[2])
             try:
                 plan = self._planner.begin(self._groups, key_states, value_states, self._num_tokens,
                                            maybe_dups=self._maybe_dups, grad_history=self._grad_history)

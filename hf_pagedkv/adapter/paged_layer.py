@@ -57,7 +57,8 @@ class PagedLayer(CacheLayerMixin):
         self.sliding_window = sliding_window  # tokens of the attention window, or None for full attention
         self.group = group  # the pool's layer group holding this layer's blocks; fixed
         self.is_sliding = sliding_window is not None
-        self.num_tokens = 0  # tokens this layer has written; set by the cache only
+        self.num_tokens = 0  # tokens this layer holds (written, less any evicted); set by the cache only
+        self.num_evicted = 0  # tokens a retention policy evicted before the held ones (the kv offset); cache only
         self.spec: LayerSpec | None = None  # shape/dtype/device, fixed by the first update
 
     @property
@@ -148,15 +149,22 @@ class PagedLayer(CacheLayerMixin):
                 and key_states.device == spec.device)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """`(kv_length, kv_offset)` of what the next `update` with `query_length` tokens returns."""
+        """`(kv_length, kv_offset)` of what the next `update` with `query_length` tokens returns.
+
+        After a retention policy evicted tokens, the held ones are read as if they were the positions just before
+        the new tokens (``kv_offset = evicted``): a causal mask then shows every held token to every new one and
+        the new ones to each other causally, which is exactly what the cache keeps (keys carry their original RoPE).
+        NOTE: a 2D padding mask is indexed by those virtual positions too, so a left-padded batch after an
+        eviction may show pad tokens kept in a sink block; retention is exact for unpadded rows.
+        """
         if self.sliding_window is None:
-            return self.num_tokens + query_length, 0
+            return self.num_tokens + query_length, self.num_evicted
         w = self.sliding_window
         return min(self.num_tokens, w - 1) + query_length, max(self.num_tokens - w + 1, 0)
 
     def get_seq_length(self) -> int:
-        """Tokens cached in this layer."""
-        return self.num_tokens
+        """Tokens seen by this layer (held plus evicted by a retention policy: new tokens get their true positions)."""
+        return self.num_tokens + self.num_evicted
 
     def get_max_length(self) -> int:
         """-1 (no maximum) for full attention, the window for sliding-window layers (as `DynamicCache`)."""

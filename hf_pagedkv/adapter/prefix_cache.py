@@ -138,9 +138,11 @@ def hit_length(pool: BlockPool, groups: list[RowTables], hashes: list) -> int:
     return hit
 
 
-def publish_rows(pool: BlockPool, groups: list[RowTables], rows: list[list[int]], written: int, key: bytes) -> int:
+def publish_rows(pool: BlockPool, groups: list[RowTables], rows: list[list[int]], written: int, key: bytes,
+                 max_blocks: int | None = None) -> int:
     """Publish the full blocks of each row (row `r` holds the K/V of ``rows[r][:written]``) in every layer group
-    (a sliding group publishes the full blocks it still holds). Returns the blocks newly published.
+    (a sliding group publishes the full blocks it still holds), at most the first `max_blocks` held blocks of a row
+    (a retention policy's intact blocks: later ones hold other tokens). Returns the blocks newly published.
 
     Raises:
         ValueError: a block already published for other tokens.
@@ -152,6 +154,8 @@ def publish_rows(pool: BlockPool, groups: list[RowTables], rows: list[list[int]]
         for rt in groups:
             row = rt.rows[r]
             mine = hashes[row.num_dropped:]
+            if max_blocks is not None:
+                mine = mine[:max_blocks]
             published += pool.publish_blocks(mine, row.blocks[: len(mine)], group=rt.group)
     return published
 

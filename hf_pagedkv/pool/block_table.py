@@ -31,6 +31,8 @@ class BlockTable:
     num_tokens: int = 0  # tokens written to this row; changed by the owning cache only
     num_contiguous: int = 0  # length of the leading run of consecutive block ids
     num_dropped: int = 0  # leading block positions freed by a sliding window (name no block)
+    # retention (hf_pagedkv/retention): block positions a budgeted table may cover, or None; set by the cache's Evictor
+    max_positions: int | None = None
 
     @property
     def is_contiguous(self) -> bool:
@@ -80,13 +82,26 @@ class BlockTable:
             self.num_contiguous = run
         return dropped
 
+    def remove_positions(self, positions: list[int]) -> list[int]:
+        """Retention: take held block positions `positions` out of the table (later blocks move up, so their tokens'
+        logical positions drop by ``block_size`` each); return the ids let go. The caller fixes `num_tokens`."""
+        assert self.num_dropped == 0, "a retention table drops no leading positions"
+        gone = set(positions)
+        dropped = [b for j, b in enumerate(self.blocks) if j in gone]
+        self.blocks = [b for j, b in enumerate(self.blocks) if j not in gone]
+        run = 1 if self.blocks else 0
+        while run < len(self.blocks) and self.blocks[run] == self.blocks[0] + run:
+            run += 1
+        self.num_contiguous = run
+        return dropped
+
     def after(self, position: int) -> list[int]:
         """Held block ids at positions ``>= position``."""
         return self.blocks[max(0, position - self.num_dropped):]
 
     def copy(self) -> BlockTable:
         """A copy naming the same blocks (the caller increfs them)."""
-        return BlockTable(list(self.blocks), self.num_tokens, self.num_contiguous, self.num_dropped)
+        return BlockTable(list(self.blocks), self.num_tokens, self.num_contiguous, self.num_dropped, self.max_positions)
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:

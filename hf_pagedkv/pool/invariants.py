@@ -5,7 +5,8 @@ step; a `debug=True` cache after every change). Each error names its number:
    prefix index is consistent (hash <-> block maps inverse) and names no free block;
 2. `refcount[b]` equals the live table entries naming `b` (so with no live table, no block is in use: no leak);
 3. a table holding `n` tokens covers ``ceil(n / block_size)`` block positions (a sliding-window table drops only
-   positions wholly before its window) and names a block once;
+   positions wholly before its window) and names a block once; a budgeted table (a retention policy's,
+   `max_positions`) covers at most the positions of its budget;
 4. quantized pools: a full block is encoded once, since it was last freed or reopened by a crop (the one case
    of a second encode);
 5. the free queue names only real blocks;
@@ -63,6 +64,11 @@ def check_group_invariants(group: BlockGroup) -> None:
                 raise InvariantError(
                     f"invariant 3 (only blocks outside the window are dropped) broken{where}: a table of "
                     f"{row.num_tokens} tokens dropped {row.num_dropped} blocks, at most {may_drop} allowed"
+                )
+            if row.max_positions is not None and row.num_positions > row.max_positions:
+                raise InvariantError(
+                    f"invariant 3 (a budgeted table owns at most its budget's blocks) broken{where}: a table of "
+                    f"{row.num_tokens} tokens owns {row.num_positions} blocks, its retention budget {row.max_positions}"
                 )
             if len(set(row.blocks)) != len(row.blocks):
                 dup = [b for b, c in Counter(row.blocks).items() if c > 1]

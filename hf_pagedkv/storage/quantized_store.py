@@ -319,7 +319,9 @@ class QuantizedPageStore:
         rest = start % B if start // B >= first else 0  # tokens of the partial block before `start`
         partial = table[:, start // B].tolist() if rest else None  # each row's partial block
         n_sink = min(self.sink_tokens, start) if first == 0 else 0  # tokens read from the sink, in full precision
-        sinks = [self.states.sink_of[b] for b in table[:, 0].tolist()] if n_sink else None  # each row's sink stage
+        sinks = [self.states.sink_of.get(b) for b in table[:, 0].tolist()] if n_sink else None  # rows' sink stages
+        if sinks is not None and None in sinks:  # retention freed the first block: its successor is read decoded
+            n_sink, sinks = 0, None
         out = []
         for half, dim in enumerate((spec.key_dim, spec.value_dim)):
             buf = torch.empty((spec.num_kv_heads, batch, end - first * B, dim), dtype=spec.dtype, device=spec.device)

@@ -59,7 +59,16 @@ def _generate(args: argparse.Namespace) -> int:
         gen.update({k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p)) if v is not None})
 
     quant = QuantConfig.resolve(args.quant)
-    cache = PagedCache(block_size=args.block_size, config=model.config, quant=quant)
+    retention = None
+    if args.retention is not None:
+        from hf_pagedkv.retention.spec import parse_retention
+
+        try:
+            retention = parse_retention(args.retention)
+        except ValueError as e:
+            print(f"hf-pagedkv generate: {e}", file=sys.stderr)
+            return 2
+    cache = PagedCache(block_size=args.block_size, config=model.config, quant=quant, retention=retention)
     t0 = time.perf_counter()
     set_seed(args.seed)  # the same seed for the --check run: sampling draws the same tokens from the same logits
     with torch.inference_mode():
@@ -72,6 +81,10 @@ def _generate(args: argparse.Namespace) -> int:
     print(f"prompt: {input_ids.shape[1]} tokens ({source}); generated {len(new_tokens)} tokens in {seconds:.1f} s "
           f"({len(new_tokens) / seconds:.1f} tokens/s)")
     cached = cache.get_seq_length()
+    if retention is not None:
+        kept = cache.retention_stats()
+        print(f"retention {retention}: {kept.tokens_held} of {kept.tokens_seen} tokens held "
+              f"({kept.num_evictions} evictions)")
     fmt = f" ({quant.name})" if quant.is_quantized else ""
     print(f"PagedCache{fmt}: {stats.blocks_in_use} blocks of {stats.block_size} tokens for {cached} cached tokens, "
           f"{stats.bytes_in_use / MiB:.1f} MiB held ({stats.bytes_in_use / max(cached, 1) / 1024:.1f} KiB/token), "
@@ -127,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="tokens per KV block (default: PagedCache's, 16, or 32 with --quant)")
     g.add_argument("--quant", default="fp", choices=list(PRESETS),
                    help="KV storage format, e.g. k8v4: 8-bit keys, 4-bit values (default: %(default)s)")
+    g.add_argument("--retention", metavar="SPEC", help="a retention policy that evicts tokens and frees their blocks: "
+                   "sink_window:SINK:WINDOW, key_norm:BUDGET|RATIO or key_diff:BUDGET|RATIO")
     g.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     g.add_argument("--temperature", type=float, help="sampling temperature, with --do-sample (default: the model's)")
     g.add_argument("--top-p", type=float, help="nucleus sampling mass, with --do-sample (default: the model's)")

@@ -46,6 +46,8 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
                         "num_key_value_heads / tp KV heads, and the plan is one rank's (default: %(default)s)")
     p.add_argument("--memory", help="memory to fit in, one rank's device with --tp, e.g. 24GiB (default: CUDA device "
                                     "0's memory; without CUDA, this machine's RAM / --tp, as CPU ranks share it)")
+    p.add_argument("--retention", metavar="SPEC", help="plan for a retention policy: each sequence holds at most "
+                   "what it keeps (sink_window:SINK:WINDOW, key_norm:BUDGET|RATIO, key_diff:BUDGET|RATIO)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=_plan)
 
@@ -127,6 +129,19 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--tp {args.tp}: {e}")
     if args.dtype == "auto":
         args.dtype = _auto_dtype(args.model)
+    if getattr(args, "retention", None):  # a retention policy bounds what each sequence holds
+        from hf_pagedkv.retention.spec import parse_retention
+
+        try:
+            policy = parse_retention(args.retention)
+        except ValueError as e:
+            parser.error(str(e))
+        bound = policy.max_held(1, args.block_size or 16)
+        ratio = getattr(policy, "compression_ratio", None)
+        held = bound if bound is not None else int(args.max_seq_len * (1 - ratio)) + 1
+        if held < args.max_seq_len:
+            print(f"retention {policy}: each sequence of {args.max_seq_len:,} tokens holds at most {held:,}")
+            args.max_seq_len = held
     try:
         plan = plan_capacity(model, args.max_seq_len, args.batch, quant=args.quant, dtype=args.dtype,
                              block_size=args.block_size, value_group_size=args.value_group_size, memory=memory,

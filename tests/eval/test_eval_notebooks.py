@@ -15,7 +15,7 @@ NOTEBOOKS = sorted((REPO / "examples").glob("*.ipynb"))
 
 def test_notebooks_are_listed_and_stored_without_outputs():
     assert [p.name for p in NOTEBOOKS] == ["01_quickstart.ipynb", "02_memory_savings.ipynb",
-                                           "03_quantization_drift.ipynb"]
+                                           "03_quantization_drift.ipynb", "04_long_contexts.ipynb"]
     readme = (REPO / "examples" / "README.md").read_text()
     for path in NOTEBOOKS:
         assert f"`{path.name}`" in readme
@@ -53,6 +53,7 @@ def test_notebook_executes(path: Path, kernel):
     as_text = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" not in o.get("data", {})
                and o.get("data", {}).get("text/plain", "").startswith("<Figure size")]
     assert as_text == []  # a figure shown as its repr instead of an image
-    assert len(images) >= {"01_quickstart": 0, "02_memory_savings": 1, "03_quantization_drift": 3}[path.stem]
+    assert len(images) >= {"01_quickstart": 0, "02_memory_savings": 1, "03_quantization_drift": 3,
+                           "04_long_contexts": 1}[path.stem]
     if path.stem == "03_quantization_drift":
         assert any((out / d / "metrics.json").exists() for d in os.listdir(out))

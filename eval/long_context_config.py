@@ -1,0 +1,151 @@
+"""`LongContextConfig`: the settings of a long-context run (`python -m eval.long_context`), layered as dataclass
+defaults, then a YAML file, then CLI flags (as `EvalConfig` for the drift suite)."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import yaml
+
+from .config import resolve_data_dir
+
+#: Cache methods of the streaming-perplexity task. `recompute` is StreamingLLM's reference, the sliding window with
+#: recomputation: each scored chunk is computed without a cache from exactly the sinks and its last tokens.
+PPL_METHODS = ("full", "sink_window", "window_only", "key_norm", "key_diff", "recompute")
+#: Methods of the passkey task (the budget there is a compression ratio of the context).
+PASSKEY_METHODS = ("full", "sink_window", "key_norm", "key_diff")
+TASKS = ("perplexity", "passkey")
+_NOT_IN_NAME = ("output_dir", "overwrite", "data_dir", "num_threads")
+
+
+@dataclass
+class LongContextConfig:
+    """The settings of one long-context run. Every field can be set in a YAML file (same name) or by a CLI flag.
+
+    Args:
+        task (`str`, defaults to `"perplexity"`): `perplexity` (streaming perplexity beyond the budget over
+            WikiText windows) or `passkey` (a passkey hidden in a local haystack, asked for after the compressed
+            context).
+        model (`str`, *optional*): transformers id, directory or `.gguf`; `None`: the bundled SmolLM2-135M-Instruct.
+        num_threads (`int`, defaults to 0): torch CPU threads (0: torch's default).
+        dataset (`str`, defaults to WikiText-2 test): text file under `data_dir` (the haystack of `passkey` too).
+        data_dir (`str`, *optional*): defaults to `$HF_PAGEDKV_DATA_DIR`, else `eval/data/`.
+        num_windows (`int`, defaults to 4): windows (perplexity).
+        context_len (`int`, defaults to 8192): tokens per window (perplexity).
+        budgets (`list[int]`, defaults to 512 1024 2048): tokens a retention policy keeps (perplexity).
+        chunk (`int`, defaults to 64): tokens per forward step of the stream; a chunk's tokens see what is kept
+            plus the chunk's earlier tokens.
+        score_stride (`int`, defaults to 4): every `score_stride`-th chunk after the budget is scored (the
+            recomputation reference runs one forward per scored chunk).
+        sink_tokens (`int`, defaults to 4), recent_tokens (`int`, defaults to 64): the sinks of `sink_window` and
+            `recompute`; the protected sinks / recent tokens of the importance policies.
+        block_size (`int`, defaults to 16): `PagedCache` block size.
+        methods (`list[str]`, *optional*): from `PPL_METHODS` (perplexity) or `PASSKEY_METHODS` (passkey); all of
+            the task's by default.
+        quants (`list[str]`, defaults to fp): KV formats (`QuantConfig` presets) each cache method also runs with
+            (perplexity), for the memory-matched comparison of eviction against quantization (``key_diff+k8v4``).
+        contexts (`list[int]`, defaults to 1024 2048 4096), depths (`list[int]`, defaults to 10 50 90),
+            ratios (`list[float]`, defaults to 0.25 0.5 0.75), num_keys (`int`, defaults to 4): passkey contexts in
+            tokens, needle depths in percent, compression ratios, and seeded keys per (context, depth).
+        seed (`int`, defaults to 0).
+        output_dir (`str`, defaults to `"eval/runs"`), overwrite (`bool`, defaults to `False`).
+    """
+
+    task: str = "perplexity"
+    model: str | None = None
+    num_threads: int = 0
+    dataset: str = "wikitext-2-raw/wiki.test.raw"
+    data_dir: str | None = None
+    num_windows: int = 4
+    context_len: int = 8192
+    budgets: list[int] = field(default_factory=lambda: [512, 1024, 2048])
+    chunk: int = 64
+    score_stride: int = 4
+    sink_tokens: int = 4
+    recent_tokens: int = 64
+    block_size: int = 16
+    methods: list[str] | None = None
+    quants: list[str] = field(default_factory=lambda: ["fp"])
+    contexts: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
+    depths: list[int] = field(default_factory=lambda: [10, 50, 90])
+    ratios: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75])
+    num_keys: int = 4
+    seed: int = 0
+    output_dir: str = "eval/runs"
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"LongContextConfig.task must be one of {TASKS}, got {self.task!r}.")
+        for name in ("num_windows", "context_len", "chunk", "score_stride", "block_size", "num_keys"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"LongContextConfig.{name} must be a positive int, got {value!r}.")
+        if self.methods is None:
+            self.methods = list(PPL_METHODS if self.task == "perplexity" else PASSKEY_METHODS)
+        for name, kind in (("budgets", int), ("contexts", int), ("depths", int), ("ratios", float),
+                           ("methods", str), ("quants", str)):
+            value = getattr(self, name)
+            if isinstance(value, (str, int, float)):
+                value = [v for v in re.split(r"[,\s]+", str(value)) if v]
+            setattr(self, name, [kind(v) for v in value])
+        allowed = PPL_METHODS if self.task == "perplexity" else PASSKEY_METHODS
+        bad = [m for m in self.methods if m not in allowed]
+        if bad:
+            raise ValueError(f"LongContextConfig.methods: {bad} not among the {self.task} methods {allowed}.")
+        from hf_pagedkv.config import QuantConfig
+
+        for q in self.quants:
+            QuantConfig.resolve(q)  # raises ValueError naming the preset
+        if self.task == "perplexity" and any(b >= self.context_len or b <= self.sink_tokens + self.recent_tokens
+                                             for b in self.budgets):
+            raise ValueError(f"LongContextConfig.budgets {self.budgets} must lie between sink_tokens + recent_tokens "
+                             f"({self.sink_tokens + self.recent_tokens}) and context_len ({self.context_len}).")
+        if any(not 0 < r < 1 for r in self.ratios) or any(not 0 <= d <= 100 for d in self.depths):
+            raise ValueError(f"LongContextConfig: ratios {self.ratios} must be in (0, 1), depths {self.depths} in "
+                             "[0, 100].")
+
+    @property
+    def resolved_data_dir(self) -> Path:
+        return resolve_data_dir(self.data_dir)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def run_dir(self) -> Path:
+        """`output_dir/<task>-<key settings>-<hash of every setting that changes the numbers>`."""
+        ident = {k: v for k, v in self.to_dict().items() if k not in _NOT_IN_NAME}
+        digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:6]
+        if self.task == "perplexity":
+            key = f"w{self.num_windows}-n{self.context_len}-b{'_'.join(map(str, self.budgets))}-c{self.chunk}"
+        else:
+            key = f"n{'_'.join(map(str, self.contexts))}-r{'_'.join(map(str, self.ratios))}-k{self.num_keys}"
+        return Path(self.output_dir) / f"long-{self.task}-{key}-{digest}"
+
+
+def resolve(argv: list[str] | None = None, prog: str = "python -m eval.long_context"):
+    """`(LongContextConfig, argparse.Namespace)` from defaults, then `--config FILE`, then the other flags."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, argument_default=argparse.SUPPRESS)
+    parser.add_argument("--config", dest="config_file", help="YAML file of settings (CLI flags override it)")
+    for f in fields(LongContextConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type == "bool":
+            parser.add_argument(flag, dest=f.name, action="store_true")
+        elif f.type.startswith("list"):
+            parser.add_argument(flag, dest=f.name, nargs="+")
+        elif f.type == "int":
+            parser.add_argument(flag, dest=f.name, type=int)
+        else:
+            parser.add_argument(flag, dest=f.name)
+    parser.add_argument("-v", "--verbose", action="store_true", default=False)
+    args = parser.parse_args(argv)
+    settings = {}
+    if getattr(args, "config_file", None):
+        settings.update(yaml.safe_load(Path(args.config_file).read_text()) or {})
+    settings.update({k: v for k, v in vars(args).items() if k not in ("config_file", "verbose")})
+    return LongContextConfig(**settings), args

@@ -1,0 +1,11 @@
+"""Retention policies: evict tokens before each forward step and give their blocks back to the pool."""
+
+from hf_pagedkv.retention.importance import ImportancePolicy
+from hf_pagedkv.retention.key_diff import KeyDiff
+from hf_pagedkv.retention.key_norm import KeyNorm
+from hf_pagedkv.retention.policy import EvictionPlan, RetentionPolicy
+from hf_pagedkv.retention.retention_stats import RetentionStats
+from hf_pagedkv.retention.sink_window import SinkWindow
+
+__all__ = ["EvictionPlan", "ImportancePolicy", "KeyDiff", "KeyNorm", "RetentionPolicy", "RetentionStats",
+           "SinkWindow"]

@@ -1,0 +1,190 @@
+"""`Evictor`: applies a cache's retention policy before each forward step, and gives the evicted blocks back."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from hf_pagedkv.pool.block_table import BlockTable, num_blocks_for
+from hf_pagedkv.retention.policy import RetentionPolicy
+from hf_pagedkv.retention.retention_stats import RetentionStats
+
+if TYPE_CHECKING:  # type-only: the owner is a PagedCache, which imports this module
+    from hf_pagedkv.adapter.row_tables import RowTables
+    from hf_pagedkv.block_pool import BlockPool
+
+
+class RetentionOwner(Protocol):
+    """What the `Evictor` asks of its cache (a `PagedCache`), so it never reads the cache's private state."""
+
+    pool: BlockPool
+    block_size: int
+    seq_id: int
+
+    def retention_tables(self) -> RowTables | None: ...  # the cache's one layer group (full attention), if any
+
+    def retention_layers(self) -> list: ...  # its PagedLayers
+
+    def read_layer(self, layer, lo: int) -> tuple[torch.Tensor, torch.Tensor]: ...  # held K/V of a layer
+
+    def set_held(self, held: int, evicted: int) -> None: ...  # tokens now held / evicted per row, in every layer
+
+
+class Evictor:
+    """The retention state of one `PagedCache`: its policy and what it evicted.
+
+    A row keeps its tokens in *logical* order: its block table holds `held` tokens in slots ``0 .. held - 1``,
+    and ``seen - held`` tokens were evicted (the kv offset transformers' masks get, `PagedLayer.get_mask_sizes`).
+    Before each forward step, the policy's `EvictionPlan` either frees whole blocks (`SinkWindow`: the later blocks
+    move up, no tensor is touched, every offset inside a block stays) or compacts every (layer, head) to the same
+    number of tokens in fresh blocks (importance policies), then frees the old ones. Rows with identical block tables
+    (beams before they diverge, `num_return_sequences`) are compacted once and keep sharing the result.
+
+    Invariants: every row and layer has evicted `num_evicted` tokens; the first `num_intact_blocks` logical blocks
+    still hold the tokens of their original positions (only those may be published to the prefix index); a crop
+    may not go below `num_held_after_eviction` (evicted tokens cannot come back, and compacted heads differ).
+    """
+
+    def __init__(self, policy: RetentionPolicy) -> None:
+        if not isinstance(policy, RetentionPolicy):
+            raise ValueError(f"`retention` must be a retention policy such as hf_pagedkv.SinkWindow(...) or "
+                             f"KeyNorm(...), got {type(policy).__name__}.")
+        self.policy = policy  # fixed
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every eviction (the cache was reset)."""
+        self.num_evicted = 0  # tokens evicted per row; changed by `before_step` only
+        self.num_steps = 0  # forward steps planned since the last reset
+        self.num_evictions = 0  # steps that evicted something
+        self.num_blocks_freed = 0  # block references let go by evictions (per row)
+        self.num_intact_blocks: int | None = None  # leading logical blocks at their original positions; None: all
+        self.num_held_after_eviction = 0  # tokens held right after the last eviction (the lowest crop target)
+
+    def copy(self) -> Evictor:
+        """An independent copy (for `PagedCache.fork`)."""
+        other = Evictor(self.policy)
+        other.__dict__.update(self.__dict__)
+        return other
+
+    # -- per step ----------------------------------------------------------------------------------------------------
+    def before_step(self, cache: RetentionOwner, new: int) -> None:
+        """The first layer of a step adding `new` tokens: evict (if `evict` has not already, for the mask) and count
+        the step. Called with the pool's lock held, before the step is planned."""
+        self.evict(cache, new)
+        self.num_steps += 1
+
+    def evict(self, cache: RetentionOwner, new: int) -> None:
+        """Evict what the policy says before the next step, which adds `new` tokens to every row, then bound the
+        rows' tables for invariant 3. Idempotent until the step runs: `PagedCache.get_mask_sizes` calls it first,
+        since transformers builds the step's attention mask from the sizes before any layer runs.
+
+        Raises:
+            PoolExhaustedError: a compaction needs fresh blocks a fixed pool does not have (nothing changed).
+        """
+        rt = cache.retention_tables()
+        if rt is None or not rt.rows:  # nothing stored yet
+            return
+        B = cache.block_size
+        held = rt.rows[0].num_tokens
+        plan = self.policy.plan(held, held + self.num_evicted, new, B, step=self.num_steps)
+        if plan.drop_positions:
+            self._drop(cache, rt, plan.drop_positions)
+        elif plan.keep_tokens is not None and 0 < plan.keep_tokens < held:
+            self._compact(cache, rt, plan.keep_tokens)
+        bound = self.policy.max_held(new, B)
+        for row in rt.rows:
+            row.max_positions = None if bound is None else num_blocks_for(bound, B)
+
+    def _drop(self, cache: RetentionOwner, rt: RowTables, positions: list[int]) -> None:
+        """Free whole logical block positions in every row (all full: never the last, partial one)."""
+        pool, B = cache.pool, cache.block_size
+        held = rt.rows[0].num_tokens
+        assert positions and positions[-1] < num_blocks_for(held, B) - 1, f"drop of {positions} of {held} tokens"
+        freed = []
+        for r, row in enumerate(rt.rows):
+            ids = row.remove_positions(positions)
+            row.num_tokens -= len(positions) * B
+            pool.free(ids, rt.group)
+            rt.set_row(r, 0)
+            freed += ids
+        n = len(positions) * B
+        self.num_intact_blocks = min(self.num_intact_blocks if self.num_intact_blocks is not None else positions[0],
+                                     positions[0])
+        self._evicted(cache, held - n, n, freed)
+
+    def _compact(self, cache: RetentionOwner, rt: RowTables, keep: int) -> None:
+        """Each (row, layer, head) keeps the policy's `keep` tokens, written into fresh blocks (slot `i`: the head's
+        `i`-th kept token); then the old blocks are freed."""
+        pool, B, g = cache.pool, cache.block_size, rt.group
+        held, nb = rt.rows[0].num_tokens, num_blocks_for(keep, B)
+        by_table: dict[tuple, list[int]] = {}  # identical rows are compacted once and share the result
+        for r, row in enumerate(rt.rows):
+            by_table.setdefault(tuple(row.blocks), []).append(r)
+        writers = [members[0] for members in by_table.values()]
+        pool.reserve(nb * len(writers), g)  # all or nothing: raises before anything changed
+        fresh = {}
+        for w in writers:
+            fresh[w] = pool.allocate(nb, after=fresh[writers[0]][-1] if fresh else None, group=g)
+        pos = torch.arange(keep)
+        blocks = torch.tensor([fresh[w] for w in writers], dtype=torch.long)  # [writers, nb]
+        slots = (blocks[:, pos // B] * B + pos % B).reshape(-1)  # [writers * keep], row-major
+        store = pool.groups[g].store
+        rows_idx, targets, planned = torch.tensor(writers), {}, False
+        for layer in cache.retention_layers():
+            if not layer.is_initialized:
+                continue
+            device = layer.spec.device
+            k, v = cache.read_layer(layer, 0)  # [batch, num_kv_heads, held, dim] each
+            if len(writers) < k.shape[0]:
+                k, v = k.index_select(0, rows_idx.to(device)), v.index_select(0, rows_idx.to(device))
+            idx = self.policy.select(k, keep)  # [writers, num_kv_heads, keep]
+            k = k.gather(2, idx[..., None].expand(-1, -1, -1, k.shape[-1]))  # [writers, num_kv_heads, keep, dim]
+            v = v.gather(2, idx[..., None].expand(-1, -1, -1, v.shape[-1]))
+            if device not in targets:  # (a quantized store encodes the kept tokens in their new blocks)
+                targets[device] = store.prepare_write(slots, device, new_step=not planned, start=0, num_new=keep)
+                planned = True
+            store.write(layer.layer_idx, targets[device], k.contiguous(), v.contiguous())
+        fills = [min(B, keep - j * B) for j in range(nb)]
+        freed = []
+        for members in by_table.values():
+            new = fresh[members[0]]
+            pool.mark_written(new, fills, g)
+            for i, r in enumerate(members):
+                old = rt.rows[r]
+                freed += old.blocks
+                pool.free(old.blocks, g)
+                row = BlockTable()
+                row.append(new)
+                row.num_tokens = keep
+                if i:
+                    pool.incref(new, g)
+                rt.rows[r] = row
+                rt.set_row(r, 0)
+        self.num_intact_blocks = 0
+        self._evicted(cache, keep, held - keep, freed)
+
+    def _evicted(self, cache: RetentionOwner, held: int, n: int, freed: list[int]) -> None:
+        self.num_evicted += n
+        self.num_evictions += 1
+        self.num_blocks_freed += len(freed)
+        self.num_held_after_eviction = held
+        cache.set_held(held, self.num_evicted)
+        cache.pool.events.emit("evict", sorted(Counter(freed)), seq=cache.seq_id, policy=self.policy.name,
+                               tokens=n)
+
+    # -- checks ------------------------------------------------------------------------------------------------------
+    def check_crop(self, new_len: int) -> None:
+        """Raise `ValueError` if a crop to `new_len` held tokens reaches into what an eviction left."""
+        if self.num_evictions and new_len < self.num_held_after_eviction:
+            raise ValueError(
+                f"crop to {new_len} held tokens reaches before what the retention policy ({self.policy.name}) kept "
+                f"at its last eviction ({self.num_held_after_eviction} tokens): evicted tokens cannot come back. "
+                "Crop at most the tokens added since (assisted decoding crops only its last step)."
+            )
+
+    def stats(self, held: int) -> RetentionStats:
+        return RetentionStats(self.policy.name, held + self.num_evicted, held, self.num_evictions,
+                              self.num_blocks_freed)

@@ -1,0 +1,101 @@
+"""`ImportancePolicy`: the common part of the query-free importance policies (score keys, keep the best per head)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hf_pagedkv.retention.policy import EvictionPlan, RetentionPolicy, check_int
+
+
+@dataclass(frozen=True)
+class ImportancePolicy(RetentionPolicy):
+    """Keep, per layer and per KV head, the `keep` held tokens with the highest score (`scores`, from the keys only:
+    no query is needed, so it runs in the cache). Every (layer, head) keeps the same number of tokens, so each head's
+    kept tokens are stored compactly in the row's blocks (slot `i` of head `h` holds that head's `i`-th kept token,
+    in their original order; keys keep their RoPE) and the blocks beyond the budget go back to the pool.
+
+    Give exactly one of:
+
+    - `budget`: a streaming budget: before every forward step a row holding more than `budget` tokens is compacted
+      to `budget` (the step's new tokens come on top, so a row holds at most ``budget + new`` tokens);
+    - `compression_ratio`: the fraction of the context to remove (kvpress's term): the tokens held when the second
+      forward step starts (the prompt, after a one-step prefill) are compacted once to
+      ``int(held * (1 - compression_ratio))``; what comes after (a question, the answer) is kept.
+
+    The first `sink_tokens` and the last `recent_tokens` held tokens are always kept (StreamingLLM's sinks; the local
+    context the next tokens need most).
+
+    NOTE: a compaction reads each layer's held K/V, gathers the kept tokens and writes them into fresh blocks, so a
+    streaming budget costs one gather of ``budget`` tokens per layer and step (about what `DynamicCache`'s `cat`
+    costs). In a quantized pool the kept tokens are de-quantized and encoded again in their new blocks (a second
+    quantization, error up to twice the codec's bound); `SinkWindow` evicts quantized blocks as blocks instead.
+
+    Args:
+        budget (`int`, *optional*): tokens each row keeps before a step.
+        compression_ratio (`float`, *optional*): in (0, 1), the fraction of the prompt removed.
+        sink_tokens (`int`, *optional*, defaults to 4): leading tokens always kept.
+        recent_tokens (`int`, *optional*, defaults to 64): trailing held tokens always kept.
+
+    Raises:
+        ValueError: neither or both of `budget` / `compression_ratio`; a budget below ``sink_tokens +
+            recent_tokens + 1``; a ratio outside (0, 1); negative protected counts.
+    """
+
+    budget: int | None = None
+    compression_ratio: float | None = None
+    sink_tokens: int = 4
+    recent_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        check_int("sink_tokens", self.sink_tokens, 0)
+        check_int("recent_tokens", self.recent_tokens, 0)
+        if (self.budget is None) == (self.compression_ratio is None):
+            raise ValueError(f"{type(self).__name__}: give exactly one of `budget` (tokens) and `compression_ratio` "
+                             f"(fraction removed); got budget={self.budget!r}, "
+                             f"compression_ratio={self.compression_ratio!r}.")
+        if self.budget is not None:
+            check_int("budget", self.budget, self.sink_tokens + self.recent_tokens + 1)
+        elif isinstance(self.compression_ratio, bool) or not isinstance(self.compression_ratio, (int, float)) \
+                or not 0 < self.compression_ratio < 1:
+            raise ValueError(f"`compression_ratio` must be a float in (0, 1) (the fraction of the prompt removed), "
+                             f"got {self.compression_ratio!r}.")
+
+    def plan(self, held: int, seen: int, new: int, block_size: int, step: int = 0) -> EvictionPlan:
+        """Compact to `budget` when a row holds more; with a ratio, compact once at the second step (`step == 1`).
+        Idempotent: planning again after the eviction evicts nothing."""
+        if self.budget is not None:
+            return EvictionPlan(keep_tokens=self.budget if held > self.budget else None)
+        if step != 1 or held == 0 or seen != held:  # once: seen > held after the compaction
+            return EvictionPlan()
+        keep = max(int(held * (1 - self.compression_ratio)), min(held, self.sink_tokens + self.recent_tokens + 1))
+        return EvictionPlan(keep_tokens=keep if keep < held else None)
+
+    def max_held(self, new: int, block_size: int) -> int | None:
+        return None if self.budget is None else self.budget + new
+
+    def scores(self, keys: torch.Tensor) -> torch.Tensor:
+        """Importance of each held token, `[batch, num_kv_heads, held]` float32 (higher: keep)."""
+        raise NotImplementedError
+
+    def select(self, keys: torch.Tensor, keep: int) -> torch.Tensor:
+        """The `keep` highest-scoring tokens per head (ties: the older first), the protected sinks and recent tokens
+        first; ascending.
+
+        Args:
+            keys (`torch.Tensor` of shape `[batch, num_kv_heads, held, head_dim]`).
+            keep (`int`): tokens kept per head.
+
+        Returns:
+            `torch.LongTensor` of shape `[batch, num_kv_heads, keep]`.
+        """
+        held = keys.shape[2]
+        s = self.scores(keys).clone()  # [batch, num_kv_heads, held]
+        s[..., : self.sink_tokens] = float("inf")
+        s[..., max(0, held - self.recent_tokens):] = float("inf")
+        # NOTE: a stable sort, so equal scores keep the older token: equal scores are common (RoPE is a rotation, so
+        # a repeated token has the same key norm at every position in the first layer), and the choice must not
+        # depend on the kernel
+        idx = s.argsort(dim=-1, descending=True, stable=True)[..., :keep]  # [batch, num_kv_heads, keep]
+        return idx.sort(dim=-1).values

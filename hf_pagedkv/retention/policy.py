@@ -1,0 +1,58 @@
+"""`RetentionPolicy`: what a retention policy tells the `Evictor` before each forward step."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class EvictionPlan(NamedTuple):
+    """What to evict before one forward step (one of the two fields is set, or neither: keep everything).
+
+    drop_positions: logical block positions to free whole, in every row and layer (no tensor is touched).
+    keep_tokens: the number of tokens each (row, layer, KV head) keeps; the policy's `select` picks which, and the
+        kept tokens are compacted into fresh blocks.
+    """
+
+    drop_positions: list[int] = []
+    keep_tokens: int | None = None
+
+
+class RetentionPolicy:
+    """The interface of a retention policy (one small frozen dataclass per method, as kvpress has one press each).
+
+    Before each forward step the cache asks `plan(held, seen, new, block_size, step)` what to evict; a token-level
+    policy also implements `select`. Tokens are counted in the cache's *logical* order: a row holds `held` tokens in its
+    block slots ``0 .. held - 1`` (oldest first), after `seen - held` tokens were evicted.
+    """
+
+    name = "retention"
+
+    def plan(self, held: int, seen: int, new: int, block_size: int, step: int = 0) -> EvictionPlan:
+        """What to evict before forward step number `step` (0 for the first) that adds `new` tokens to rows holding
+        `held` (of `seen`) tokens."""
+        raise NotImplementedError
+
+    def select(self, keys: torch.Tensor, keep: int) -> torch.Tensor:
+        """For a token-level policy: which `keep` held tokens each head keeps.
+
+        Args:
+            keys (`torch.Tensor` of shape `[batch, num_kv_heads, held, head_dim]`): one layer's held keys (RoPE
+                applied, in logical order).
+            keep (`int`): tokens to keep per head, ``0 < keep < held``.
+
+        Returns:
+            `torch.LongTensor` of shape `[batch, num_kv_heads, keep]`: logical indices, ascending per head.
+        """
+        raise NotImplementedError(f"{type(self).__name__} evicts whole blocks; it has no token selection.")
+
+    def max_held(self, new: int, block_size: int) -> int | None:
+        """The most tokens a row may hold after a step of `new` tokens (for invariant 3), or None (no bound)."""
+        return None
+
+
+def check_int(name: str, value, low: int) -> None:
+    """Raise `ValueError` unless `value` is an int >= `low` (bools refused)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")

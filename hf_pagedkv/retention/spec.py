@@ -1,0 +1,32 @@
+"""`parse_retention`: a retention policy from a short command-line spec (`--retention` of the CLI)."""
+
+from __future__ import annotations
+
+from hf_pagedkv.retention.key_diff import KeyDiff
+from hf_pagedkv.retention.key_norm import KeyNorm
+from hf_pagedkv.retention.policy import RetentionPolicy
+from hf_pagedkv.retention.sink_window import SinkWindow
+
+SPEC_HELP = ("sink_window:SINK:WINDOW (StreamingLLM), key_norm:BUDGET or key_norm:RATIO, key_diff:BUDGET or "
+             "key_diff:RATIO (BUDGET: tokens kept; RATIO: a float in (0, 1), the fraction of the prompt removed)")
+
+
+def parse_retention(spec: str) -> RetentionPolicy:
+    """``"sink_window:4:1024"`` -> `SinkWindow(4, 1024)`; ``"key_norm:512"`` -> `KeyNorm(budget=512)`;
+    ``"key_diff:0.5"`` -> `KeyDiff(compression_ratio=0.5)`.
+
+    Raises:
+        ValueError: an unknown policy name or malformed numbers (the message lists the forms, `SPEC_HELP`).
+    """
+    name, _, rest = spec.strip().partition(":")
+    parts = [p for p in rest.split(":") if p]
+    try:
+        if name == "sink_window" and len(parts) == 2:
+            return SinkWindow(sink_tokens=int(parts[0]), window=int(parts[1]))
+        if name in ("key_norm", "key_diff") and len(parts) == 1:
+            cls = KeyNorm if name == "key_norm" else KeyDiff
+            value = float(parts[0])
+            return cls(compression_ratio=value) if value < 1 else cls(budget=int(parts[0]))
+    except ValueError as e:
+        raise ValueError(f"--retention {spec!r}: {e}") from None
+    raise ValueError(f"--retention {spec!r}: expected one of {SPEC_HELP}.")

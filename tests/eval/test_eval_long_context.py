@@ -1,0 +1,73 @@
+"""`eval.long_context` on a tiny random model: the run directory, the metrics it reduces, the passkey generator."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from eval.long_context import run, scored_chunks
+from eval.long_context_config import LongContextConfig
+from eval.tasks.passkey import metrics as passkey_metrics
+from eval.tasks.passkey.prepare import make_examples
+from tests.eval_helpers import DATA_DIR, tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(one_thread):
+    return tiny_model()
+
+
+def test_streaming_perplexity_run(tiny, tmp_path):
+    model, tokenizer = tiny
+    cfg = LongContextConfig(num_windows=1, context_len=320, budgets=[96], chunk=32, score_stride=2, recent_tokens=16,
+                            data_dir=str(DATA_DIR), output_dir=str(tmp_path))
+    assert scored_chunks(cfg, 96) == [96, 160, 224]  # after the budget, every 2nd chunk with a next token
+    metrics = run(cfg, model, tokenizer)
+    row = metrics["perplexity"]["96"]
+    assert set(row) == {"full", "sink_window", "window_only", "key_norm", "key_diff", "recompute"}
+    assert all(m["scored_tokens"] == 96 and math.isfinite(m["ppl"]) for m in row.values())
+    assert row["full"]["tokens_held"] == 320 and row["sink_window"]["tokens_held"] <= 96 + 32 + 15
+    assert row["key_norm"]["bytes_in_use"] < row["full"]["bytes_in_use"] / 2  # the evicted blocks were freed
+    assert len({round(m["ppl"], 6) for m in row.values()}) > 1
+    run_dir = cfg.run_dir()
+    assert {p.name for p in run_dir.iterdir()} >= {"config.yaml", "predictions.jsonl", "metrics.json", "report.md"}
+    assert "| 96 | sink_window |" in (run_dir / "report.md").read_text()
+    assert json.loads((run_dir / "metrics.json").read_text()) == run(cfg)  # a finished run is read back, not redone
+
+
+def test_memory_matched_columns(tiny, tmp_path):
+    model, tokenizer = tiny
+    cfg = LongContextConfig(num_windows=1, context_len=256, budgets=[96], chunk=32, score_stride=2, recent_tokens=16,
+                            methods=["full", "key_diff", "recompute"], quants=["fp", "k8v4"], data_dir=str(DATA_DIR),
+                            output_dir=str(tmp_path))
+    row = run(cfg, model, tokenizer)["perplexity"]["96"]
+    assert list(row) == ["full", "key_diff", "recompute", "full+k8v4", "key_diff+k8v4"]
+    assert row["key_diff+k8v4"]["bytes_in_use"] < row["key_diff"]["bytes_in_use"] < row["full"]["bytes_in_use"]
+    assert row["full+k8v4"]["bytes_in_use"] < row["full"]["bytes_in_use"]
+    assert "Memory-matched" in (cfg.run_dir() / "report.md").read_text()
+    with pytest.raises(ValueError, match="k9"):
+        LongContextConfig(quants=["k9"])
+
+
+def test_passkey_examples_and_run(tiny, tmp_path):
+    model, tokenizer = tiny
+    cfg = LongContextConfig(task="passkey", methods=["full", "sink_window", "key_norm"], contexts=[256],
+                            depths=[10, 90], ratios=[0.5], num_keys=2, recent_tokens=16, data_dir=str(DATA_DIR),
+                            output_dir=str(tmp_path))
+    from eval.config import EvalConfig
+    from eval.data import load_text
+
+    text = load_text(EvalConfig(data_dir=str(DATA_DIR)))
+    examples = make_examples(cfg, tokenizer, text)
+    assert len(examples) == 4 and examples == make_examples(cfg, tokenizer, text)  # seeded
+    for ex in examples:
+        context = tokenizer.decode(ex["context_ids"])
+        assert f"The pass key is {ex['key']}." in context and abs(len(ex["context_ids"]) - 256) <= 2
+        at = context.index("The pass key")
+        assert (at / len(context) < 0.3) == (ex["depth"] == 10)
+    assert passkey_metrics.is_correct(" 12345. The", 12345) and not passkey_metrics.is_correct(" 1234", 12345)
+    metrics = run(cfg, model, tokenizer)
+    assert set(metrics["passkey"]) == {"full", "sink_window@0.5", "key_norm@0.5"}
+    assert all(0 <= m["accuracy"] <= 1 and m["examples"] == 4 for m in metrics["passkey"].values())

@@ -1,0 +1,28 @@
+"""`--retention` specs and the planner's use of them (no model loaded)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_pagedkv import KeyDiff, KeyNorm, SinkWindow
+from hf_pagedkv.retention.spec import parse_retention
+from hf_pagedkv.tools.cli import main
+
+
+def test_specs_parse_to_their_policies():
+    assert parse_retention("sink_window:4:1024") == SinkWindow(sink_tokens=4, window=1024)
+    assert parse_retention("key_norm:512") == KeyNorm(budget=512)
+    assert parse_retention("key_diff:0.5") == KeyDiff(compression_ratio=0.5)
+    for bad in ("sink", "sink_window:4", "key_norm:x", "key_norm:10"):  # 10 < sinks + recent tokens + 1
+        with pytest.raises(ValueError, match="--retention"):
+            parse_retention(bad)
+
+
+def test_the_planner_sizes_a_sequence_by_what_it_keeps(capsys):
+    argv = ["plan", "--model", "llama", "--max-seq-len", "100000", "--memory", "64GiB", "--block-size", "16"]
+    assert main(argv + ["--retention", "sink_window:4:2048"]) == 0
+    out = capsys.readouterr().out
+    # one 16-token sink block, the window's 2047 tokens plus up to 15 of alignment, and the step's token
+    assert "holds at most 2,079" in out and "per sequence: 2,079 tokens" in out
+    assert main(argv + ["--retention", "key_norm:0.75"]) == 0
+    assert "holds at most 25,001" in capsys.readouterr().out

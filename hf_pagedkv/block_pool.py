@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -27,6 +28,18 @@ from hf_pagedkv.pool.prefix_index import BlockHash, PrefixIndex
 logger = logging.getLogger(__name__)
 
 _MIN_GROWTH_BLOCKS = 64  # a growable pool never grows by less than this many blocks at once
+
+
+class _PoolOrClassMethod:
+    """A method callable on an instance (``pool.f(...)``: the pool) or on the class (``BlockPool.f(...)``: the class),
+    for `load_prefix_cache`, which loads into a given pool or into a new one."""
+
+    def __init__(self, func) -> None:
+        self.func = func  # f(pool_or_cls, ...); fixed
+        self.__doc__ = func.__doc__
+
+    def __get__(self, obj, cls):
+        return functools.partial(self.func, cls if obj is None else obj)
 
 
 class BlockPool:
@@ -125,6 +138,8 @@ class BlockPool:
         self._tokens = itertools.count()  # owner tokens
         self._owners: set[int] = set()  # live owner tokens (caches not yet released or collected)
         self._pending_release: deque[int] = deque()  # owners garbage-collected without release(); freed by _drain
+        self._prefix_keys: dict[bytes, None] = {}  # keys published blocks were hashed under; note_prefix_key only
+        self.last_loaded_blocks = 0  # blocks the last load_prefix_cache published; set by it only
         self.group_for(None)
         self.metrics = PoolMetrics(self)  # counters, step latency, alerts (metrics.py); updated by the hooks below
         self.events = EventLog(self)  # block event log, off by default (events.py)
@@ -470,6 +485,93 @@ class BlockPool:
             self._drain()
             for group in self.groups:
                 check_group_invariants(group)
+
+    # -- prefix cache on disk (prefix_persistence.py, storage/prefix_file.py) -------------------------------------
+    def note_prefix_key(self, key: bytes) -> None:
+        """Record the prefix key (`adapter/prefix_cache.py` `prefix_key`: model fingerprint + storage format) that
+        blocks published in this pool are hashed under; `PagedCache.publish` calls it, `save_prefix_cache` reads it."""
+        with self.lock:
+            self._prefix_keys.setdefault(bytes(key))
+
+    def prefix_keys(self) -> list[bytes]:
+        """The prefix keys noted so far (one, for a pool used by one model), oldest first."""
+        with self.lock:
+            return list(self._prefix_keys)
+
+    def save_prefix_cache(self, path, model=None, config=None) -> int:
+        """Save every published block (in use or cached-idle, all layer groups) with its chain hash, the model key
+        and the storage format to one safetensors file whose header holds a JSON index (`storage/prefix_file.py`),
+        written atomically: an interrupted save leaves the previous file intact. Quantized blocks are saved as
+        stored (codes and scales), never re-quantized.
+
+        Args:
+            path (`str` or `os.PathLike`): the file to write (replaced if it exists).
+            model (`PreTrainedModel`, *optional*): the model the blocks were computed by; needed only when nothing
+                was published through a `PagedCache` here (else checked against the key noted at publish).
+            config (`PretrainedConfig`, *optional*): for caches keyed by config alone (`from_prefix(config=...)`).
+
+        Returns:
+            `int`: blocks saved.
+
+        Raises:
+            ValueError: no prefix caching; the model unknown or not the one the blocks were published for; blocks
+                of two model keys in this pool.
+            OSError: the file cannot be written (the previous one is unchanged).
+
+        Example:
+
+        ```python
+        >>> pool.save_prefix_cache("prompts.safetensors")      # process 1, after serving requests
+        >>> pool = BlockPool.load_prefix_cache("prompts.safetensors", model=model)   # process 2
+        >>> cache = PagedCache.from_prefix(pool, input_ids, model=model)         # hits the loaded blocks
+        ```
+        """
+        from hf_pagedkv.prefix_persistence import save_prefix_cache
+
+        return save_prefix_cache(self, path, model, config)
+
+    @_PoolOrClassMethod
+    def load_prefix_cache(pool_or_cls, path, model=None, *, config=None, device=None, **pool_kwargs) -> BlockPool:
+        """Load a file of `save_prefix_cache` into this pool (``pool.load_prefix_cache(path, model=model)``), or into
+        a new pool with the file's block size and quantization (``BlockPool.load_prefix_cache(path, model=model,
+        num_blocks=...)``). Its blocks become cached-idle prefix blocks: `PagedCache.from_prefix` hits them.
+
+        Nothing is loaded, and the error says why, when the file is truncated or corrupted (checksums), of another
+        format, block size or quantization, for another architecture, or for other weights (model fingerprint).
+
+        Args:
+            path (`str` or `os.PathLike`): a file written by `save_prefix_cache`.
+            model (`PreTrainedModel`): the model that will run (its fingerprint must match the file's).
+            config (`PretrainedConfig`, *optional*): instead of `model`, for caches keyed by config alone.
+            device (`torch.device` or `str`, *optional*): where layers this pool does not hold yet get their storage;
+                defaults to the model's device.
+            pool_kwargs: `BlockPool` arguments for a new pool (`num_blocks`, `max_memory`, `debug`); called on a pool,
+                none are allowed.
+
+        Returns:
+            `BlockPool`: this pool, or the new one. `pool.last_loaded_blocks` tells how many blocks were published.
+
+        Raises:
+            FileNotFoundError, ValueError, PoolExhaustedError: see `prefix_persistence.load_prefix_cache`.
+        """
+        from hf_pagedkv.prefix_persistence import load_prefix_cache
+        from hf_pagedkv.storage.prefix_file import read_prefix_index
+
+        if isinstance(pool_or_cls, BlockPool):
+            if pool_kwargs:
+                raise ValueError(f"pool.load_prefix_cache got pool settings {sorted(pool_kwargs)}; they size a new "
+                                 "pool (BlockPool.load_prefix_cache(path, ..., num_blocks=...)).")
+            pool = pool_or_cls
+        else:
+            index = read_prefix_index(path)
+            try:
+                quant = QuantConfig(**index["quant_fields"]) if index.get("quant_fields") else None
+            except (TypeError, ValueError):
+                raise ValueError(f"{path}: the index records an unreadable quantization "
+                                 f"{index.get('quant_fields')!r}.") from None
+            pool = pool_or_cls(block_size=index.get("block_size"), prefix_caching=True, quant=quant, **pool_kwargs)
+        pool.last_loaded_blocks = load_prefix_cache(pool, path, model, config, device)
+        return pool
 
 
 def _group_field(group: int) -> dict:

@@ -266,6 +266,7 @@ class PrefixMixin:
                 raise ValueError("publish on a cache not made by from_prefix needs `model=` (the model that filled "
                                  "it) to key the prefix index.")
             self._prefix_key = prefix_key(pool, model)
+        pool.note_prefix_key(self._prefix_key)  # what save_prefix_cache records as the blocks' model key
         rows = token_rows(input_ids)
         if len(rows) == 1 and len(self._rows) > 1:
             rows = rows + [[]] * (len(self._rows) - 1)  # row 0 holds the shared prompt

@@ -18,6 +18,7 @@ from hf_pagedkv.config import DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, Quan
 from hf_pagedkv.storage.device_budget import blocks_for_budget, check_device_share
 from hf_pagedkv.errors import PoolExhaustedError
 from hf_pagedkv.observe.events import EventLog
+from hf_pagedkv.host_tiers import HostTiers
 from hf_pagedkv.pool.invariants import check_group_invariants
 from hf_pagedkv.observe.alerts import Health
 from hf_pagedkv.observe.metrics import PoolMetrics
@@ -72,6 +73,10 @@ class BlockPool:
             needed, then are evicted least-recently-used.
         quant (`QuantConfig` or `str`, *optional*): store K/V quantized (`QuantConfig`, or a preset such as
             ``"k8v4"``); `None` or ``"fp"`` for full precision. Fixed for the pool's lifetime.
+        host_memory (`int` or `str`, *optional*): a host-memory (CPU, pinned under CUDA) tier of this many bytes
+            (``"8GiB"``), where `PagedCache.offload()` moves a cache and `prefetch()` brings it back
+            (`host_tiers.py`); sized at the first offload, when the layers are known. `pool.host.stats()` tells
+            its occupancy.
 
     With neither `num_blocks` nor `max_memory`, the pool grows on demand by chunks: what is needed plus a headroom
     of half its size (at least 64 blocks), copying its storage once per growth, so growth is amortised O(1).
@@ -116,6 +121,7 @@ class BlockPool:
         debug: bool = False,
         prefix_caching: bool = False,
         quant: QuantConfig | str | None = None,
+        host_memory: int | str | None = None,
     ) -> None:
         self.quant = QuantConfig.resolve(quant)  # storage format; fixed
         if block_size is None:
@@ -140,6 +146,8 @@ class BlockPool:
         self._pending_release: deque[int] = deque()  # owners garbage-collected without release(); freed by _drain
         self._prefix_keys: dict[bytes, None] = {}  # keys published blocks were hashed under; note_prefix_key only
         self.last_loaded_blocks = 0  # blocks the last load_prefix_cache published; set by it only
+        # the host tier (`cache.offload()`), or None; fixed
+        self.host = None if host_memory is None else HostTiers(self, parse_bytes(host_memory))
         self.group_for(None)
         self.metrics = PoolMetrics(self)  # counters, step latency, alerts (metrics.py); updated by the hooks below
         self.events = EventLog(self)  # block event log, off by default (events.py)
@@ -431,6 +439,8 @@ class BlockPool:
                 if rows:
                     self.free([b for row in rows for b in row.blocks], group.index)
                     rows.clear()
+            if self.host is not None:  # an offloaded cache holds host blocks instead
+                self.host.release(token)
 
     # -- observation -------------------------------------------------------------------------------------------------
     def stats(self) -> PoolStats:
@@ -485,6 +495,8 @@ class BlockPool:
             self._drain()
             for group in self.groups:
                 check_group_invariants(group)
+            if self.host is not None:
+                self.host.check()
 
     # -- prefix cache on disk (prefix_persistence.py, storage/prefix_file.py) -------------------------------------
     def note_prefix_key(self, key: bytes) -> None:

@@ -1,0 +1,114 @@
+"""`HostTiers`: a pool's host-memory tier, one `HostTier` (ids) and `HostStore` (tensors) per layer group."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hf_pagedkv.errors import InvariantError, PoolExhaustedError
+from hf_pagedkv.pool.host_tier import HostTier
+from hf_pagedkv.storage.host_store import HostStore
+
+
+@dataclass(frozen=True)
+class HostStats:
+    """Occupancy of the host tier, summed over layer groups (all 0 before its storage is allocated)."""
+
+    num_blocks: int  # host blocks (capacity)
+    blocks_in_use: int  # host blocks held by offloaded caches
+    blocks_free: int
+    bytes_reserved: int  # host memory allocated
+    blocks_offloaded: int  # device blocks copied to the host tier so far (`offload`)
+    blocks_prefetched: int  # host blocks copied back so far (`prefetch`)
+
+
+class HostTiers:
+    """The host tier of a `BlockPool(host_memory=...)`: where `PagedCache.offload()` puts a cache's blocks.
+
+    Each layer group gets a `HostTier` and a `HostStore` of the same number of blocks, sized when the first cache is
+    offloaded (the layers, hence the bytes of a block, are known then): ``host_memory // sum(bytes_per_block of every
+    group)`` blocks each, as `max_memory` sizes the device tier. Every method is called with `pool.lock` held.
+
+    Invariants (`check`, from `BlockPool.check_invariants`): each group's host ids are free or held, free + held
+    equals the capacity, and a cache holding host blocks holds no device block (its K/V are in one tier).
+    """
+
+    def __init__(self, pool, host_memory: int) -> None:
+        self.pool = pool  # the BlockPool this tier belongs to; fixed
+        self.host_memory = host_memory  # byte budget of the host tier; fixed
+        self.tiers: dict[int, tuple[HostTier, HostStore]] = {}  # group -> its ids and storage; created by `_tier`
+        self.num_offloaded = 0  # device blocks copied out (counter)
+        self.num_prefetched = 0  # host blocks copied back (counter)
+
+    def _tier(self, group: int) -> tuple[HostTier, HostStore]:
+        if group not in self.tiers:
+            per_block = sum(g.store.bytes_per_block for g in self.pool.groups)
+            n = self.host_memory // per_block if per_block else 0
+            if n == 0:
+                raise ValueError(f"host_memory={self.host_memory} bytes holds no block of this model ({per_block} "
+                                 "bytes per block over all layer groups); raise host_memory.")
+            device = next(iter(self.pool.groups[group].store.specs.values())).device
+            tier = HostTier()
+            tier.add_blocks(n)
+            self.tiers[group] = (tier, HostStore(n, pin_memory=device.type == "cuda"))
+        return self.tiers[group]
+
+    def can_hold(self, needs: dict[int, int]) -> bool:
+        """Whether every group `g` has `needs[g]` free host blocks. No side effects (beyond sizing the tier)."""
+        return all(self._tier(g)[0].can_allocate(n) for g, n in needs.items() if n)
+
+    def offload(self, owner: int, group: int, blocks: list[int]) -> list[int]:
+        """Copy device blocks `blocks` of `group` into new host blocks held by `owner`; return their host ids, in
+        order. The device blocks are not freed here (the caller drops its references).
+
+        Raises:
+            PoolExhaustedError: too few free host blocks (nothing changed).
+        """
+        tier, store = self._tier(group)
+        host = tier.allocate(owner, len(blocks))
+        if host is None:
+            raise PoolExhaustedError(
+                f"the host tier is full: {len(blocks)} blocks needed, {tier.num_free_blocks} free of "
+                f"{tier.num_blocks} (host_memory={self.host_memory}); raise host_memory or prefetch/release "
+                "offloaded caches.")
+        try:
+            store.write(host, self.pool.groups[group].store.export_blocks(blocks))
+        except BaseException:
+            tier.free(owner, host)
+            raise
+        self.num_offloaded += len(blocks)
+        return host
+
+    def read(self, group: int, host_blocks: list[int]) -> dict:
+        """The export of host blocks `host_blocks` of `group` (CPU tensors), for the device store's `import_blocks`."""
+        self.num_prefetched += len(host_blocks)
+        return self._tier(group)[1].read(host_blocks)
+
+    def release(self, owner: int) -> None:
+        """Free every host block `owner` holds, in every group."""
+        for tier, _ in self.tiers.values():
+            tier.release(owner)
+
+    def holds(self, owner: int) -> bool:
+        return any(tier.held.get(owner) for tier, _ in self.tiers.values())
+
+    def stats(self) -> HostStats:
+        tiers = [t for t, _ in self.tiers.values()]
+        return HostStats(
+            num_blocks=sum(t.num_blocks for t in tiers),
+            blocks_in_use=sum(t.num_used_blocks for t in tiers),
+            blocks_free=sum(t.num_free_blocks for t in tiers),
+            bytes_reserved=sum(s.bytes_reserved for _, s in self.tiers.values()),
+            blocks_offloaded=self.num_offloaded,
+            blocks_prefetched=self.num_prefetched,
+        )
+
+    def check(self) -> None:
+        """Raise `InvariantError` naming the broken host-tier invariant (numbered 9 after `pool/invariants.py`)."""
+        for group, (tier, _) in self.tiers.items():
+            problems = tier.check()
+            both = [o for o, held in tier.held.items() if held and any(
+                row.blocks for row in self.pool.groups[group].tables.get(o, ()))]
+            if both:
+                problems.append(f"caches {both[:5]} hold blocks in both tiers")
+            if problems:
+                raise InvariantError(f"invariant 9 (host tier) broken in group {group}: {'; '.join(problems)}")

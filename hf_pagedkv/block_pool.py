@@ -146,7 +146,10 @@ class BlockPool:
         self._pending_release: deque[int] = deque()  # owners garbage-collected without release(); freed by _drain
         self._prefix_keys: dict[bytes, None] = {}  # keys published blocks were hashed under; note_prefix_key only
         self.last_loaded_blocks = 0  # blocks the last load_prefix_cache published; set by it only
-        # the host tier (`cache.offload()`), or None; fixed
+        if host_memory is not None and self.quant.is_quantized:
+            raise ValueError("host_memory is not supported with a quantized pool yet (its open blocks and sink "
+                             "tokens live in staging areas); use a full-precision pool for the host tier.")
+        # the host tier (`cache.offload()`, evicted prefix blocks), or None; fixed
         self.host = None if host_memory is None else HostTiers(self, parse_bytes(host_memory))
         self.group_for(None)
         self.metrics = PoolMetrics(self)  # counters, step latency, alerts (metrics.py); updated by the hooks below
@@ -390,6 +393,8 @@ class BlockPool:
             return sum(g.prefix_index.publish(h, b) for h, b in zip(hashes, blocks))
 
     def _evict(self, group: BlockGroup, n: int) -> None:
+        if self.host is not None:  # the host tier keeps what the device drops (host_tiers.py)
+            self.host.demote(group.index, group.prefix_index.oldest_idle(n))
         evicted = group.prefix_index.evict(n, group.allocator)
         self.events.emit("evict", evicted, **_group_field(group.index))
         group.store.release(evicted)

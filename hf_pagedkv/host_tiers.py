@@ -15,10 +15,13 @@ class HostStats:
 
     num_blocks: int  # host blocks (capacity)
     blocks_in_use: int  # host blocks held by offloaded caches
+    blocks_cached: int  # prefix blocks the device tier evicted, kept here for a hit
     blocks_free: int
     bytes_reserved: int  # host memory allocated
     blocks_offloaded: int  # device blocks copied to the host tier so far (`offload`)
     blocks_prefetched: int  # host blocks copied back so far (`prefetch`)
+    blocks_demoted: int  # evicted device prefix blocks copied here so far
+    blocks_promoted: int  # cached host blocks copied back for a prefix hit so far
 
 
 class HostTiers:
@@ -38,6 +41,8 @@ class HostTiers:
         self.tiers: dict[int, tuple[HostTier, HostStore]] = {}  # group -> its ids and storage; created by `_tier`
         self.num_offloaded = 0  # device blocks copied out (counter)
         self.num_prefetched = 0  # host blocks copied back (counter)
+        self.num_demoted = 0  # evicted device prefix blocks copied to the host (counter)
+        self.num_promoted = 0  # cached host blocks copied back for a hit (counter)
 
     def _tier(self, group: int) -> tuple[HostTier, HostStore]:
         if group not in self.tiers:
@@ -53,7 +58,8 @@ class HostTiers:
         return self.tiers[group]
 
     def can_hold(self, needs: dict[int, int]) -> bool:
-        """Whether every group `g` has `needs[g]` free host blocks. No side effects (beyond sizing the tier)."""
+        """Whether every group `g` has room for `needs[g]` host blocks (free, or cached ones to drop). No side
+        effects (beyond sizing the tier)."""
         return all(self._tier(g)[0].can_allocate(n) for g, n in needs.items() if n)
 
     def offload(self, owner: int, group: int, blocks: list[int]) -> list[int]:
@@ -83,6 +89,73 @@ class HostTiers:
         self.num_prefetched += len(host_blocks)
         return self._tier(group)[1].read(host_blocks)
 
+    # -- the host prefix cache: evicted device prefix blocks, and hits on them ------------------------------------
+    def demote(self, group: int, blocks: list[int]) -> None:
+        """Copy cached-idle device blocks the device tier is about to evict (oldest first) into cached host blocks,
+        under their hashes, dropping older host-cached blocks for room. Called by `BlockPool._evict` before the
+        device blocks are freed (and possibly reused)."""
+        index = self.pool.groups[group].prefix_index
+        tier, store = self._tier(group)
+        todo = [(b, index.hash_of(b)) for b in blocks]
+        todo = [(b, h) for b, h in todo if h is not None and tier.lookup(h) is None]
+        host = tier.cache([h for _, h in todo])
+        if not host:
+            return
+        store.write(host, self.pool.groups[group].store.export_blocks([b for b, _ in todo[: len(host)]]))
+        tier.park(host)
+        self.num_demoted += len(host)
+
+    def promote(self, hashes: list, groups: list[int]) -> None:
+        """Copy the blocks of the prefix `hashes` that only the host tier holds back to the device, as cached-idle
+        device prefix blocks (so the caller's lookup hits them), for each layer group in `groups`. A full-attention
+        group stops at the first block neither tier holds (the rest cannot be hit); a sliding one goes on. Stops
+        early, without error, when the device tier has no room. Called with `pool.lock` held."""
+        pool = self.pool
+        for g in groups:
+            if g not in self.tiers:
+                continue
+            tier, store = self.tiers[g]
+            full = pool.groups[g].window is None
+            on_device = pool.groups[g].prefix_index
+            back = []
+            for h in hashes:
+                if on_device.block_of(h) is not None:
+                    continue
+                host = tier.lookup(h)
+                if host is None:
+                    if full:
+                        break
+                    continue
+                back.append((h, host))
+            if not back:
+                continue
+            # hold the device blocks of the prefix, so making room for the copies does not evict them
+            pinned = [b for h in hashes if on_device.block_of(h) is not None
+                      for b in pool.acquire_prefix([h], 0, group=g, count=False)]
+            try:
+                alloc = pool.groups[g].allocator
+                n = min(len(back), alloc.num_free_blocks + alloc.num_idle_blocks)
+                if n == 0:
+                    continue
+                hosts = tier.pin([h for h, _ in back[:n]])  # not dropped by the demotions allocate may cause
+                try:
+                    dev = pool.allocate(n, group=g)  # may evict (and demote) other idle device blocks
+                    try:
+                        pool.groups[g].store.import_blocks(dev, store.read(hosts))
+                    except BaseException:
+                        pool.free(dev, g)
+                        raise
+                finally:
+                    tier.unpin(hosts)
+                for host in hosts:  # copied: the device holds them now, once
+                    tier.take(host)
+                pool.mark_written(dev, [pool.block_size] * n, group=g)
+                pool.publish_blocks([h for h, _ in back[:n]], dev, group=g)
+                pool.free(dev, g)  # cached-idle on the device now
+                self.num_promoted += n
+            finally:
+                pool.free(pinned, g)
+
     def release(self, owner: int) -> None:
         """Free every host block `owner` holds, in every group."""
         for tier, _ in self.tiers.values():
@@ -96,10 +169,13 @@ class HostTiers:
         return HostStats(
             num_blocks=sum(t.num_blocks for t in tiers),
             blocks_in_use=sum(t.num_used_blocks for t in tiers),
+            blocks_cached=sum(t.num_cached_blocks for t in tiers),
             blocks_free=sum(t.num_free_blocks for t in tiers),
             bytes_reserved=sum(s.bytes_reserved for _, s in self.tiers.values()),
             blocks_offloaded=self.num_offloaded,
             blocks_prefetched=self.num_prefetched,
+            blocks_demoted=self.num_demoted,
+            blocks_promoted=self.num_promoted,
         )
 
     def check(self) -> None:

@@ -41,15 +41,12 @@ def offload_cache(cache: PagedCache) -> list[OffloadedGroup]:
     docstring). Returns what `prefetch_cache` needs.
 
     Raises:
-        ValueError: the pool has no host tier, or is quantized (not supported yet).
+        ValueError: the pool has no host tier.
         PoolExhaustedError: the host tier has too few free blocks (nothing changed).
     """
     pool = cache.pool
     if pool.host is None:
         raise ValueError("offload() needs a pool with a host tier: BlockPool(..., host_memory=\"8GiB\").")
-    if pool.quant.is_quantized:
-        raise ValueError("offload() of a quantized pool is not supported yet (its open blocks live in staging "
-                         "areas); use a full-precision pool for swapping.")
     with pool.lock:
         plans = []
         for rt in cache._groups:

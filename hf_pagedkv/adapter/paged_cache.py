@@ -340,7 +340,7 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
         Until `prefetch()`, the cache cannot run a step (`CacheOffloadedError`); `release()` frees its host blocks.
 
         Raises:
-            ValueError: a `layer_idx` (only whole caches move); no host tier; a quantized pool.
+            ValueError: a `layer_idx` (only whole caches move); the pool has no host tier.
             PoolExhaustedError: the host tier is full (nothing changed).
             CacheReleasedError, CacheOffloadedError: the cache was released, or is offloaded already.
         """

@@ -185,6 +185,8 @@ class PrefixMixin:
         cache._prefix_key = prefix_key(pool, model, kwargs["config"])
         hashes = hash_blocks(ids[: len(ids) - 1], pool.block_size, cache._prefix_key)  # leave >= 1 token to compute
         with pool.lock:  # references and the table that names them appear together (invariant 2)
+            if pool.host is not None:  # prefix blocks in the host tier are copied back before any read
+                pool.host.promote(hashes, [rt.group for rt in cache._groups])
             hit = cache._hit_length(hashes)
             held = {}
             for k, rt in enumerate(cache._groups):  # the first group counts the lookup (one per request)

@@ -163,3 +163,35 @@ def test_host_invariants_catch_a_lost_host_block():
     tier.held[cache.seq_id].pop()  # a host block nobody holds any more, still counted in use
     with pytest.raises(InvariantError, match="invariant 9"):
         pool.check_invariants()
+
+
+def test_four_threads_swapping_on_one_pool():
+    import threading
+
+    model = tiny_model("llama")
+    pool = BlockPool(block_size=B, host_memory="1MiB", prefix_caching=True)
+    prompts = [ids(1, 9 + t, seed=20 + t) for t in range(4)]
+    refs = [greedy(model, DynamicCache(), x, 6) for x in prompts]
+    results, errors = {}, []
+
+    def worker(t):
+        try:
+            for _ in range(2):
+                cache = PagedCache(pool=pool, config=model.config)
+                swaps = (lambda step: (cache.offload(), cache.prefetch()) if step % 2 == 0 else None)
+                results[t] = greedy(model, cache, prompts[t], 6, between=swaps)
+                cache.release()
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    for t, (tokens, logits) in results.items():
+        assert torch.equal(tokens, refs[t][0]) and torch.equal(logits, refs[t][1])
+    pool.check_invariants()
+    assert pool.stats().blocks_in_use == 0 and pool.host.stats().blocks_in_use == 0
+    assert pool.host.stats().blocks_prefetched == pool.host.stats().blocks_offloaded > 0

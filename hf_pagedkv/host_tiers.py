@@ -45,6 +45,11 @@ class HostTiers:
         self.num_promoted = 0  # cached host blocks copied back for a hit (counter)
 
     def _tier(self, group: int) -> tuple[HostTier, HostStore]:
+        """The group's host tier, created on first use.
+
+        Raises:
+            ValueError: `host_memory` holds no block of this model.
+        """
         if group not in self.tiers:
             per_block = sum(g.store.bytes_per_block for g in self.pool.groups)
             n = self.host_memory // per_block if per_block else 0
@@ -95,7 +100,10 @@ class HostTiers:
         under their hashes, dropping older host-cached blocks for room. Called by `BlockPool._evict` before the
         device blocks are freed (and possibly reused)."""
         index = self.pool.groups[group].prefix_index
-        tier, store = self._tier(group)
+        try:
+            tier, store = self._tier(group)
+        except ValueError:  # a host tier too small for one block keeps nothing (offload() says why)
+            return
         todo = [(b, index.hash_of(b)) for b in blocks]
         todo = [(b, h) for b, h in todo if h is not None and tier.lookup(h) is None]
         host = tier.cache([h for _, h in todo])
@@ -164,7 +172,22 @@ class HostTiers:
     def holds(self, owner: int) -> bool:
         return any(tier.held.get(owner) for tier, _ in self.tiers.values())
 
+    def cached(self, group: int) -> tuple[list, dict]:
+        """The prefix blocks cached in `group`'s host tier: their hashes and their export (CPU tensors), in the
+        same order (for `save_prefix_cache`, which saves both tiers)."""
+        if group not in self.tiers:
+            return [], {}
+        tier, store = self.tiers[group]
+        published = tier.prefixes.published()  # host id -> hash
+        hosts = sorted(published, key=lambda b: (published[b].num_tokens, published[b].digest))
+        return [published[b] for b in hosts], (store.read(hosts) if hosts else {})
+
     def stats(self) -> HostStats:
+        """A snapshot of the host tier's occupancy and copy counters (`HostStats`)."""
+        with self.pool.lock:
+            return self._stats()
+
+    def _stats(self) -> HostStats:
         tiers = [t for t, _ in self.tiers.values()]
         return HostStats(
             num_blocks=sum(t.num_blocks for t in tiers),

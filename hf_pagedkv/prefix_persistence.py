@@ -27,7 +27,8 @@ _SPEC_FIELDS = ("num_kv_heads", "key_dim", "value_dim")  # per-layer shape field
 
 
 def save_prefix_cache(pool, path: str | os.PathLike, model=None, config=None) -> int:
-    """Write every published block of `pool` (in use or cached-idle, every layer group) to `path` atomically.
+    """Write every published block of `pool` (in use or cached-idle, every layer group, both tiers) to `path`
+    atomically.
 
     Returns:
         `int`: blocks written, summed over layer groups.
@@ -48,18 +49,26 @@ def save_prefix_cache(pool, path: str | os.PathLike, model=None, config=None) ->
         for g in pool.groups:
             published = g.prefix_index.published()  # block -> hash
             blocks = sorted(published, key=lambda b: (published[b].num_tokens, published[b].digest))
+            hashes = [published[b] for b in blocks]
+            export = g.store.export_blocks(blocks) if blocks else {}
+            if pool.host is not None:  # and the prefix blocks the device evicted to the host tier
+                host_hashes, host_export = pool.host.cached(g.index)
+                if host_hashes:
+                    hashes += host_hashes
+                    export = ({k: torch.cat([t.cpu(), host_export[k]], 1) for k, t in export.items()} if export
+                              else host_export)
             index["groups"].append({
-                "window": g.window, "num_blocks": len(blocks),
+                "window": g.window, "num_blocks": len(hashes),
                 "layers": {str(i): {**{f: getattr(s, f) for f in _SPEC_FIELDS}, "dtype": _dtype_name(s.dtype)}
                            for i, s in sorted(g.store.specs.items())},
             })
-            if not blocks:
+            if not hashes:
                 continue
             p = f"g{g.index}."
-            digests = b"".join(published[b].digest for b in blocks)
-            tensors[p + "digests"] = torch.frombuffer(bytearray(digests), dtype=torch.uint8).view(len(blocks), -1)
-            tensors[p + "num_tokens"] = torch.tensor([published[b].num_tokens for b in blocks], dtype=torch.long)
-            tensors.update({p + name: t.cpu() for name, t in g.store.export_blocks(blocks).items()})
+            digests = b"".join(h.digest for h in hashes)
+            tensors[p + "digests"] = torch.frombuffer(bytearray(digests), dtype=torch.uint8).view(len(hashes), -1)
+            tensors[p + "num_tokens"] = torch.tensor([h.num_tokens for h in hashes], dtype=torch.long)
+            tensors.update({p + name: t.cpu() for name, t in export.items()})
     write_prefix_file(path, index, tensors)
     return sum(grp["num_blocks"] for grp in index["groups"])
 

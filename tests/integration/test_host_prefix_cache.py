@@ -104,3 +104,21 @@ def test_an_exception_during_a_copy_back_leaves_both_tiers_exact(monkeypatch):
     pool.check_invariants()
     assert pool.stats().hit_tokens - hits == 12 and pool.host.stats().blocks_promoted > 0
     assert_same_output(fresh_generate(model, x), out)
+
+
+def test_save_prefix_cache_writes_both_tiers(tmp_path):
+    model = tiny_model("llama")
+    pool = BlockPool(block_size=B, num_blocks=6, prefix_caching=True, host_memory="1MiB")
+    x = ids(1, 13, seed=12)
+    hf_pagedkv.generate(model, x, pool=pool, **GEN)
+    hf_pagedkv.generate(model, ids(1, 17, seed=13), pool=pool, **GEN)  # x's blocks go to the host
+    on_host, on_device = pool.host.stats().blocks_cached, pool.stats().blocks_cached
+    assert on_host > 0
+    path = tmp_path / "p.safetensors"
+    assert pool.save_prefix_cache(path) == on_host + on_device
+    loaded = BlockPool.load_prefix_cache(path, model=model)  # no host tier: all on the device
+    assert loaded.stats().blocks_cached == on_host + on_device
+    out = hf_pagedkv.generate(model, x, pool=loaded, **GEN)
+    assert loaded.stats().hit_tokens == 12
+    loaded.check_invariants()
+    assert_same_output(fresh_generate(model, x), out)

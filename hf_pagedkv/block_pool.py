@@ -146,9 +146,6 @@ class BlockPool:
         self._pending_release: deque[int] = deque()  # owners garbage-collected without release(); freed by _drain
         self._prefix_keys: dict[bytes, None] = {}  # keys published blocks were hashed under; note_prefix_key only
         self.last_loaded_blocks = 0  # blocks the last load_prefix_cache published; set by it only
-        if host_memory is not None and self.quant.is_quantized:
-            raise ValueError("host_memory is not supported with a quantized pool yet (its open blocks and sink "
-                             "tokens live in staging areas); use a full-precision pool for the host tier.")
         # the host tier (`cache.offload()`, evicted prefix blocks), or None; fixed
         self.host = None if host_memory is None else HostTiers(self, parse_bytes(host_memory))
         self.group_for(None)

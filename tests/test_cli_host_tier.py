@@ -18,9 +18,7 @@ def test_plan_shows_the_host_tier(capsys):
     assert host == {"bytes": 64 * 2**30, "blocks": 8192, "tokens": 131072, "sequences": 32}
 
 
-@pytest.mark.parametrize("extra, message", [(["--host-memory", "lots"], "--host-memory"),
-                                            (["--host-memory", "1GiB", "--quant", "k8v4"], "full-precision")])
-def test_plan_host_memory_errors(extra, message, capsys):
+def test_plan_host_memory_errors(capsys):
     with pytest.raises(SystemExit):
-        main(["plan", "--model", "llama", "--max-seq-len", "128", *extra])
-    assert message in capsys.readouterr().err
+        main(["plan", "--model", "llama", "--max-seq-len", "128", "--host-memory", "lots"])
+    assert "--host-memory" in capsys.readouterr().err

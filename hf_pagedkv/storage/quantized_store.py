@@ -251,49 +251,54 @@ class QuantizedPageStore(QuantizedWriteMixin, QuantizedReadMixin):
 
     # -- whole blocks out and in (prefix-cache files, the host tier) --------------------------------------------------
     def export_blocks(self, blocks: list[int]) -> dict[str, torch.Tensor]:
-        """Copies of whole encoded blocks in every layer, as stored (codes and scales, never re-quantized), in the
-        order of `blocks`; plus the full-precision sink tokens of the blocks that hold a sequence's sink.
+        """Copies of whole blocks in every layer, as stored, in the order of `blocks`: encoded blocks as their codes
+        and scales (never re-quantized), open blocks as their full-precision stage, and the full-precision sink tokens
+        of the blocks that hold a sequence's sink.
 
         Returns:
             `dict[str, torch.Tensor]`, on the layer's device: ``"{layer}.key_codes"`` / ``"{layer}.value_codes"``
             `[num_kv_heads, len(blocks), code_size]`, ``"{layer}.key_scales"`` / ``"{layer}.value_scales"``
-            `[num_kv_heads, len(blocks), scale_size]`, ``"sink_rows"`` int64 `[m]` (positions in `blocks` of the
-            `m` blocks with a sink) and ``"{layer}.sink_keys"`` / ``"{layer}.sink_values"``
-            `[num_kv_heads, m, sink_tokens, dim]` (model dtype).
-
-        Raises:
-            ValueError: a block that is not encoded (only full blocks can be exported).
+            `[num_kv_heads, len(blocks), scale_size]` (meaningless for open blocks); ``"stage_rows"`` int64 `[m]`
+            (positions in `blocks` of the `m` open blocks) with ``"{layer}.stage_keys"`` / ``"{layer}.stage_values"``
+            `[num_kv_heads, m, block_size, dim]`; ``"sink_rows"`` int64 `[s]` (the blocks with a sink) with
+            ``"{layer}.sink_keys"`` / ``"{layer}.sink_values"`` `[num_kv_heads, s, sink_tokens, dim]` (model dtype).
         """
-        open_ = [b for b in blocks if not self._encoded[b]]
-        if open_:
-            raise ValueError(f"export_blocks: blocks {open_[:10]} are not full (encoded); only full blocks move.")
-        rows = [i for i, b in enumerate(blocks) if b in self._sink_of]
-        out = {"sink_rows": torch.tensor(rows, dtype=torch.long)}
-        stages = [self._sink_of[blocks[i]] for i in rows]
+        open_rows = [i for i, b in enumerate(blocks) if not self._encoded[b]]
+        assert all(blocks[i] in self._stage_of for i in open_rows), "an open block without a stage"
+        sink_rows = [i for i, b in enumerate(blocks) if b in self._sink_of]
+        out = {"stage_rows": torch.tensor(open_rows, dtype=torch.long),
+               "sink_rows": torch.tensor(sink_rows, dtype=torch.long)}
+        parts = (("stage", self.staging, [self._stage_of[blocks[i]] for i in open_rows], self.block_size),
+                 ("sink", self.sinks, [self._sink_of[blocks[i]] for i in sink_rows], self.sink_tokens))
         for idx, spec in self.specs.items():
             idx_t = torch.tensor(blocks, dtype=torch.long, device=spec.device)
             for half, name in enumerate(("key", "value")):
                 out[f"{idx}.{name}_codes"] = self.codes[idx][half].index_select(1, idx_t)  # [heads, n, code_size]
                 out[f"{idx}.{name}_scales"] = self.scales[idx][half].index_select(1, idx_t)  # [heads, n, scale_size]
-                sinks = self.sinks.blocks((self.sinks.keys, self.sinks.values)[half], idx)  # [heads, stages, S', dim]
-                stage_t = torch.tensor(stages, dtype=torch.long, device=spec.device)
-                out[f"{idx}.sink_{name}s"] = sinks.index_select(1, stage_t)[:, :, : self.sink_tokens].contiguous()
+                for part, area, stages, length in parts:
+                    every = area.blocks((area.keys, area.values)[half], idx)  # [heads, num_stages, stage_len, dim]
+                    stage_t = torch.tensor(stages, dtype=torch.long, device=spec.device)
+                    out[f"{idx}.{part}_{name}s"] = every.index_select(1, stage_t)[:, :, :length].contiguous()
         return out
 
     def import_blocks(self, blocks: list[int], tensors: dict[str, torch.Tensor]) -> None:
-        """Make fresh blocks (just allocated: no stage, not encoded) hold what `export_blocks` returned: encoded, with
-        their codes, scales and sink tokens as exported (no re-quantization).
+        """Make fresh blocks (just allocated: no stage, not encoded) hold what `export_blocks` returned, as it was:
+        encoded blocks with their codes and scales (no re-quantization), open ones staged, sinks kept.
 
         Raises:
             ValueError: a tensor missing or not of the shape and dtype this store's codecs use (another
-                quantization), or a sink row out of range (nothing is written then).
+                quantization), or rows out of range (nothing is written then).
         """
-        rows_t = tensors.get("sink_rows")
-        if rows_t is None or rows_t.dim() != 1 or rows_t.dtype != torch.long:
-            raise ValueError("import_blocks: no int64 'sink_rows' tensor (a block export of another storage format?).")
-        rows = rows_t.tolist()
-        if any(not 0 <= r < len(blocks) for r in rows) or len(set(rows)) != len(rows):
-            raise ValueError(f"import_blocks: sink rows {rows[:10]} do not name distinct blocks of the {len(blocks)}.")
+        rows = {}
+        for part in ("stage", "sink"):
+            t = tensors.get(f"{part}_rows")
+            if t is None or t.dim() != 1 or t.dtype != torch.long:
+                raise ValueError(f"import_blocks: no int64 '{part}_rows' tensor (a block export of another storage "
+                                 "format?).")
+            rows[part] = t.tolist()
+            if any(not 0 <= r < len(blocks) for r in rows[part]) or len(set(rows[part])) != len(rows[part]):
+                raise ValueError(f"import_blocks: {part} rows {rows[part][:10]} do not name distinct blocks of the "
+                                 f"{len(blocks)}.")
         want = {}
         for idx, spec in self.specs.items():
             for half, (name, layout) in enumerate(zip(("key", "value"), self.layouts[idx])):
@@ -301,24 +306,30 @@ class QuantizedPageStore(QuantizedWriteMixin, QuantizedReadMixin):
                 want[f"{idx}.{name}_codes"] = ((spec.num_kv_heads, len(blocks), layout.code_size), layout.code_dtype)
                 want[f"{idx}.{name}_scales"] = ((spec.num_kv_heads, len(blocks), layout.scale_size),
                                                 layout.scale_dtype)
-                want[f"{idx}.sink_{name}s"] = ((spec.num_kv_heads, len(rows), self.sink_tokens, dim), spec.dtype)
+                want[f"{idx}.stage_{name}s"] = ((spec.num_kv_heads, len(rows["stage"]), self.block_size, dim),
+                                                spec.dtype)
+                want[f"{idx}.sink_{name}s"] = ((spec.num_kv_heads, len(rows["sink"]), self.sink_tokens, dim),
+                                               spec.dtype)
         check_block_tensors(want, tensors)
         fresh = [b for b in blocks if self._encoded[b] or b in self._stage_of or b in self._sink_of]
         assert not fresh, f"import_blocks into blocks {fresh[:10]} that are not fresh"
-        for i in rows:
+        for i in rows["stage"]:
+            self._stage_of[blocks[i]] = self.staging.allocate()
+        for i in rows["sink"]:
             self._sink_of[blocks[i]] = self.sinks.allocate()
-        stages = [self._sink_of[blocks[i]] for i in rows]
+        parts = (("stage", self.staging, [self._stage_of[blocks[i]] for i in rows["stage"]], self.block_size),
+                 ("sink", self.sinks, [self._sink_of[blocks[i]] for i in rows["sink"]], self.sink_tokens))
         for idx, spec in self.specs.items():
             idx_t = torch.tensor(blocks, dtype=torch.long, device=spec.device)
-            stage_t = torch.tensor(stages, dtype=torch.long, device=spec.device)
             for half, name in enumerate(("key", "value")):
                 self.codes[idx][half].index_copy_(1, idx_t, tensors[f"{idx}.{name}_codes"].to(spec.device))
                 self.scales[idx][half].index_copy_(1, idx_t, tensors[f"{idx}.{name}_scales"].to(spec.device))
-                sinks = self.sinks.blocks((self.sinks.keys, self.sinks.values)[half], idx)  # [heads, stages, S', dim]
-                sink = tensors[f"{idx}.sink_{name}s"].to(spec.device)  # [heads, m, sink_tokens, dim]
-                sinks[:, :, : self.sink_tokens].index_copy_(1, stage_t, sink)
+                for part, area, stages, length in parts:
+                    every = area.blocks((area.keys, area.values)[half], idx)  # [heads, num_stages, stage_len, dim]
+                    stage_t = torch.tensor(stages, dtype=torch.long, device=spec.device)
+                    every[:, :, :length].index_copy_(1, stage_t, tensors[f"{idx}.{part}_{name}s"].to(spec.device))
+        staged = {blocks[i] for i in rows["stage"]}
         for b in blocks:
-            self._encoded[b] = self._num_encodes[b] = 1
-
+            self._encoded[b] = self._num_encodes[b] = 0 if b in staged else 1
 
 __all__ = ["QuantizedPageStore", "WritePlan"]

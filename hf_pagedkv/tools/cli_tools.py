@@ -200,8 +200,6 @@ def _host_tier(plan, host_memory: str, parser) -> dict:
         size = parse_bytes(host_memory)
     except ValueError as e:
         parser.error(f"--host-memory: {e}")
-    if plan.quant != "fp":
-        parser.error("--host-memory: the host tier holds full-precision pools only (for now); use --quant fp.")
     block_bytes = plan.bytes_per_token * plan.block_size
     blocks = int(size // block_bytes)
     per_seq = -(-plan.max_seq_len // plan.block_size)

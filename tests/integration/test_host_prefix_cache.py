@@ -24,9 +24,10 @@ def keys(cache, n: int) -> list[torch.Tensor]:
     return [t[:, :, :n].clone() for layer in cache.layers for t in (layer.keys, layer.values)]
 
 
-def test_the_offload_race_reloaded_kv_equals_the_original_and_the_reuser_is_untouched():
+@pytest.mark.parametrize("quant", [None, "k8v4"])
+def test_the_offload_race_reloaded_kv_equals_the_original_and_the_reuser_is_untouched(quant):
     model = tiny_model("llama")
-    pool = BlockPool(block_size=B, num_blocks=10, prefix_caching=True, host_memory="1MiB", debug=True)
+    pool = BlockPool(block_size=B, num_blocks=10, prefix_caching=True, host_memory="1MiB", debug=True, quant=quant)
     a_seq = ids(1, 16, seed=1)  # 4 full blocks
     a = prefill(model, pool, a_seq)
     a_kv = keys(a, 16)

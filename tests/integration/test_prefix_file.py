@@ -14,7 +14,7 @@ import hf_pagedkv
 from hf_pagedkv import BlockPool, PagedCache, PoolExhaustedError
 from hf_pagedkv.storage import prefix_file
 from hf_pagedkv.storage.prefix_file import read_prefix_index
-from tests.conftest import ids, tiny_model
+from tests.conftest import _tiny, ids, tiny_model
 from tests.prefix_utils import GEN, fresh_generate, tiny_single_thread  # noqa: F401 (autouse fixture)
 
 # A hit computes only the suffix, in a step of its own, where the fresh run prefills everything at once: the sums
@@ -195,7 +195,10 @@ def test_save_needs_one_known_model(tmp_path):
 
 def test_a_fresh_process_hits_the_saved_prefix(tmp_path):
     """The point of the file: a new Python process, a new model object with the same weights, a hit."""
-    model = tiny_model("llama")
+    # a model built here and in the child the same way (the session's shared tiny model may have been changed by
+    # other tests, e.g. its config, which the fingerprint covers)
+    torch.manual_seed(1234)
+    model = _tiny("llama")
     system, suffix = ids(1, 12, seed=11), ids(1, 3, seed=12)
     path = tmp_path / "p.safetensors"
     serve(model, None, torch.cat([system, ids(1, 2, seed=13)], 1)).save_prefix_cache(path)
@@ -204,10 +207,11 @@ def test_a_fresh_process_hits_the_saved_prefix(tmp_path):
     script = textwrap.dedent(f"""
         import torch, hf_pagedkv
         from hf_pagedkv import BlockPool
-        from tests.conftest import tiny_model
+        from tests.conftest import _tiny
         from tests.prefix_utils import GEN
         torch.set_num_threads(1)
-        model = tiny_model("llama")
+        torch.manual_seed(1234)
+        model = _tiny("llama")
         pool = BlockPool.load_prefix_cache({str(path)!r}, model=model)
         out = hf_pagedkv.generate(model, torch.tensor([{y[0].tolist()}]), pool=pool, **GEN)
         pool.check_invariants()

@@ -4,7 +4,7 @@ from hf_pagedkv._compat import cache_kwargs
 from hf_pagedkv.block_pool import BlockPool, PoolStats
 from hf_pagedkv.adapter.paged_cache import PagedCache
 from hf_pagedkv.config import QuantConfig
-from hf_pagedkv.errors import CacheReleasedError, InvariantError, PoolExhaustedError
+from hf_pagedkv.errors import CacheOffloadedError, CacheReleasedError, InvariantError, PoolExhaustedError
 from hf_pagedkv.adapter.generation import generate
 from hf_pagedkv.adapter.paged_layer import PagedLayer
 from hf_pagedkv.pool.prefix_index import BlockHash
@@ -13,6 +13,7 @@ from hf_pagedkv.retention import KeyDiff, KeyNorm, RetentionPolicy, RetentionSta
 __all__ = [
     "BlockHash",
     "BlockPool",
+    "CacheOffloadedError",
     "CacheReleasedError",
     "InvariantError",
     "KeyDiff",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -17,6 +18,7 @@ from hf_pagedkv.config import DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, Quan
 from hf_pagedkv.storage.device_budget import blocks_for_budget, check_device_share
 from hf_pagedkv.errors import PoolExhaustedError
 from hf_pagedkv.observe.events import EventLog
+from hf_pagedkv.host_tiers import HostTiers
 from hf_pagedkv.pool.invariants import check_group_invariants
 from hf_pagedkv.observe.alerts import Health
 from hf_pagedkv.observe.metrics import PoolMetrics
@@ -27,6 +29,18 @@ from hf_pagedkv.pool.prefix_index import BlockHash, PrefixIndex
 logger = logging.getLogger(__name__)
 
 _MIN_GROWTH_BLOCKS = 64  # a growable pool never grows by less than this many blocks at once
+
+
+class _PoolOrClassMethod:
+    """A method callable on an instance (``pool.f(...)``: the pool) or on the class (``BlockPool.f(...)``: the class),
+    for `load_prefix_cache`, which loads into a given pool or into a new one."""
+
+    def __init__(self, func) -> None:
+        self.func = func  # f(pool_or_cls, ...); fixed
+        self.__doc__ = func.__doc__
+
+    def __get__(self, obj, cls):
+        return functools.partial(self.func, cls if obj is None else obj)
 
 
 class BlockPool:
@@ -59,6 +73,10 @@ class BlockPool:
             needed, then are evicted least-recently-used.
         quant (`QuantConfig` or `str`, *optional*): store K/V quantized (`QuantConfig`, or a preset such as
             ``"k8v4"``); `None` or ``"fp"`` for full precision. Fixed for the pool's lifetime.
+        host_memory (`int` or `str`, *optional*): a host-memory (CPU, pinned under CUDA) tier of this many bytes
+            (``"8GiB"``), where `PagedCache.offload()` moves a cache and `prefetch()` brings it back
+            (`host_tiers.py`); sized at the first offload, when the layers are known. `pool.host.stats()` tells
+            its occupancy.
 
     With neither `num_blocks` nor `max_memory`, the pool grows on demand by chunks: what is needed plus a headroom
     of half its size (at least 64 blocks), copying its storage once per growth, so growth is amortised O(1).
@@ -103,6 +121,7 @@ class BlockPool:
         debug: bool = False,
         prefix_caching: bool = False,
         quant: QuantConfig | str | None = None,
+        host_memory: int | str | None = None,
     ) -> None:
         self.quant = QuantConfig.resolve(quant)  # storage format; fixed
         if block_size is None:
@@ -125,6 +144,10 @@ class BlockPool:
         self._tokens = itertools.count()  # owner tokens
         self._owners: set[int] = set()  # live owner tokens (caches not yet released or collected)
         self._pending_release: deque[int] = deque()  # owners garbage-collected without release(); freed by _drain
+        self._prefix_keys: dict[bytes, None] = {}  # keys published blocks were hashed under; note_prefix_key only
+        self.last_loaded_blocks = 0  # blocks the last load_prefix_cache published; set by it only
+        # the host tier (`cache.offload()`, evicted prefix blocks), or None; fixed
+        self.host = None if host_memory is None else HostTiers(self, parse_bytes(host_memory))
         self.group_for(None)
         self.metrics = PoolMetrics(self)  # counters, step latency, alerts (metrics.py); updated by the hooks below
         self.events = EventLog(self)  # block event log, off by default (events.py)
@@ -367,6 +390,8 @@ class BlockPool:
             return sum(g.prefix_index.publish(h, b) for h, b in zip(hashes, blocks))
 
     def _evict(self, group: BlockGroup, n: int) -> None:
+        if self.host is not None:  # the host tier keeps what the device drops (host_tiers.py)
+            self.host.demote(group.index, group.prefix_index.oldest_idle(n))
         evicted = group.prefix_index.evict(n, group.allocator)
         self.events.emit("evict", evicted, **_group_field(group.index))
         group.store.release(evicted)
@@ -416,6 +441,8 @@ class BlockPool:
                 if rows:
                     self.free([b for row in rows for b in row.blocks], group.index)
                     rows.clear()
+            if self.host is not None:  # an offloaded cache holds host blocks instead
+                self.host.release(token)
 
     # -- observation -------------------------------------------------------------------------------------------------
     def stats(self) -> PoolStats:
@@ -470,6 +497,95 @@ class BlockPool:
             self._drain()
             for group in self.groups:
                 check_group_invariants(group)
+            if self.host is not None:
+                self.host.check()
+
+    # -- prefix cache on disk (prefix_persistence.py, storage/prefix_file.py) -------------------------------------
+    def note_prefix_key(self, key: bytes) -> None:
+        """Record the prefix key (`adapter/prefix_cache.py` `prefix_key`: model fingerprint + storage format) that
+        blocks published in this pool are hashed under; `PagedCache.publish` calls it, `save_prefix_cache` reads it."""
+        with self.lock:
+            self._prefix_keys.setdefault(bytes(key))
+
+    def prefix_keys(self) -> list[bytes]:
+        """The prefix keys noted so far (one, for a pool used by one model), oldest first."""
+        with self.lock:
+            return list(self._prefix_keys)
+
+    def save_prefix_cache(self, path, model=None, config=None) -> int:
+        """Save every published block (in use or cached-idle, all layer groups) with its chain hash, the model key
+        and the storage format to one safetensors file whose header holds a JSON index (`storage/prefix_file.py`),
+        written atomically: an interrupted save leaves the previous file intact. Quantized blocks are saved as
+        stored (codes and scales), never re-quantized.
+
+        Args:
+            path (`str` or `os.PathLike`): the file to write (replaced if it exists).
+            model (`PreTrainedModel`, *optional*): the model the blocks were computed by; needed only when nothing
+                was published through a `PagedCache` here (else checked against the key noted at publish).
+            config (`PretrainedConfig`, *optional*): for caches keyed by config alone (`from_prefix(config=...)`).
+
+        Returns:
+            `int`: blocks saved.
+
+        Raises:
+            ValueError: no prefix caching; the model unknown or not the one the blocks were published for; blocks
+                of two model keys in this pool.
+            OSError: the file cannot be written (the previous one is unchanged).
+
+        Example:
+
+        ```python
+        >>> pool.save_prefix_cache("prompts.safetensors")      # process 1, after serving requests
+        >>> pool = BlockPool.load_prefix_cache("prompts.safetensors", model=model)   # process 2
+        >>> cache = PagedCache.from_prefix(pool, input_ids, model=model)         # hits the loaded blocks
+        ```
+        """
+        from hf_pagedkv.prefix_persistence import save_prefix_cache
+
+        return save_prefix_cache(self, path, model, config)
+
+    @_PoolOrClassMethod
+    def load_prefix_cache(pool_or_cls, path, model=None, *, config=None, device=None, **pool_kwargs) -> BlockPool:
+        """Load a file of `save_prefix_cache` into this pool (``pool.load_prefix_cache(path, model=model)``), or into
+        a new pool with the file's block size and quantization (``BlockPool.load_prefix_cache(path, model=model,
+        num_blocks=...)``). Its blocks become cached-idle prefix blocks: `PagedCache.from_prefix` hits them.
+
+        Nothing is loaded, and the error says why, when the file is truncated or corrupted (checksums), of another
+        format, block size or quantization, for another architecture, or for other weights (model fingerprint).
+
+        Args:
+            path (`str` or `os.PathLike`): a file written by `save_prefix_cache`.
+            model (`PreTrainedModel`): the model that will run (its fingerprint must match the file's).
+            config (`PretrainedConfig`, *optional*): instead of `model`, for caches keyed by config alone.
+            device (`torch.device` or `str`, *optional*): where layers this pool does not hold yet get their storage;
+                defaults to the model's device.
+            pool_kwargs: `BlockPool` arguments for a new pool (`num_blocks`, `max_memory`, `debug`); called on a pool,
+                none are allowed.
+
+        Returns:
+            `BlockPool`: this pool, or the new one. `pool.last_loaded_blocks` tells how many blocks were published.
+
+        Raises:
+            FileNotFoundError, ValueError, PoolExhaustedError: see `prefix_persistence.load_prefix_cache`.
+        """
+        from hf_pagedkv.prefix_persistence import load_prefix_cache
+        from hf_pagedkv.storage.prefix_file import read_prefix_index
+
+        if isinstance(pool_or_cls, BlockPool):
+            if pool_kwargs:
+                raise ValueError(f"pool.load_prefix_cache got pool settings {sorted(pool_kwargs)}; they size a new "
+                                 "pool (BlockPool.load_prefix_cache(path, ..., num_blocks=...)).")
+            pool = pool_or_cls
+        else:
+            index = read_prefix_index(path)
+            try:
+                quant = QuantConfig(**index["quant_fields"]) if index.get("quant_fields") else None
+            except (TypeError, ValueError):
+                raise ValueError(f"{path}: the index records an unreadable quantization "
+                                 f"{index.get('quant_fields')!r}.") from None
+            pool = pool_or_cls(block_size=index.get("block_size"), prefix_caching=True, quant=quant, **pool_kwargs)
+        pool.last_loaded_blocks = load_prefix_cache(pool, path, model, config, device)
+        return pool
 
 
 def _group_field(group: int) -> dict:

@@ -20,3 +20,7 @@ class InvariantError(RuntimeError):
 
 class CacheReleasedError(RuntimeError):
     """A `PagedCache` was used after `release()`; create a new cache (or `fork()` before releasing)."""
+
+
+class CacheOffloadedError(RuntimeError):
+    """A `PagedCache` was used while offloaded to the host tier (`cache.offload()`); call `cache.prefetch()` first."""

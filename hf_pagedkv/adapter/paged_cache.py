@@ -12,11 +12,12 @@ from hf_pagedkv._compat import Cache, DummyLayer, layer_plan
 from hf_pagedkv.block_pool import BlockPool
 from hf_pagedkv.pool.block_table import BlockTable, num_blocks_for
 from hf_pagedkv.config import QuantConfig, check_positive_int
-from hf_pagedkv.errors import CacheReleasedError, InvariantError
+from hf_pagedkv.errors import CacheOffloadedError, CacheReleasedError, InvariantError
 from hf_pagedkv.adapter.paged_layer import PagedLayer
 from hf_pagedkv.storage.page_store import LayerSpec
 from hf_pagedkv.adapter import prefix_cache
 from hf_pagedkv.adapter.grad import attach_step_grad, needs_grad
+from hf_pagedkv.adapter.offload import offload_cache, prefetch_cache
 from hf_pagedkv.adapter.row_tables import RowTables
 from hf_pagedkv.adapter.step_plan import StepPlan
 from hf_pagedkv.adapter.step_planner import StepPlanner
@@ -130,6 +131,7 @@ class PagedCache(Cache):
         self._maybe_dups = False  # rows were just forked, so identical rows may be deduplicated next step
         self._evictor = None if retention is None else Evictor(retention)  # retention policy state, or None
         self._released = False
+        self._offloaded: list | None = None  # while offloaded: its blocks in the host tier (adapter/offload.py)
         self._owner = pool.register_owner()  # this cache's token in the pool's table registry
         self.seq_id = self._owner  # names this cache in the block event log
         self._finalizer = weakref.finalize(self, pool.release_owner, self._owner)  # frees blocks if never released
@@ -264,6 +266,9 @@ class PagedCache(Cache):
     def reset(self) -> None:
         """Free every block this cache holds; the cache stays usable (empty)."""
         with self.pool.lock:
+            if self._offloaded is not None:  # its blocks are in the host tier
+                self.pool.host.release(self._owner)
+                self._offloaded = None
             for rt in self._groups:
                 self.pool.free([b for row in rt.rows for b in row.blocks], rt.group)
                 rt.reset()
@@ -356,6 +361,8 @@ class PagedCache(Cache):
         cache._prefix_key = prefix_cache.prefix_key(pool, model, kwargs["config"])
         hashes = prefix_cache.hash_blocks(ids[: len(ids) - 1], pool.block_size, cache._prefix_key)  # >= 1 left
         with pool.lock:  # references and the table that names them appear together (invariant 2)
+            if pool.host is not None:  # prefix blocks in the host tier are copied back before any read
+                pool.host.promote(hashes, [rt.group for rt in cache._groups])
             hit = prefix_cache.hit_length(pool, cache._groups, hashes)
             held = {}
             for k, rt in enumerate(cache._groups):  # the first group counts the lookup (one per request)
@@ -399,6 +406,7 @@ class PagedCache(Cache):
                 raise ValueError("publish on a cache not made by from_prefix needs `model=` (the model that filled "
                                  "it) to key the prefix index.")
             self._prefix_key = prefix_cache.prefix_key(pool, model)
+        pool.note_prefix_key(self._prefix_key)  # what save_prefix_cache records as the blocks' model key
         rows = prefix_cache.token_rows(input_ids)
         if len(rows) == 1 and self.num_rows > 1:
             rows = rows + [[]] * (self.num_rows - 1)  # row 0 holds the shared prompt
@@ -468,10 +476,56 @@ class PagedCache(Cache):
         return (f"PagedCache(rows={self.num_rows}, tokens={self._num_tokens}, block_size={self.block_size}, "
                 f"layers={len(self.layers)}{quant}{', released' if self._released else ''})")
 
+    # -- host tier: swap the whole cache out and in (adapter/offload.py) ----------------------------------------
+    @property
+    def is_offloaded(self) -> bool:
+        """Whether this cache's blocks are in the pool's host tier (`offload()`), not on the device."""
+        return self._offloaded is not None
+
+    def offload(self, layer_idx: int | None = None, only_non_sliding: bool = True) -> None:
+        """Move this cache to the pool's host tier (`BlockPool(host_memory=...)`) and free its device blocks, so a
+        server can preempt a long request instead of losing it; `prefetch()` brings it back and generation continues
+        exactly. Blocks other caches share stay on the device for them (refcounts decide; see `adapter/offload.py`).
+        Until `prefetch()`, the cache cannot run a step (`CacheOffloadedError`); `release()` frees its host blocks.
+
+        Raises:
+            ValueError: a `layer_idx` (only whole caches move); the pool has no host tier.
+            PoolExhaustedError: the host tier is full (nothing changed).
+            CacheReleasedError, CacheOffloadedError: the cache was released, or is offloaded already.
+        """
+
+        if layer_idx is not None:
+            raise ValueError(f"offload(layer_idx={layer_idx}): a PagedCache moves whole, with all its layers "
+                             "(call cache.offload()).")
+        self.check_usable()
+        self._offloaded = offload_cache(self)
+        self._step = None
+
+    def prefetch(self, layer_idx: int | None = None, only_non_sliding: bool = True) -> None:
+        """Bring an offloaded cache back to the device (new block ids, the same K/V); a no-op when not offloaded.
+
+        Raises:
+            ValueError: a `layer_idx` (only whole caches move).
+            PoolExhaustedError: too few free device blocks (the cache stays offloaded; nothing changed).
+        """
+
+        if layer_idx is not None:
+            raise ValueError(f"prefetch(layer_idx={layer_idx}): a PagedCache moves whole (call cache.prefetch()).")
+        if self._released:
+            raise CacheReleasedError("This PagedCache was released; create a new one.")
+        if self._offloaded is None:
+            return
+        prefetch_cache(self, self._offloaded)
+        self._offloaded = None
+        self._after_change()
+
     # -- internals: layers ----------------------------------------------------------------------------------------
     def check_usable(self) -> None:
         if self._released:
             raise CacheReleasedError("This PagedCache was released; create a new one (or fork() before release()).")
+        if self._offloaded is not None:
+            raise CacheOffloadedError("This PagedCache is offloaded to the host tier; call cache.prefetch() before "
+                                      "using it again.")
 
     def _paged_layers(self) -> list[PagedLayer]:
         return [layer for layer in self.layers if isinstance(layer, PagedLayer)]

@@ -192,10 +192,12 @@ class PagedLayer(CacheLayerMixin):
         self._cache_wide("batch_select_indices")
 
     def offload(self):
-        raise NotImplementedError("PagedCache does not offload layers; size the BlockPool instead.")
+        raise NotImplementedError("A PagedCache moves to host memory whole, not layer by layer: use cache.offload() "
+                                  "and cache.prefetch() with a BlockPool(host_memory=...).")
 
     def prefetch(self):
-        raise NotImplementedError("PagedCache does not offload layers; size the BlockPool instead.")
+        raise NotImplementedError("A PagedCache moves to host memory whole, not layer by layer: use cache.offload() "
+                                  "and cache.prefetch() with a BlockPool(host_memory=...).")
 
     def __repr__(self) -> str:
         window = f", sliding_window={self.sliding_window}" if self.sliding_window else ""

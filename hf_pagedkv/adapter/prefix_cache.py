@@ -12,9 +12,8 @@ import torch
 
 from hf_pagedkv.pool.prefix_index import hash_blocks
 
-if TYPE_CHECKING:  # type-only: the functions take a pool and tables, never build them
+if TYPE_CHECKING:  # type-only: the functions take tables, never build them
     from hf_pagedkv.adapter.row_tables import RowTables
-    from hf_pagedkv.block_pool import BlockPool
 
 _fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (tensor states, digest)
 _fingerprints_lock = threading.Lock()
@@ -81,7 +80,7 @@ def _state(t: torch.Tensor) -> tuple[int, int]:
     return _local(t).data_ptr(), version
 
 
-def prefix_key(pool: BlockPool, model=None, config=None) -> bytes:
+def prefix_key(pool, model=None, config=None) -> bytes:
     """Everything besides the tokens that decides a block's K/V: the model (its fingerprint, or its config when
     only a config is given) and the pool's storage format (quantization)."""
     if model is not None:
@@ -113,7 +112,7 @@ def token_rows(input_ids, name: str = "input_ids") -> list[list[int]]:
     raise ValueError(f"`{name}` must be token ids ([batch, seq_len] or [seq_len]), got {type(input_ids).__name__}.")
 
 
-def hit_length(pool: BlockPool, groups: list[RowTables], hashes: list) -> int:
+def hit_length(pool, groups: list[RowTables], hashes: list) -> int:
     """Full blocks of `hashes` every layer group of a cache can serve from `pool`'s prefix index: a full-attention
     group needs the whole prefix, a sliding-window group only the blocks of the window before the hit point (its
     earlier blocks were freed and may be gone, which shortens the hit).
@@ -138,7 +137,7 @@ def hit_length(pool: BlockPool, groups: list[RowTables], hashes: list) -> int:
     return hit
 
 
-def publish_rows(pool: BlockPool, groups: list[RowTables], rows: list[list[int]], written: int, key: bytes,
+def publish_rows(pool, groups: list[RowTables], rows: list[list[int]], written: int, key: bytes,
                  max_blocks: int | None = None) -> int:
     """Publish the full blocks of each row (row `r` holds the K/V of ``rows[r][:written]``) in every layer group
     (a sliding group publishes the full blocks it still holds), at most the first `max_blocks` held blocks of a row

@@ -8,6 +8,7 @@ later request with the same prefix attaches to the blocks already computed inste
 from __future__ import annotations
 
 import hashlib
+import itertools
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -186,3 +187,23 @@ class PrefixIndex:
         if stale:
             problems.append(f"free or unknown blocks {stale[:20]} are still published")
         return problems
+
+    # -- for the host tier (host_tiers.py) ------------------------------------------------------------------------
+    def hash_of(self, block: int) -> BlockHash | None:
+        """The hash naming `block`, or None when it is not published."""
+        return self._by_block.get(block)
+
+    def block_of(self, h: BlockHash) -> int | None:
+        """The block `h` names, or None."""
+        return self._by_hash.get(h)
+
+    def oldest_idle(self, n: int) -> list[int]:
+        """The `n` idle blocks `evict(n)` would drop, in that order. Changes nothing."""
+        return list(itertools.islice(self._idle, n))
+
+    def forget(self, block: int, allocator: BlockAllocator) -> None:
+        """Drop one idle block from the index (its hash cleared) and free it: its content moved to another tier."""
+        assert block in self._idle, f"forget of block {block}, which is not cached-idle"
+        del self._idle[block]
+        del self._by_hash[self._by_block.pop(block)]
+        allocator.add_free([block])

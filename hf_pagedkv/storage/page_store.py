@@ -227,3 +227,50 @@ class PageStore:
         b = torch.tensor(blocks, dtype=torch.long, device=device)
         offsets = torch.arange(self.block_size, device=device)
         return (b[:, None] * self.block_size + offsets).reshape(-1)  # [len(blocks) * block_size]
+
+    # -- whole blocks out and in (prefix-cache files, the host tier) --------------------------------------------------
+    def export_blocks(self, blocks: list[int]) -> dict[str, torch.Tensor]:
+        """Copies of whole blocks in every layer, in the order of `blocks`.
+
+        Returns:
+            `dict[str, torch.Tensor]`: ``"{layer}.keys"`` `[num_kv_heads, len(blocks), block_size, key_dim]` and
+            ``"{layer}.values"`` `[num_kv_heads, len(blocks), block_size, value_dim]`, model dtype, on the layer's
+            device (new tensors: later writes to the pool do not change them).
+        """
+        out = {}
+        for idx, spec in self.specs.items():
+            s = self.block_slots(blocks, spec.device)
+            for name, store in (("keys", self.keys), ("values", self.values)):
+                t = store[idx].index_select(1, s)  # [num_kv_heads, n * block_size, dim]
+                out[f"{idx}.{name}"] = t.view(t.shape[0], len(blocks), self.block_size, t.shape[-1])
+        return out
+
+    def import_blocks(self, blocks: list[int], tensors: dict[str, torch.Tensor]) -> None:
+        """Overwrite whole blocks in every layer with what `export_blocks` returned (from any device).
+
+        Raises:
+            ValueError: a layer's tensor missing, or not of the shape and dtype `export_blocks` gives for this store
+                (nothing is written then).
+        """
+        want = {}
+        for idx, spec in self.specs.items():
+            for name, dim in (("keys", spec.key_dim), ("values", spec.value_dim)):
+                want[f"{idx}.{name}"] = ((spec.num_kv_heads, len(blocks), self.block_size, dim), spec.dtype)
+        check_block_tensors(want, tensors)
+        for idx, spec in self.specs.items():
+            s = self.block_slots(blocks, spec.device)
+            for name, store in (("keys", self.keys), ("values", self.values)):
+                t = tensors[f"{idx}.{name}"].to(spec.device)  # [num_kv_heads, n, block_size, dim]
+                store[idx].index_copy_(1, s, t.reshape(t.shape[0], -1, t.shape[-1]))  # [num_kv_heads, n * B, dim]
+
+
+def check_block_tensors(want: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                         tensors: dict[str, torch.Tensor]) -> None:
+    """Raise `ValueError` unless `tensors` holds every name of `want` with its (shape, dtype)."""
+    for name, (shape, dtype) in want.items():
+        t = tensors.get(name)
+        if t is None:
+            raise ValueError(f"import_blocks: no tensor {name!r} (a block export of another storage format?).")
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise ValueError(f"import_blocks: {name!r} is {t.dtype} {tuple(t.shape)}, this store needs {dtype} "
+                             f"{shape}.")

@@ -8,7 +8,7 @@ import torch
 
 from hf_pagedkv.config import QuantConfig
 from hf_pagedkv.storage.codecs import BlockLayout, check_finite, codec_name, make_codec
-from hf_pagedkv.storage.page_store import LayerSpec
+from hf_pagedkv.storage.page_store import LayerSpec, check_block_tensors
 from hf_pagedkv.storage.quantized_block_states import QuantizedBlockStates
 from hf_pagedkv.storage.read_request import ReadRequest
 from hf_pagedkv.storage.staging_store import StagingStore
@@ -368,6 +368,89 @@ class QuantizedPageStore:
             tmp = out.new_empty((out.shape[0], len(enc), B, out.shape[-1]))  # [num_kv_heads, len(enc), B, dim]
             self._decode_blocks(layer_idx, half, torch.tensor([blocks[r] for r in enc]), tmp)
             out[:, torch.tensor(enc, device=out.device), :n] = tmp[:, :, :n]
+
+    # -- whole blocks out and in (prefix-cache files, the host tier) --------------------------------------------------
+    def export_blocks(self, blocks: list[int]) -> dict[str, torch.Tensor]:
+        """Copies of whole blocks in every layer, as stored, in the order of `blocks`: encoded blocks as their codes
+        and scales (never re-quantized), open blocks as their full-precision stage, and the full-precision sink tokens
+        of the blocks that hold a sequence's sink.
+
+        Returns:
+            `dict[str, torch.Tensor]`, on the layer's device: ``"{layer}.key_codes"`` / ``"{layer}.value_codes"``
+            `[num_kv_heads, len(blocks), code_size]`, ``"{layer}.key_scales"`` / ``"{layer}.value_scales"``
+            `[num_kv_heads, len(blocks), scale_size]` (meaningless for open blocks); ``"stage_rows"`` int64 `[m]`
+            (positions in `blocks` of the `m` open blocks) with ``"{layer}.stage_keys"`` / ``"{layer}.stage_values"``
+            `[num_kv_heads, m, block_size, dim]`; ``"sink_rows"`` int64 `[s]` (the blocks with a sink) with
+            ``"{layer}.sink_keys"`` / ``"{layer}.sink_values"`` `[num_kv_heads, s, sink_tokens, dim]` (model dtype).
+        """
+        open_rows = [i for i, b in enumerate(blocks) if not self.states.encoded[b]]
+        assert all(blocks[i] in self.states.stage_of for i in open_rows), "an open block without a stage"
+        sink_rows = [i for i, b in enumerate(blocks) if b in self.states.sink_of]
+        out = {"stage_rows": torch.tensor(open_rows, dtype=torch.long),
+               "sink_rows": torch.tensor(sink_rows, dtype=torch.long)}
+        parts = (("stage", self.staging, [self.states.stage_of[blocks[i]] for i in open_rows], self.block_size),
+                 ("sink", self.sinks, [self.states.sink_of[blocks[i]] for i in sink_rows], self.sink_tokens))
+        for idx, spec in self.specs.items():
+            idx_t = torch.tensor(blocks, dtype=torch.long, device=spec.device)
+            for half, name in enumerate(("key", "value")):
+                out[f"{idx}.{name}_codes"] = self.codes[idx][half].index_select(1, idx_t)  # [heads, n, code_size]
+                out[f"{idx}.{name}_scales"] = self.scales[idx][half].index_select(1, idx_t)  # [heads, n, scale_size]
+                for part, area, stages, length in parts:
+                    every = area.blocks((area.keys, area.values)[half], idx)  # [heads, num_stages, stage_len, dim]
+                    stage_t = torch.tensor(stages, dtype=torch.long, device=spec.device)
+                    out[f"{idx}.{part}_{name}s"] = every.index_select(1, stage_t)[:, :, :length].contiguous()
+        return out
+
+    def import_blocks(self, blocks: list[int], tensors: dict[str, torch.Tensor]) -> None:
+        """Make fresh blocks (just allocated: no stage, not encoded) hold what `export_blocks` returned, as it was:
+        encoded blocks with their codes and scales (no re-quantization), open ones staged, sinks kept.
+
+        Raises:
+            ValueError: a tensor missing or not of the shape and dtype this store's codecs use (another
+                quantization), or rows out of range (nothing is written then).
+        """
+        rows = {}
+        for part in ("stage", "sink"):
+            t = tensors.get(f"{part}_rows")
+            if t is None or t.dim() != 1 or t.dtype != torch.long:
+                raise ValueError(f"import_blocks: no int64 '{part}_rows' tensor (a block export of another storage "
+                                 "format?).")
+            rows[part] = t.tolist()
+            if any(not 0 <= r < len(blocks) for r in rows[part]) or len(set(rows[part])) != len(rows[part]):
+                raise ValueError(f"import_blocks: {part} rows {rows[part][:10]} do not name distinct blocks of the "
+                                 f"{len(blocks)}.")
+        want = {}
+        for idx, spec in self.specs.items():
+            for half, (name, layout) in enumerate(zip(("key", "value"), self.layouts[idx])):
+                dim = (spec.key_dim, spec.value_dim)[half]
+                want[f"{idx}.{name}_codes"] = ((spec.num_kv_heads, len(blocks), layout.code_size), layout.code_dtype)
+                want[f"{idx}.{name}_scales"] = ((spec.num_kv_heads, len(blocks), layout.scale_size),
+                                                layout.scale_dtype)
+                want[f"{idx}.stage_{name}s"] = ((spec.num_kv_heads, len(rows["stage"]), self.block_size, dim),
+                                                spec.dtype)
+                want[f"{idx}.sink_{name}s"] = ((spec.num_kv_heads, len(rows["sink"]), self.sink_tokens, dim),
+                                               spec.dtype)
+        check_block_tensors(want, tensors)
+        fresh = [b for b in blocks if self.states.encoded[b] or b in self.states.stage_of or b in self.states.sink_of]
+        assert not fresh, f"import_blocks into blocks {fresh[:10]} that are not fresh"
+        for i in rows["stage"]:
+            self.states.stage_of[blocks[i]] = self.staging.allocate()
+        for i in rows["sink"]:
+            self.states.sink_of[blocks[i]] = self.sinks.allocate()
+        parts = (("stage", self.staging, [self.states.stage_of[blocks[i]] for i in rows["stage"]], self.block_size),
+                 ("sink", self.sinks, [self.states.sink_of[blocks[i]] for i in rows["sink"]], self.sink_tokens))
+        for idx, spec in self.specs.items():
+            idx_t = torch.tensor(blocks, dtype=torch.long, device=spec.device)
+            for half, name in enumerate(("key", "value")):
+                self.codes[idx][half].index_copy_(1, idx_t, tensors[f"{idx}.{name}_codes"].to(spec.device))
+                self.scales[idx][half].index_copy_(1, idx_t, tensors[f"{idx}.{name}_scales"].to(spec.device))
+                for part, area, stages, length in parts:
+                    every = area.blocks((area.keys, area.values)[half], idx)  # [heads, num_stages, stage_len, dim]
+                    stage_t = torch.tensor(stages, dtype=torch.long, device=spec.device)
+                    every[:, :, :length].index_copy_(1, stage_t, tensors[f"{idx}.{part}_{name}s"].to(spec.device))
+        staged = {blocks[i] for i in rows["stage"]}
+        for b in blocks:
+            self.states.encoded[b] = self.states.num_encodes[b] = 0 if b in staged else 1
 
 
 __all__ = ["QuantizedPageStore", "WritePlan"]

@@ -48,6 +48,8 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
                                     "0's memory; without CUDA, this machine's RAM / --tp, as CPU ranks share it)")
     p.add_argument("--retention", metavar="SPEC", help="plan for a retention policy: each sequence holds at most "
                    "what it keeps (sink_window:SINK:WINDOW, key_norm:BUDGET|RATIO, key_diff:BUDGET|RATIO)")
+    p.add_argument("--host-memory", help="a host-memory tier for offloaded caches and evicted prefix blocks, e.g. "
+                                         "64GiB: prints the blocks, tokens and sequences it holds")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=_plan)
 
@@ -148,8 +150,9 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                              tp=args.tp)
     except ValueError as e:  # a block size or value group the codecs cannot pack
         parser.error(f"--quant {args.quant}: {e}")
+    host = _host_tier(plan, args.host_memory, parser) if args.host_memory else None
     if args.json:
-        print(json.dumps(plan.to_dict(), indent=2))
+        print(json.dumps({**plan.to_dict(), **({"host_tier": host} if host else {})}, indent=2))
         return 0 if plan.fits else 1
     m = model
     sliding = f", {m.num_sliding} of them sliding-window ({m.sliding_window} tokens)" if m.num_sliding else ""
@@ -179,6 +182,10 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     quant = "" if plan.quant == "fp" else f", quant={plan.quant!r}"
     print(f"pool to set{rank} (peak x 1.2): {plan.pool_blocks:,} blocks, {fmt_bytes(plan.pool_bytes)} -> "
           f"BlockPool(block_size={plan.block_size}{quant}, max_memory={plan.pool_bytes})")
+    if host:
+        print(f"host tier: {fmt_bytes(host['bytes'])} -> {host['blocks']:,} blocks = {host['tokens']:,} tokens = "
+              f"{host['sequences']:,} sequences of {plan.max_seq_len:,} tokens offloaded -> "
+              f"BlockPool(..., host_memory={host['bytes']})")
     need = (plan.weight_bytes or 0) + plan.pool_bytes
     if plan.fits:
         print(f"memory: {fmt_bytes(memory)} ({where}): fits, weights + pool = {fmt_bytes(need)} "
@@ -199,6 +206,19 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             break
     print("change: " + ", or ".join(fixes))
     return 1
+
+
+def _host_tier(plan, host_memory: str, parser) -> dict:
+    """What a `BlockPool(host_memory=...)` tier holds for this plan: blocks (`host_tiers.py` sizes it as
+    ``host_memory // bytes per block``), tokens, and sequences of `max_seq_len`."""
+    try:
+        size = parse_bytes(host_memory)
+    except ValueError as e:
+        parser.error(f"--host-memory: {e}")
+    block_bytes = plan.bytes_per_token * plan.block_size
+    blocks = int(size // block_bytes)
+    per_seq = -(-plan.max_seq_len // plan.block_size)
+    return {"bytes": size, "blocks": blocks, "tokens": blocks * plan.block_size, "sequences": blocks // per_seq}
 
 
 def _read_lengths(path: str) -> list[int]:

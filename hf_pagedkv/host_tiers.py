@@ -1,0 +1,213 @@
+"""`HostTiers`: a pool's host-memory tier, one `HostTier` (ids) and `HostStore` (tensors) per layer group."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hf_pagedkv.errors import InvariantError, PoolExhaustedError
+from hf_pagedkv.pool.host_tier import HostTier
+from hf_pagedkv.storage.host_store import HostStore
+
+
+@dataclass(frozen=True)
+class HostStats:
+    """Occupancy of the host tier, summed over layer groups (all 0 before its storage is allocated)."""
+
+    num_blocks: int  # host blocks (capacity)
+    blocks_in_use: int  # host blocks held by offloaded caches
+    blocks_cached: int  # prefix blocks the device tier evicted, kept here for a hit
+    blocks_free: int
+    bytes_reserved: int  # host memory allocated
+    blocks_offloaded: int  # device blocks copied to the host tier so far (`offload`)
+    blocks_prefetched: int  # host blocks copied back so far (`prefetch`)
+    blocks_demoted: int  # evicted device prefix blocks copied here so far
+    blocks_promoted: int  # cached host blocks copied back for a prefix hit so far
+
+
+class HostTiers:
+    """The host tier of a `BlockPool(host_memory=...)`: where `PagedCache.offload()` puts a cache's blocks.
+
+    Each layer group gets a `HostTier` and a `HostStore` of the same number of blocks, sized when the first cache is
+    offloaded (the layers, hence the bytes of a block, are known then): ``host_memory // sum(bytes_per_block of every
+    group)`` blocks each, as `max_memory` sizes the device tier. Every method is called with `pool.lock` held.
+
+    Invariants (`check`, from `BlockPool.check_invariants`): each group's host ids are free or held, free + held
+    equals the capacity, and a cache holding host blocks holds no device block (its K/V are in one tier).
+    """
+
+    def __init__(self, pool, host_memory: int) -> None:
+        self.pool = pool  # the BlockPool this tier belongs to; fixed
+        self.host_memory = host_memory  # byte budget of the host tier; fixed
+        self.tiers: dict[int, tuple[HostTier, HostStore]] = {}  # group -> its ids and storage; created by `_tier`
+        self.num_offloaded = 0  # device blocks copied out (counter)
+        self.num_prefetched = 0  # host blocks copied back (counter)
+        self.num_demoted = 0  # evicted device prefix blocks copied to the host (counter)
+        self.num_promoted = 0  # cached host blocks copied back for a hit (counter)
+
+    def _tier(self, group: int) -> tuple[HostTier, HostStore]:
+        """The group's host tier, created on first use.
+
+        Raises:
+            ValueError: `host_memory` holds no block of this model.
+        """
+        if group not in self.tiers:
+            per_block = sum(g.store.bytes_per_block for g in self.pool.groups)
+            n = self.host_memory // per_block if per_block else 0
+            if n == 0:
+                raise ValueError(f"host_memory={self.host_memory} bytes holds no block of this model ({per_block} "
+                                 "bytes per block over all layer groups); raise host_memory.")
+            device = next(iter(self.pool.groups[group].store.specs.values())).device
+            tier = HostTier()
+            tier.add_blocks(n)
+            self.tiers[group] = (tier, HostStore(n, pin_memory=device.type == "cuda"))
+        return self.tiers[group]
+
+    def can_hold(self, needs: dict[int, int]) -> bool:
+        """Whether every group `g` has room for `needs[g]` host blocks (free, or cached ones to drop). No side
+        effects (beyond sizing the tier)."""
+        return all(self._tier(g)[0].can_allocate(n) for g, n in needs.items() if n)
+
+    def offload(self, owner: int, group: int, blocks: list[int]) -> list[int]:
+        """Copy device blocks `blocks` of `group` into new host blocks held by `owner`; return their host ids, in
+        order. The device blocks are not freed here (the caller drops its references).
+
+        Raises:
+            PoolExhaustedError: too few free host blocks (nothing changed).
+        """
+        tier, store = self._tier(group)
+        host = tier.allocate(owner, len(blocks))
+        if host is None:
+            raise PoolExhaustedError(
+                f"the host tier is full: {len(blocks)} blocks needed, {tier.num_free_blocks} free of "
+                f"{tier.num_blocks} (host_memory={self.host_memory}); raise host_memory or prefetch/release "
+                "offloaded caches.")
+        try:
+            store.write(host, self.pool.groups[group].store.export_blocks(blocks))
+        except BaseException:
+            tier.free(owner, host)
+            raise
+        self.num_offloaded += len(blocks)
+        return host
+
+    def read(self, group: int, host_blocks: list[int]) -> dict:
+        """The export of host blocks `host_blocks` of `group` (CPU tensors), for the device store's `import_blocks`."""
+        self.num_prefetched += len(host_blocks)
+        return self._tier(group)[1].read(host_blocks)
+
+    # -- the host prefix cache: evicted device prefix blocks, and hits on them ------------------------------------
+    def demote(self, group: int, blocks: list[int]) -> None:
+        """Copy cached-idle device blocks the device tier is about to evict (oldest first) into cached host blocks,
+        under their hashes, dropping older host-cached blocks for room. Called by `BlockPool._evict` before the
+        device blocks are freed (and possibly reused)."""
+        index = self.pool.groups[group].prefix_index
+        try:
+            tier, store = self._tier(group)
+        except ValueError:  # a host tier too small for one block keeps nothing (offload() says why)
+            return
+        todo = [(b, index.hash_of(b)) for b in blocks]
+        todo = [(b, h) for b, h in todo if h is not None and tier.lookup(h) is None]
+        host = tier.cache([h for _, h in todo])
+        if not host:
+            return
+        store.write(host, self.pool.groups[group].store.export_blocks([b for b, _ in todo[: len(host)]]))
+        tier.park(host)
+        self.num_demoted += len(host)
+
+    def promote(self, hashes: list, groups: list[int]) -> None:
+        """Copy the blocks of the prefix `hashes` that only the host tier holds back to the device, as cached-idle
+        device prefix blocks (so the caller's lookup hits them), for each layer group in `groups`. A full-attention
+        group stops at the first block neither tier holds (the rest cannot be hit); a sliding one goes on. Stops
+        early, without error, when the device tier has no room. Called with `pool.lock` held."""
+        pool = self.pool
+        for g in groups:
+            if g not in self.tiers:
+                continue
+            tier, store = self.tiers[g]
+            full = pool.groups[g].window is None
+            on_device = pool.groups[g].prefix_index
+            back = []
+            for h in hashes:
+                if on_device.block_of(h) is not None:
+                    continue
+                host = tier.lookup(h)
+                if host is None:
+                    if full:
+                        break
+                    continue
+                back.append((h, host))
+            if not back:
+                continue
+            # hold the device blocks of the prefix, so making room for the copies does not evict them
+            pinned = [b for h in hashes if on_device.block_of(h) is not None
+                      for b in pool.acquire_prefix([h], 0, group=g, count=False)]
+            try:
+                alloc = pool.groups[g].allocator
+                n = min(len(back), alloc.num_free_blocks + alloc.num_idle_blocks)
+                if n == 0:
+                    continue
+                hosts = tier.pin([h for h, _ in back[:n]])  # not dropped by the demotions allocate may cause
+                try:
+                    dev = pool.allocate(n, group=g)  # may evict (and demote) other idle device blocks
+                    try:
+                        pool.groups[g].store.import_blocks(dev, store.read(hosts))
+                    except BaseException:
+                        pool.free(dev, g)
+                        raise
+                finally:
+                    tier.unpin(hosts)
+                for host in hosts:  # copied: the device holds them now, once
+                    tier.take(host)
+                pool.mark_written(dev, [pool.block_size] * n, group=g)
+                pool.publish_blocks([h for h, _ in back[:n]], dev, group=g)
+                pool.free(dev, g)  # cached-idle on the device now
+                self.num_promoted += n
+            finally:
+                pool.free(pinned, g)
+
+    def release(self, owner: int) -> None:
+        """Free every host block `owner` holds, in every group."""
+        for tier, _ in self.tiers.values():
+            tier.release(owner)
+
+    def holds(self, owner: int) -> bool:
+        return any(tier.held.get(owner) for tier, _ in self.tiers.values())
+
+    def cached(self, group: int) -> tuple[list, dict]:
+        """The prefix blocks cached in `group`'s host tier: their hashes and their export (CPU tensors), in the
+        same order (for `save_prefix_cache`, which saves both tiers)."""
+        if group not in self.tiers:
+            return [], {}
+        tier, store = self.tiers[group]
+        published = tier.prefixes.published()  # host id -> hash
+        hosts = sorted(published, key=lambda b: (published[b].num_tokens, published[b].digest))
+        return [published[b] for b in hosts], (store.read(hosts) if hosts else {})
+
+    def stats(self) -> HostStats:
+        """A snapshot of the host tier's occupancy and copy counters (`HostStats`)."""
+        with self.pool.lock:
+            return self._stats()
+
+    def _stats(self) -> HostStats:
+        tiers = [t for t, _ in self.tiers.values()]
+        return HostStats(
+            num_blocks=sum(t.num_blocks for t in tiers),
+            blocks_in_use=sum(t.num_used_blocks for t in tiers),
+            blocks_cached=sum(t.num_cached_blocks for t in tiers),
+            blocks_free=sum(t.num_free_blocks for t in tiers),
+            bytes_reserved=sum(s.bytes_reserved for _, s in self.tiers.values()),
+            blocks_offloaded=self.num_offloaded,
+            blocks_prefetched=self.num_prefetched,
+            blocks_demoted=self.num_demoted,
+            blocks_promoted=self.num_promoted,
+        )
+
+    def check(self) -> None:
+        """Raise `InvariantError` naming the broken host-tier invariant (numbered 9 after `pool/invariants.py`)."""
+        for group, (tier, _) in self.tiers.items():
+            problems = tier.check()
+            both = [o for o, held in tier.held.items() if held and any(
+                row.blocks for row in self.pool.groups[group].tables.get(o, ()))]
+            if both:
+                problems.append(f"caches {both[:5]} hold blocks in both tiers")
+            if problems:
+                raise InvariantError(f"invariant 9 (host tier) broken in group {group}: {'; '.join(problems)}")

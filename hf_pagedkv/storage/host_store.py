@@ -1,0 +1,104 @@
+"""`HostStore`: preallocated host-memory copies of whole KV blocks (the storage half of the host tier)."""
+
+from __future__ import annotations
+
+import torch
+
+#: export parts only some blocks have (a quantized store's open-block stages and sink tokens): "<part>_rows" lists
+#: the blocks that have it, "<layer>.<part>_<what>" tensors hold it, one entry per listed block along dim 1
+_PARTS = ("stage", "sink")
+
+
+class HostStore:
+    """Whole blocks of one layer group in host (CPU) memory, in the format the device store's `export_blocks` gives.
+
+    Layout: every exported tensor (one entry per block along dim 1; for a full-precision store ``"{layer}.keys"``
+    `[num_kv_heads, n, block_size, key_dim]` and ``"{layer}.values"``) gets one preallocated tensor
+    ``[num_kv_heads, num_blocks, block_size, dim]`` in the model dtype, in pinned memory when the device tier is
+    CUDA (page-locked memory is what lets a copy run at full PCIe bandwidth and overlap compute). Host block `h`
+    is index `h` along dim 1 of each. The storage is allocated once, at the first `write`, from the shapes of that
+    export; `num_blocks` is fixed at construction. Parts only some blocks have (a quantized pool's full-precision
+    stage of an open block, and sink tokens; see `_PARTS`) are kept per host block in `_sparse`: there are about
+    one of each per sequence. Holds no bookkeeping: which ids are free is `HostTier`'s.
+    """
+
+    def __init__(self, num_blocks: int, pin_memory: bool) -> None:
+        self.num_blocks = num_blocks  # capacity in blocks; fixed
+        self.pin_memory = pin_memory  # pinned host memory (the device tier is CUDA); fixed
+        self.tensors: dict[str, torch.Tensor] = {}  # export name -> [dim0, num_blocks, ...] on the CPU; set once
+        # part -> {export name -> (dim0, shape after dim 1, dtype)}, from the first write; set once
+        self.parts: dict[str, dict[str, tuple[int, tuple[int, ...], torch.dtype]]] = {}
+        self._sparse: dict[tuple[int, str], dict[str, torch.Tensor]] = {}  # (host block, part) -> name -> [dim0, ...]
+
+    @property
+    def bytes_reserved(self) -> int:
+        """Bytes of host memory allocated (0 before the first write), per-block parts included."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values()) + sum(
+            t.numel() * t.element_size() for part in self._sparse.values() for t in part.values())
+
+    @torch.inference_mode(False)  # storage outlives the call (see PageStore._new)
+    def _allocate(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name, t in tensors.items():
+            part = _part_of(name)
+            if part is not None:
+                if not name.endswith("_rows"):
+                    self.parts.setdefault(part, {})[name] = (t.shape[0], tuple(t.shape[2:]), t.dtype)
+                else:
+                    self.parts.setdefault(part, {})
+                continue
+            self.tensors[name] = torch.empty((t.shape[0], self.num_blocks, *t.shape[2:]), dtype=t.dtype,
+                                             pin_memory=self.pin_memory)
+
+    def write(self, host_blocks: list[int], tensors: dict[str, torch.Tensor]) -> None:
+        """Copy an export of `len(host_blocks)` device blocks into host blocks `host_blocks`, synchronously (the
+        device blocks may be reused as soon as this returns).
+
+        Raises:
+            ValueError: `tensors` does not have the names and per-block shapes of the first write (another format).
+        """
+        if not self.tensors:
+            self._allocate(tensors)
+        dense = {k: t for k, t in tensors.items() if _part_of(k) is None}
+        names = set(self.tensors) | {f"{p}_rows" for p in self.parts} | {k for p in self.parts.values() for k in p}
+        if set(tensors) != names or any(
+                tuple(t.shape[:1] + t.shape[2:]) != tuple(self.tensors[k].shape[:1] + self.tensors[k].shape[2:])
+                or t.shape[1] != len(host_blocks) for k, t in dense.items()):
+            raise ValueError("HostStore.write: the export does not match this host store's layout.")
+        idx = torch.tensor(host_blocks, dtype=torch.long)
+        for name, t in self.tensors.items():
+            t.index_copy_(1, idx, tensors[name].to("cpu"))  # [dim0, n, ...] into [dim0, num_blocks, ...]
+        for part, part_names in self.parts.items():
+            for h in host_blocks:
+                self._sparse.pop((h, part), None)
+            for i, r in enumerate(tensors[f"{part}_rows"].tolist()):
+                self._sparse[(host_blocks[r], part)] = {
+                    name: tensors[name][:, i].to("cpu").clone() for name in part_names}  # [dim0, ...]
+
+    def read(self, host_blocks: list[int], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """The export of host blocks `host_blocks`, as the device store's `import_blocks` takes it, on `device`:
+        ``name -> [dim0, len(host_blocks), ...]``."""
+        idx = torch.tensor(host_blocks, dtype=torch.long)
+        out = {}
+        for name, t in self.tensors.items():
+            picked = t.index_select(1, idx)  # [dim0, n, ...] on the CPU
+            if self.pin_memory:
+                picked = picked.pin_memory()
+            out[name] = picked.to(device, non_blocking=self.pin_memory)
+        for part, part_names in self.parts.items():
+            rows = [i for i, h in enumerate(host_blocks) if (h, part) in self._sparse]
+            out[f"{part}_rows"] = torch.tensor(rows, dtype=torch.long)
+            for name, (dim0, tail, dtype) in part_names.items():
+                if rows:  # [dim0, len(rows), ...]
+                    t = torch.stack([self._sparse[(host_blocks[i], part)][name] for i in rows], 1)
+                else:
+                    t = torch.empty((dim0, 0, *tail), dtype=dtype)
+                out[name] = t.to(device)
+        return out
+
+
+def _part_of(name: str) -> str | None:
+    """The part of `_PARTS` an export tensor belongs to (``"sink"`` for ``"sink_rows"`` and ``"3.sink_keys"``)."""
+    if name.endswith("_rows"):
+        return name[: -len("_rows")] if name[: -len("_rows")] in _PARTS else None
+    tail = name.split(".", 1)[1] if "." in name else ""
+    return next((p for p in _PARTS if tail.startswith(p + "_")), None)

@@ -26,7 +26,10 @@ from hf_pagedkv.pool.prefix_index import BlockHash, PrefixIndex
 
 logger = logging.getLogger(__name__)
 
-_MIN_GROWTH_BLOCKS = 64  # a growable pool never grows by less than this many blocks at once
+# A growable pool grows by what a step is missing plus a headroom of a quarter of its size, at least
+# _MIN_GROWTH_BLOCKS: sized to need (a pool that one prefill sized holds about that prefill), and still amortised.
+_MIN_GROWTH_BLOCKS = 16
+_GROWTH_FRACTION = 4  # headroom = num_blocks // _GROWTH_FRACTION
 
 
 class BlockPool:
@@ -61,7 +64,8 @@ class BlockPool:
             ``"k8v4"``); `None` or ``"fp"`` for full precision. Fixed for the pool's lifetime.
 
     With neither `num_blocks` nor `max_memory`, the pool grows on demand by chunks: what is needed plus a headroom
-    of half its size (at least 64 blocks), copying its storage once per growth, so growth is amortised O(1).
+    of a quarter of its size (at least 16 blocks), so growth is amortised O(1) and the storage stays close to what
+    is used.
     Cached-idle blocks are evicted before the pool grows or raises `PoolExhaustedError`.
 
     Thread safety: every bookkeeping change happens under `lock` (an `RLock`), so several threads may each run
@@ -273,7 +277,7 @@ class BlockPool:
                 if n <= free:
                     return
             cur = g.allocator.num_blocks
-            self._add_blocks(g, n - free + max(cur // 2, _MIN_GROWTH_BLOCKS))  # headroom: next steps need no copy
+            self._add_blocks(g, n - free + max(cur // _GROWTH_FRACTION, _MIN_GROWTH_BLOCKS))  # headroom
             logger.debug("BlockPool %s group grew from %d to %d blocks", g.name, cur, g.allocator.num_blocks)
 
     def allocate(self, n: int, after: int | None = None, group: int = 0) -> list[int]:

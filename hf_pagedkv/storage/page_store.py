@@ -64,10 +64,16 @@ class PageStore:
         return spec.bytes_per_token * self.block_size
 
     def bytes_in_use(self, num_used_blocks: int) -> int:
+        """Bytes of `num_used_blocks` blocks in every layer, keys plus values."""
         return num_used_blocks * self.bytes_per_block
 
     def bytes_reserved(self) -> int:
+        """Bytes of every storage tensor this store owns (`tensors()`), in use or not."""
         return self.num_blocks * self.bytes_per_block
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every storage tensor this store owns (for byte accounting checks)."""
+        return [*self.keys.values(), *self.values.values()]
 
     def release(self, blocks: list[int]) -> None:
         """Blocks whose refcount reached 0 (poisoned in debug mode)."""

@@ -109,14 +109,20 @@ class QuantizedPageStore(QuantizedWriteMixin, QuantizedReadMixin):
         return sum(self.block_bytes(spec) for spec in self.specs.values())
 
     def bytes_in_use(self, num_used_blocks: int) -> int:
-        """Codes + scales of the blocks in use, plus the full-precision stages of open (partial) blocks and sinks."""
-        num_open = sum(1 for b in self._stage_of if not self._encoded[b])
-        return (num_used_blocks * self.bytes_per_block + num_open * self.staging.bytes_per_stage()
-                + len(self._sink_of) * self.sinks.bytes_per_stage())
+        """Bytes held for the blocks in use: their codes + scales, plus every full-precision stage handed out (the
+        open, partial blocks, and a block encoded in the current step until the next step returns its stage) and
+        every sink stage (the first tokens of each sequence)."""
+        return num_used_blocks * self.bytes_per_block + self.staging.bytes_in_use() + self.sinks.bytes_in_use()
 
     def bytes_reserved(self) -> int:
-        return (self.num_blocks * self.bytes_per_block + self.staging.num_stages * self.staging.bytes_per_stage()
-                + self.sinks.num_stages * self.sinks.bytes_per_stage())
+        """Bytes of every storage tensor this store owns (`tensors()`): codes + scales of all blocks, plus the
+        stages and sink stages allocated."""
+        return self.num_blocks * self.bytes_per_block + self.staging.bytes_reserved() + self.sinks.bytes_reserved()
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every storage tensor this store owns: codes, scales, stages and sink stages of every layer."""
+        own = [t for idx in self.specs for t in self.codes[idx] + self.scales[idx]]
+        return own + self.staging.tensors() + self.sinks.tensors()
 
     @torch.inference_mode(False)  # never inference tensors: they outlive the call (see PageStore._new)
     def _new(self, layer_idx: int, num_blocks: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -9,6 +9,7 @@ from hf_pagedkv.config import QuantConfig
 from hf_pagedkv.storage.page_store import LayerSpec
 from hf_pagedkv.storage.quantized_read import QuantizedReadMixin
 from hf_pagedkv.storage.quantized_write import QuantizedWriteMixin, WritePlan
+from hf_pagedkv.storage.segmented_tensor import SegmentedTensor
 from hf_pagedkv.storage.staging_store import StagingStore
 
 _CODE_SENTINEL = 0xFF  # debug mode: freed code bytes (their scales become NaN, so a decode shows NaN)
@@ -21,6 +22,9 @@ class QuantizedPageStore(QuantizedWriteMixin, QuantizedReadMixin):
 
         codes[layer]  = [key_codes, value_codes]:    [num_kv_heads, num_blocks, code_size]   uint8 (identity: dtype)
         scales[layer] = [key_scales, value_scales]:  [num_kv_heads, num_blocks, scale_size]  fp16
+
+    each a `SegmentedTensor`: growth appends a segment of blocks (`segment_blocks`), copying nothing, and codes of
+    consecutive blocks in one segment are read as views.
 
     where one block of one head is encoded by the layer's codec (`codecs/`, see `layouts`): keys per channel over the
     block's tokens, values per token in groups along head_dim (KIVI, arXiv 2402.02750). Blocks not encoded yet live in
@@ -64,11 +68,12 @@ class QuantizedPageStore(QuantizedWriteMixin, QuantizedReadMixin):
         self.staging = StagingStore(block_size, debug)  # full-precision stages of open blocks
         self.sink_tokens = quant.sink_tokens  # tokens per sink stage; fixed
         self.sinks = StagingStore(max(1, self.sink_tokens), debug)  # full-precision sink tokens of first blocks
-        self.num_blocks = 0  # blocks allocated in every layer's tensors; changed by `grow` only
+        self.num_blocks = 0  # blocks allocated in every layer's tensors; changed by `grow` / `shrink` only
+        self.segment_blocks: list[int] = []  # blocks of each storage segment, in id order; sums to num_blocks
         self.specs: dict[int, LayerSpec] = {}  # layer_idx -> spec; set once per layer by `add_layer`
         self.layouts: dict[int, tuple[BlockLayout, BlockLayout]] = {}  # layer_idx -> (key, value) block layouts
-        self.codes: dict[int, list[torch.Tensor]] = {}  # layer_idx -> [key_codes, value_codes]
-        self.scales: dict[int, list[torch.Tensor]] = {}  # layer_idx -> [key_scales, value_scales]
+        self.codes: dict[int, list[SegmentedTensor]] = {}  # layer_idx -> [key_codes, value_codes]
+        self.scales: dict[int, list[SegmentedTensor]] = {}  # layer_idx -> [key_scales, value_scales]
         self._stage_of: dict[int, int] = {}  # block -> its stage (open blocks, and pending ones)
         self._sink_of: dict[int, int] = {}  # first block of a sequence -> its sink stage
         self._encoded = bytearray()  # _encoded[b] == 1 iff block b's codes hold it
@@ -121,39 +126,54 @@ class QuantizedPageStore(QuantizedWriteMixin, QuantizedReadMixin):
 
     def tensors(self) -> list[torch.Tensor]:
         """Every storage tensor this store owns: codes, scales, stages and sink stages of every layer."""
-        own = [t for idx in self.specs for t in self.codes[idx] + self.scales[idx]]
+        own = [seg for idx in self.specs for t in self.codes[idx] + self.scales[idx] for seg in t.segments]
         return own + self.staging.tensors() + self.sinks.tensors()
 
-    @torch.inference_mode(False)  # never inference tensors: they outlive the call (see PageStore._new)
-    def _new(self, layer_idx: int, num_blocks: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        spec, codes, scales = self.specs[layer_idx], [], []
-        for layout in self.layouts[layer_idx]:
+    def _append_segment(self, layer_idx: int, n: int) -> None:
+        """A segment of `n` blocks at the end of one layer's codes and scales: zero, or poisoned in debug mode."""
+        for layout, codes, scales in zip(self.layouts[layer_idx], self.codes[layer_idx], self.scales[layer_idx]):
             fill = (float("nan") if layout.code_dtype.is_floating_point else _CODE_SENTINEL) if self.debug else 0
-            codes.append(torch.full((spec.num_kv_heads, num_blocks, layout.code_size), fill, dtype=layout.code_dtype,
-                                    device=spec.device))
-            scales.append(torch.full((spec.num_kv_heads, num_blocks, layout.scale_size),
-                                     float("nan") if self.debug else 0.0, dtype=layout.scale_dtype, device=spec.device))
-        return codes, scales
+            codes.append_segment(n, fill)
+            scales.append_segment(n, float("nan") if self.debug else 0.0)
 
     def add_layer(self, layer_idx: int, spec: LayerSpec) -> None:
+        """Storage for a new layer, with the same segments as the other layers."""
         assert layer_idx not in self.specs, f"layer {layer_idx} already has storage"
         layouts = self.block_layouts(spec)  # may raise ValueError before anything changes
         self.specs[layer_idx], self.layouts[layer_idx] = spec, layouts
-        self.codes[layer_idx], self.scales[layer_idx] = self._new(layer_idx, self.num_blocks)
+        h, dev = spec.num_kv_heads, spec.device
+        self.codes[layer_idx] = [SegmentedTensor(h, lay.code_size, lay.code_dtype, dev) for lay in layouts]
+        self.scales[layer_idx] = [SegmentedTensor(h, lay.scale_size, lay.scale_dtype, dev) for lay in layouts]
+        for n in self.segment_blocks:
+            self._append_segment(layer_idx, n)
         self.staging.add_layer(layer_idx, spec)
         self.sinks.add_layer(layer_idx, spec)
 
     def grow(self, num_blocks: int) -> None:
-        """Resize every layer to `num_blocks` blocks, keeping the content of the existing ones."""
+        """Extend every layer to `num_blocks` blocks by one new segment; existing blocks are not touched (no copy)."""
         assert num_blocks >= self.num_blocks
+        if num_blocks == self.num_blocks:
+            return
+        n = num_blocks - self.num_blocks
         for idx in self.specs:
-            codes, scales = self._new(idx, num_blocks)
-            for new, old in zip(codes + scales, self.codes[idx] + self.scales[idx]):
-                new[:, : old.shape[1]] = old
-            self.codes[idx], self.scales[idx] = codes, scales
-        self._encoded.extend(bytes(num_blocks - self.num_blocks))
-        self._num_encodes.extend(bytes(num_blocks - self.num_blocks))
+            self._append_segment(idx, n)
+        self.segment_blocks.append(n)
+        self._encoded.extend(bytes(n))
+        self._num_encodes.extend(bytes(n))
         self.num_blocks = num_blocks
+
+    def shrink(self, num_blocks: int) -> int:
+        """Drop the trailing segments that lie wholly at or past block `num_blocks` (the caller made sure those
+        blocks are free, hence hold no stage); return the new `num_blocks`."""
+        while self.segment_blocks and self.num_blocks - self.segment_blocks[-1] >= num_blocks:
+            n = self.segment_blocks.pop()
+            for idx in self.specs:
+                for t in self.codes[idx] + self.scales[idx]:
+                    t.pop_segment()
+            self.num_blocks -= n
+        assert not any(b >= self.num_blocks for b in (*self._stage_of, *self._sink_of)), "shrink of held blocks"
+        del self._encoded[self.num_blocks:], self._num_encodes[self.num_blocks:]
+        return self.num_blocks
 
     # -- block lifecycle -------------------------------------------------------------------------------------------
     def release(self, blocks: list[int]) -> None:

@@ -117,7 +117,7 @@ def measure(run: str, cache_type: str, new: int, threads: int) -> dict:
     if isinstance(cache, PagedCache):
         s = cache.pool.stats()
         result.update(reported=s.bytes_in_use, reserved=s.bytes_reserved, real=pool_real_bytes(cache.pool),
-                      slots=s.blocks_in_use * s.block_size, tokens=s.tokens_stored)
+                      slots=s.blocks_in_use * s.block_size, tokens_stored=s.tokens_stored)
         cache.release()
     else:
         result.update(reported=None, reserved=None, real=dynamic_cache_bytes(cache))

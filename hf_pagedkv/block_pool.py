@@ -22,6 +22,7 @@ from hf_pagedkv.observe.alerts import Health
 from hf_pagedkv.observe.metrics import PoolMetrics
 from hf_pagedkv.storage.page_store import LayerSpec
 from hf_pagedkv.observe.pool_stats import GroupStats, PoolStats
+from hf_pagedkv.pool.prefix_budget import PrefixCacheBudget
 from hf_pagedkv.pool.prefix_index import BlockHash, PrefixIndex
 
 logger = logging.getLogger(__name__)
@@ -58,15 +59,22 @@ class BlockPool:
         debug (`bool`, *optional*, defaults to `False`): poison freed blocks with NaN.
         prefix_caching (`bool`, *optional*, defaults to `False`): keep a prefix index (`PrefixIndex`) so that
             requests sharing a prompt prefix share its full blocks (`PagedCache.from_prefix`, `cache.publish`,
-            `hf_pagedkv.generate`). Published blocks whose refcount drops to 0 stay cached-idle until space is
-            needed, then are evicted least-recently-used.
+            `hf_pagedkv.generate`). Published blocks whose refcount drops to 0 stay cached-idle, within
+            `prefix_cache_memory`, evicted least-recently-used beyond it (and, in a fixed pool, when an allocation
+            needs their space).
         quant (`QuantConfig` or `str`, *optional*): store K/V quantized (`QuantConfig`, or a preset such as
             ``"k8v4"``); `None` or ``"fp"`` for full precision. Fixed for the pool's lifetime.
+        prefix_cache_memory (`int`, `str` or `float`, *optional*): with `prefix_caching`, the budget of cached-idle
+            blocks: a size (``"1GiB"``, bytes as an int; all layers, keys + values) or a fraction in ``(0, 1]`` of
+            the pool's blocks (`PrefixCacheBudget`). Defaults to 1 GiB for a growable pool, which grows rather than
+            evicting within it, and to the whole pool for a fixed one. `stats().bytes_cached` and
+            `stats().prefix_cache_budget` report it.
 
     With neither `num_blocks` nor `max_memory`, the pool grows on demand by chunks: what is needed plus a headroom
     of a quarter of its size (at least 16 blocks), so growth is amortised O(1) and the storage stays close to what
     is used.
-    Cached-idle blocks are evicted before the pool grows or raises `PoolExhaustedError`.
+    A fixed pool evicts cached-idle blocks before it raises `PoolExhaustedError`; a growable one grows instead
+    and evicts only beyond `prefix_cache_memory`.
 
     Thread safety: every bookkeeping change happens under `lock` (an `RLock`), so several threads may each run
     their own caches on one pool. A cache itself is used by one thread at a time.
@@ -85,7 +93,8 @@ class BlockPool:
 
     Raises:
         ValueError: `block_size` or `num_blocks` not a positive int; both `num_blocks` and `max_memory`
-            given; `max_memory` not a size; an invalid `quant`.
+            given; `max_memory` not a size; an invalid `quant`; `prefix_cache_memory` without `prefix_caching`,
+            or neither a size nor a fraction in (0, 1].
 
     Example:
 
@@ -107,8 +116,12 @@ class BlockPool:
         debug: bool = False,
         prefix_caching: bool = False,
         quant: QuantConfig | str | None = None,
+        prefix_cache_memory: int | str | float | None = None,
     ) -> None:
         self.quant = QuantConfig.resolve(quant)  # storage format; fixed
+        if prefix_cache_memory is not None and not prefix_caching:
+            raise ValueError(f"prefix_cache_memory={prefix_cache_memory!r} sizes the prefix cache; it needs "
+                             "BlockPool(prefix_caching=True).")
         if block_size is None:
             block_size = DEFAULT_QUANT_BLOCK_SIZE if self.quant.is_quantized else DEFAULT_BLOCK_SIZE
         check_positive_int("block_size", block_size)
@@ -123,6 +136,8 @@ class BlockPool:
         self._fixed_blocks = num_blocks  # blocks each layer group gets when it is created, or None
         self._budget_blocks: int | None = None  # with max_memory: the blocks per group, once the first layer sized it
         self._prefix_caching = prefix_caching  # whether groups keep a prefix index; fixed
+        # how many cached-idle blocks a group keeps (None without prefix caching); fixed
+        self.prefix_budget = PrefixCacheBudget(prefix_cache_memory, self.growable) if prefix_caching else None
         self._debug = debug  # poison freed blocks; applied to every group's store
         self.groups: list[BlockGroup] = []  # layer groups; group 0 is full attention; appended by group_for only
         self._group_of: dict[int | None, int] = {}  # sliding window (None: full attention) -> group index
@@ -249,8 +264,8 @@ class BlockPool:
             return self.growable or n <= alloc.num_free_blocks + alloc.num_idle_blocks
 
     def reserve(self, n: int, group: int = 0) -> None:
-        """Make sure `n` blocks of `group` are free: evict cached-idle blocks (LRU), then grow a growable pool, else
-        raise. Changes no refcount.
+        """Make sure `n` blocks of `group` are free: a fixed pool evicts cached-idle blocks (LRU) or raises, a
+        growable one grows (its idle blocks stay, within the prefix cache's budget). Changes no refcount.
 
         Raises:
             PoolExhaustedError: a fixed pool has fewer than `n` free plus cached-idle blocks (nothing changed).
@@ -271,11 +286,11 @@ class BlockPool:
                     f"{g.allocator.num_blocks} (block_size={self.block_size}). Raise num_blocks / max_memory, "
                     "release finished caches, or use num_blocks=None to let the pool grow."
                 )
-            if idle:  # evict before growing or raising: idle blocks are only a cache
+            if idle and not self.growable:  # evict before raising: idle blocks are only a cache
                 self._evict(g, min(n - free, idle))
-                free = g.allocator.num_free_blocks
-                if n <= free:
-                    return
+                return
+            # NOTE: a growable pool grows rather than evicting: its idle blocks are within the prefix cache's
+            # budget (`free` trims them to it), and evicting them first would keep no prefix across requests.
             cur = g.allocator.num_blocks
             self._add_blocks(g, n - free + max(cur // _GROWTH_FRACTION, _MIN_GROWTH_BLOCKS))  # headroom
             logger.debug("BlockPool %s group grew from %d to %d blocks", g.name, cur, g.allocator.num_blocks)
@@ -311,6 +326,23 @@ class BlockPool:
             else:
                 freed = g.prefix_index.release(blocks, g.allocator)
             g.store.release(freed)
+            if g.prefix_index is not None:
+                self._trim_prefix_cache(g)
+
+    def max_idle_blocks(self, group: int = 0) -> int | None:
+        """Cached-idle blocks `group` keeps at most (`prefix_cache_memory`); None without prefix caching, or before
+        any layer is known (a size budget needs the bytes of a block)."""
+        if self.prefix_budget is None:
+            return None
+        per_block = sum(g.store.bytes_per_block for g in self.groups)
+        return self.prefix_budget.max_idle_blocks(self.groups[group].allocator.num_blocks, per_block)
+
+    def _trim_prefix_cache(self, g: BlockGroup) -> None:
+        """Evict the least recently used idle blocks of `g` beyond the prefix cache's budget."""
+        limit = self.max_idle_blocks(g.index)
+        excess = 0 if limit is None else g.allocator.num_idle_blocks - limit
+        if excess > 0:
+            self._evict(g, excess)
 
     def mark_written(self, blocks: list[int], fills: list[int], group: int = 0) -> None:
         """`blocks[i]` of `group` now hold their first `fills[i]` slots (for `stats().tokens_stored`, kept O(1))."""
@@ -452,6 +484,8 @@ class BlockPool:
                 bytes_in_use=sum(g.bytes_in_use for g in per_group),
                 bytes_reserved=sum(g.bytes_reserved for g in per_group),
                 blocks_cached=sum(g.allocator.num_idle_blocks for g in self.groups),
+                bytes_cached=sum(g.allocator.num_idle_blocks * g.store.bytes_per_block for g in self.groups),
+                prefix_cache_budget=self._prefix_budget_bytes(),
                 # NOTE: each request's lookup is counted by one group's index (its cache's first), so these add up
                 lookups=sum(i.num_lookups for i in indexes),
                 lookup_tokens=sum(i.num_lookup_tokens for i in indexes),
@@ -460,6 +494,13 @@ class BlockPool:
                 cow_copies=self.num_cow_copies,
                 groups=per_group,
             )
+
+    def _prefix_budget_bytes(self) -> int | None:
+        """Bytes the cached-idle blocks may take, all groups (None without prefix caching or before a layer)."""
+        limits = [self.max_idle_blocks(g.index) for g in self.groups]
+        if self.prefix_budget is None or None in limits:
+            return None
+        return sum(n * g.store.bytes_per_block for n, g in zip(limits, self.groups))
 
     def health(self) -> Health:
         """Check the alerts now (occupancy, allocation failures, prefix hit rate, step latency; see `metrics.py`)."""

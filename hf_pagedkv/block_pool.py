@@ -22,6 +22,7 @@ from hf_pagedkv.observe.alerts import Health
 from hf_pagedkv.observe.metrics import PoolMetrics
 from hf_pagedkv.storage.page_store import LayerSpec
 from hf_pagedkv.observe.pool_stats import GroupStats, PoolStats
+from hf_pagedkv.pool.compaction import num_trapped_free, plan_moves
 from hf_pagedkv.pool.prefix_budget import PrefixCacheBudget
 from hf_pagedkv.pool.prefix_index import BlockHash, PrefixIndex
 
@@ -145,6 +146,8 @@ class BlockPool:
         self._owners: set[int] = set()  # live owner tokens (caches not yet released or collected)
         self._pending_release: deque[int] = deque()  # owners garbage-collected without release(); freed by _drain
         self.group_for(None)
+        self.num_moved_blocks = 0  # blocks moved by `compact`, all groups; changed there only
+        self.bytes_returned = 0  # storage bytes given back by `shrink`; changed there only
         self.metrics = PoolMetrics(self)  # counters, step latency, alerts (metrics.py); updated by the hooks below
         self.events = EventLog(self)  # block event log, off by default (events.py)
 
@@ -408,6 +411,76 @@ class BlockPool:
         group.store.release(evicted)
         logger.debug("BlockPool evicted %d cached-idle blocks of its %s group", n, group.name)
 
+    # -- compaction and shrinking ------------------------------------------------------------------------------------
+    def compact(self, max_blocks: int = 64) -> int:
+        """Move up to `max_blocks` live blocks (in use or cached-idle) of each layer group to the lowest free ids below
+        them (`pool/compaction.py`), so the free blocks gather at the end, where `shrink` can return their
+        segments, and the packed rows read more often from one segment. Bounded per call: call it again (e.g. once
+        per step) until it returns 0.
+
+        Exact: a moved block's storage is copied whole (K/V, or codes, scales, its stage and sink stage), its
+        refcount, fill, prefix hash and LRU place move with it, and every block table naming it is renamed (a
+        `PagedCache` renames its tables and their mirror through the hook it registered), so outputs are unchanged
+        for live caches, forks, beams, prefix-cached and quantized blocks. Call it between forward steps: never
+        while a forward pass runs on a cache of this pool (say, from another thread).
+
+        Raises:
+            ValueError: `max_blocks` not a positive int.
+
+        Returns:
+            `int`: blocks moved, all groups (also counted in `stats().blocks_moved`).
+        """
+        check_positive_int("max_blocks", max_blocks)
+        with self.lock:
+            self._drain()
+            moved = 0
+            for g in self.groups:
+                moves = plan_moves(g.allocator, max_blocks)
+                if not moves:
+                    continue
+                src, dst = list(moves), list(moves.values())
+                g.store.copy_blocks(src, dst)  # storage first: dst are free, src stay valid until renamed
+                for s, d in moves.items():
+                    g.allocator.move(s, d)
+                if g.prefix_index is not None:
+                    g.prefix_index.rename(moves)
+                for token, rows in g.tables.items():
+                    mover = g.movers.get(token)
+                    rename = mover() if mover is not None else None
+                    if rename is not None:
+                        rename(g.index, moves)  # the cache renames its rows and their mirror
+                    else:  # an owner without a hook (or collected, not yet drained): its rows only
+                        for row in rows:
+                            row.rename(moves)
+                g.store.release(src)  # now free: stages returned, state dropped, poisoned in debug mode
+                moved += len(moves)
+                logger.debug("BlockPool compacted %d blocks of its %s group", len(moves), g.name)
+            self.num_moved_blocks += moved
+            return moved
+
+    def shrink(self) -> int:
+        """Give back the storage segments at the end of each layer group whose blocks are all free (a growable
+        pool; a fixed one keeps its preallocation and returns 0). Free blocks below a live one stay; `compact`
+        first moves live blocks down.
+
+        Returns:
+            `int`: bytes returned (also summed in `stats().bytes_returned`).
+        """
+        with self.lock:
+            self._drain()
+            if not self.growable:
+                return 0
+            returned = 0
+            for g in self.groups:
+                free = g.allocator.free_blocks()
+                top = next((b for b in range(g.allocator.num_blocks - 1, -1, -1) if b not in free), -1)
+                before = g.store.bytes_reserved()
+                kept = g.store.shrink(top + 1)
+                g.allocator.remove_blocks(g.allocator.num_blocks - kept)
+                returned += before - g.store.bytes_reserved()
+            self.bytes_returned += returned
+            return returned
+
     # -- owners (live block tables) --------------------------------------------------------------------------------
     def _register(self, rows: list[BlockTable] | None = None, group: int = 0) -> int:
         """A new owner token; `rows` (a list object the owner keeps filling) are its tables in `group`."""
@@ -419,11 +492,14 @@ class BlockPool:
                 self.groups[group].tables[token] = rows
             return token
 
-    def _add_rows(self, token: int, group: int, rows: list[BlockTable]) -> None:
-        """Register an owner's tables in another layer group."""
+    def _add_rows(self, token: int, group: int, rows: list[BlockTable], mover=None) -> None:
+        """Register an owner's tables in another layer group; `mover` (a `weakref.WeakMethod`, optional) is called
+        as ``mover()(group, {old: new})`` when `compact` moves blocks they name (it renames them and any mirror)."""
         with self.lock:
             assert token in self._owners and token not in self.groups[group].tables
             self.groups[group].tables[token] = rows
+            if mover is not None:
+                self.groups[group].movers[token] = mover
 
     def _unregister(self, token: int) -> None:
         """Forget an owner whose rows are already empty (an explicit `PagedCache.release()`)."""
@@ -431,6 +507,7 @@ class BlockPool:
             self._owners.discard(token)
             for group in self.groups:
                 rows = group.tables.pop(token, None)
+                group.movers.pop(token, None)
                 assert not rows, "unregister of an owner that still holds blocks"
 
     def _release_owner(self, token: int) -> None:
@@ -449,6 +526,7 @@ class BlockPool:
             self._owners.discard(token)
             for group in self.groups:
                 rows = group.tables.pop(token, None)
+                group.movers.pop(token, None)
                 if rows:
                     self.free([b for row in rows for b in row.blocks], group.index)
                     rows.clear()
@@ -486,6 +564,10 @@ class BlockPool:
                 blocks_cached=sum(g.allocator.num_idle_blocks for g in self.groups),
                 bytes_cached=sum(g.allocator.num_idle_blocks * g.store.bytes_per_block for g in self.groups),
                 prefix_cache_budget=self._prefix_budget_bytes(),
+                blocks_trapped=sum(num_trapped_free(g.allocator) for g in self.groups),
+                num_segments=sum(len(g.store.segment_blocks) for g in self.groups),
+                blocks_moved=self.num_moved_blocks,
+                bytes_returned=self.bytes_returned,
                 # NOTE: each request's lookup is counted by one group's index (its cache's first), so these add up
                 lookups=sum(i.num_lookups for i in indexes),
                 lookup_tokens=sum(i.num_lookup_tokens for i in indexes),

@@ -344,10 +344,16 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
                                    "build the cache with config=model.config so every layer is known up front.")
             rt = RowTables(group, window, self.block_size)
             rt.reset(self.num_rows)
-            self.pool._add_rows(self._owner, group, rt.rows)
+            self.pool._add_rows(self._owner, group, rt.rows, mover=weakref.WeakMethod(self._blocks_moved))
             self._groups.insert(0 if window is None else len(self._groups), rt)  # full attention first
             self._by_group[group] = rt
         return rt
+
+    def _blocks_moved(self, group: int, mapping: dict[int, int]) -> None:
+        """`BlockPool.compact` moved blocks of `group` (`{old id: new id}`): rename them in this cache's tables and
+        their mirror; the current step's view base and slot tensors are stale, so the next read recomputes them."""
+        self._by_group[group].rename_blocks(mapping)
+        self._step = None
 
     @staticmethod
     def _clone_layer(layer: PagedLayer, owner: PagedCache) -> PagedLayer:

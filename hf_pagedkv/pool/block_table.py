@@ -80,6 +80,17 @@ class BlockTable:
             self.num_contiguous = run
         return dropped
 
+    def rename(self, mapping: dict[int, int]) -> bool:
+        """Compaction moved blocks: name `mapping[b]` in place of each `b` it holds; return whether any changed."""
+        if not any(b in mapping for b in self.blocks):
+            return False
+        self.blocks = [mapping.get(b, b) for b in self.blocks]
+        run = 1 if self.blocks else 0
+        while run < len(self.blocks) and self.blocks[run] == self.blocks[0] + run:
+            run += 1
+        self.num_contiguous = run
+        return True
+
     def after(self, position: int) -> list[int]:
         """Held block ids at positions ``>= position``."""
         return self.blocks[max(0, position - self.num_dropped):]

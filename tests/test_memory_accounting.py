@@ -91,14 +91,19 @@ def test_a_4096_token_run_reserves_at_most_15_percent_over_what_it_holds(quant):
 
 
 def test_new_storage_is_poisoned_only_in_debug_mode():
-    """Outside debug mode new storage is never NaN-filled (a fill would touch every page at creation)."""
+    """Debug mode fills new storage with NaN; outside it the quantized store's codes, scales and stages start
+    zeroed, never NaN (the fp store's new storage is left uninitialized: `torch.empty`, never read before written,
+    so it cannot be checked for a fill)."""
     for debug in (False, True):
         for quant in ("fp", "k8v4"):
             pool = BlockPool(quant=quant, debug=debug)
             with PagedCache(pool=pool) as cache:
                 step(cache, 1, 40, seed=0)
                 tensors = [t for t in pool.store.tensors() if t.dtype.is_floating_point]
-                assert any(bool(t.isnan().any()) for t in tensors) == debug, (quant, debug)
+                if debug:
+                    assert any(bool(t.isnan().any()) for t in tensors), quant
+                elif quant != "fp":
+                    assert not any(bool(t.isnan().any()) for t in tensors), quant
 
 
 def test_the_model_planner_and_the_pool_agree_after_generate():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from hf_pagedkv.pool.block_allocator import BlockAllocator
 from hf_pagedkv.pool.block_table import BlockTable
 from hf_pagedkv.config import QuantConfig
@@ -34,6 +36,8 @@ class BlockGroup:
                       else PageStore(block_size, debug=debug))  # the tensors of this group's layers
         self.prefix_index = PrefixIndex() if prefix_caching else None  # full-block hashes -> blocks, or None
         self.tables: dict[int, list[BlockTable]] = {}  # owner token -> that cache's rows in this group
+        # owner token -> callback(group, {old: new}) renaming moved blocks in its tables (a weak method), if any
+        self.movers: dict[int, Callable[[], Callable[[int, dict[int, int]], None] | None]] = {}
         self.num_cow_copies = 0  # blocks copied before a write; changed by `BlockPool.copy_on_write` only
 
     @property

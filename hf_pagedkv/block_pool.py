@@ -24,11 +24,16 @@ from hf_pagedkv.observe.alerts import Health
 from hf_pagedkv.observe.metrics import PoolMetrics
 from hf_pagedkv.storage.page_store import LayerSpec
 from hf_pagedkv.observe.pool_stats import GroupStats, PoolStats
+from hf_pagedkv.pool.compaction import num_trapped_free, plan_moves
+from hf_pagedkv.pool.prefix_budget import PrefixCacheBudget
 from hf_pagedkv.pool.prefix_index import BlockHash, PrefixIndex
 
 logger = logging.getLogger(__name__)
 
-_MIN_GROWTH_BLOCKS = 64  # a growable pool never grows by less than this many blocks at once
+# A growable pool grows by what a step is missing plus a headroom of a quarter of its size, at least
+# _MIN_GROWTH_BLOCKS: sized to need (a pool that one prefill sized holds about that prefill), and still amortised.
+_MIN_GROWTH_BLOCKS = 16
+_GROWTH_FRACTION = 4  # headroom = num_blocks // _GROWTH_FRACTION
 
 
 class _PoolOrClassMethod:
@@ -69,18 +74,26 @@ class BlockPool:
         debug (`bool`, *optional*, defaults to `False`): poison freed blocks with NaN.
         prefix_caching (`bool`, *optional*, defaults to `False`): keep a prefix index (`PrefixIndex`) so that
             requests sharing a prompt prefix share its full blocks (`PagedCache.from_prefix`, `cache.publish`,
-            `hf_pagedkv.generate`). Published blocks whose refcount drops to 0 stay cached-idle until space is
-            needed, then are evicted least-recently-used.
+            `hf_pagedkv.generate`). Published blocks whose refcount drops to 0 stay cached-idle, within
+            `prefix_cache_memory`, evicted least-recently-used beyond it (and, in a fixed pool, when an allocation
+            needs their space).
         quant (`QuantConfig` or `str`, *optional*): store K/V quantized (`QuantConfig`, or a preset such as
             ``"k8v4"``); `None` or ``"fp"`` for full precision. Fixed for the pool's lifetime.
         host_memory (`int` or `str`, *optional*): a host-memory (CPU, pinned under CUDA) tier of this many bytes
             (``"8GiB"``), where `PagedCache.offload()` moves a cache and `prefetch()` brings it back
             (`host_tiers.py`); sized at the first offload, when the layers are known. `pool.host.stats()` tells
             its occupancy.
+        prefix_cache_memory (`int`, `str` or `float`, *optional*): with `prefix_caching`, the budget of cached-idle
+            blocks: a size (``"1GiB"``, bytes as an int; all layers, keys + values) or a fraction in ``(0, 1]`` of
+            the pool's blocks (`PrefixCacheBudget`). Defaults to 1 GiB for a growable pool, which grows rather than
+            evicting within it, and to the whole pool for a fixed one. `stats().bytes_cached` and
+            `stats().prefix_cache_budget` report it.
 
     With neither `num_blocks` nor `max_memory`, the pool grows on demand by chunks: what is needed plus a headroom
-    of half its size (at least 64 blocks), copying its storage once per growth, so growth is amortised O(1).
-    Cached-idle blocks are evicted before the pool grows or raises `PoolExhaustedError`.
+    of a quarter of its size (at least 16 blocks), so growth is amortised O(1) and the storage stays close to what
+    is used.
+    A fixed pool evicts cached-idle blocks before it raises `PoolExhaustedError`; a growable one grows instead
+    and evicts only beyond `prefix_cache_memory`.
 
     Thread safety: every bookkeeping change happens under `lock` (an `RLock`), so several threads may each run
     their own caches on one pool. A cache itself is used by one thread at a time.
@@ -99,7 +112,8 @@ class BlockPool:
 
     Raises:
         ValueError: `block_size` or `num_blocks` not a positive int; both `num_blocks` and `max_memory`
-            given; `max_memory` not a size; an invalid `quant`.
+            given; `max_memory` not a size; an invalid `quant`; `prefix_cache_memory` without `prefix_caching`,
+            or neither a size nor a fraction in (0, 1].
 
     Example:
 
@@ -122,8 +136,12 @@ class BlockPool:
         prefix_caching: bool = False,
         quant: QuantConfig | str | None = None,
         host_memory: int | str | None = None,
+        prefix_cache_memory: int | str | float | None = None,
     ) -> None:
         self.quant = QuantConfig.resolve(quant)  # storage format; fixed
+        if prefix_cache_memory is not None and not prefix_caching:
+            raise ValueError(f"prefix_cache_memory={prefix_cache_memory!r} sizes the prefix cache; it needs "
+                             "BlockPool(prefix_caching=True).")
         if block_size is None:
             block_size = DEFAULT_QUANT_BLOCK_SIZE if self.quant.is_quantized else DEFAULT_BLOCK_SIZE
         check_positive_int("block_size", block_size)
@@ -138,6 +156,8 @@ class BlockPool:
         self._fixed_blocks = num_blocks  # blocks each layer group gets when it is created, or None
         self._budget_blocks: int | None = None  # with max_memory: the blocks per group, once the first layer sized it
         self._prefix_caching = prefix_caching  # whether groups keep a prefix index; fixed
+        # how many cached-idle blocks a group keeps (None without prefix caching); fixed
+        self.prefix_budget = PrefixCacheBudget(prefix_cache_memory, self.growable) if prefix_caching else None
         self._debug = debug  # poison freed blocks; applied to every group's store
         self.groups: list[BlockGroup] = []  # layer groups; group 0 is full attention; appended by group_for only
         self._group_of: dict[int | None, int] = {}  # sliding window (None: full attention) -> group index
@@ -149,6 +169,8 @@ class BlockPool:
         # the host tier (`cache.offload()`, evicted prefix blocks), or None; fixed
         self.host = None if host_memory is None else HostTiers(self, parse_bytes(host_memory))
         self.group_for(None)
+        self.num_moved_blocks = 0  # blocks moved by `compact`, all groups; changed there only
+        self.bytes_returned = 0  # storage bytes given back by `shrink`; changed there only
         self.metrics = PoolMetrics(self)  # counters, step latency, alerts (metrics.py); updated by the hooks below
         self.events = EventLog(self)  # block event log, off by default (events.py)
 
@@ -268,8 +290,8 @@ class BlockPool:
             return self.growable or n <= alloc.num_free_blocks + alloc.num_idle_blocks
 
     def reserve(self, n: int, group: int = 0) -> None:
-        """Make sure `n` blocks of `group` are free: evict cached-idle blocks (LRU), then grow a growable pool, else
-        raise. Changes no refcount.
+        """Make sure `n` blocks of `group` are free: a fixed pool evicts cached-idle blocks (LRU) or raises, a
+        growable one grows (its idle blocks stay, within the prefix cache's budget). Changes no refcount.
 
         Raises:
             PoolExhaustedError: a fixed pool has fewer than `n` free plus cached-idle blocks (nothing changed).
@@ -290,13 +312,13 @@ class BlockPool:
                     f"{g.allocator.num_blocks} (block_size={self.block_size}). Raise num_blocks / max_memory, "
                     "release finished caches, or use num_blocks=None to let the pool grow."
                 )
-            if idle:  # evict before growing or raising: idle blocks are only a cache
+            if idle and not self.growable:  # evict before raising: idle blocks are only a cache
                 self._evict(g, min(n - free, idle))
-                free = g.allocator.num_free_blocks
-                if n <= free:
-                    return
+                return
+            # NOTE: a growable pool grows rather than evicting: its idle blocks are within the prefix cache's
+            # budget (`free` trims them to it), and evicting them first would keep no prefix across requests.
             cur = g.allocator.num_blocks
-            self._add_blocks(g, n - free + max(cur // 2, _MIN_GROWTH_BLOCKS))  # headroom: next steps need no copy
+            self._add_blocks(g, n - free + max(cur // _GROWTH_FRACTION, _MIN_GROWTH_BLOCKS))  # headroom
             logger.debug("BlockPool %s group grew from %d to %d blocks", g.name, cur, g.allocator.num_blocks)
 
     def allocate(self, n: int, after: int | None = None, group: int = 0) -> list[int]:
@@ -330,6 +352,23 @@ class BlockPool:
             else:
                 freed = g.prefix_index.release(blocks, g.allocator)
             g.store.release(freed)
+            if g.prefix_index is not None:
+                self._trim_prefix_cache(g)
+
+    def max_idle_blocks(self, group: int = 0) -> int | None:
+        """Cached-idle blocks `group` keeps at most (`prefix_cache_memory`); None without prefix caching, or before
+        any layer is known (a size budget needs the bytes of a block)."""
+        if self.prefix_budget is None:
+            return None
+        per_block = sum(g.store.bytes_per_block for g in self.groups)
+        return self.prefix_budget.max_idle_blocks(self.groups[group].allocator.num_blocks, per_block)
+
+    def _trim_prefix_cache(self, g: BlockGroup) -> None:
+        """Evict the least recently used idle blocks of `g` beyond the prefix cache's budget."""
+        limit = self.max_idle_blocks(g.index)
+        excess = 0 if limit is None else g.allocator.num_idle_blocks - limit
+        if excess > 0:
+            self._evict(g, excess)
 
     def mark_written(self, blocks: list[int], fills: list[int], group: int = 0) -> None:
         """`blocks[i]` of `group` now hold their first `fills[i]` slots (for `stats().tokens_stored`, kept O(1))."""
@@ -397,6 +436,76 @@ class BlockPool:
         group.store.release(evicted)
         logger.debug("BlockPool evicted %d cached-idle blocks of its %s group", n, group.name)
 
+    # -- compaction and shrinking ------------------------------------------------------------------------------------
+    def compact(self, max_blocks: int = 64) -> int:
+        """Move up to `max_blocks` live blocks (in use or cached-idle) of each layer group to the lowest free ids below
+        them (`pool/compaction.py`), so the free blocks gather at the end, where `shrink` can return their
+        segments, and the packed rows read more often from one segment. Bounded per call: call it again (e.g. once
+        per step) until it returns 0.
+
+        Exact: a moved block's storage is copied whole (K/V, or codes, scales, its stage and sink stage), its
+        refcount, fill, prefix hash and LRU place move with it, and every block table naming it is renamed (a
+        `PagedCache` renames its tables and their mirror through the hook it registered), so outputs are unchanged
+        for live caches, forks, beams, prefix-cached and quantized blocks. Call it between forward steps: never
+        while a forward pass runs on a cache of this pool (say, from another thread).
+
+        Raises:
+            ValueError: `max_blocks` not a positive int.
+
+        Returns:
+            `int`: blocks moved, all groups (also counted in `stats().blocks_moved`).
+        """
+        check_positive_int("max_blocks", max_blocks)
+        with self.lock:
+            self._drain()
+            moved = 0
+            for g in self.groups:
+                moves = plan_moves(g.allocator, max_blocks)
+                if not moves:
+                    continue
+                src, dst = list(moves), list(moves.values())
+                g.store.copy_blocks(src, dst)  # storage first: dst are free, src stay valid until renamed
+                for s, d in moves.items():
+                    g.allocator.move(s, d)
+                if g.prefix_index is not None:
+                    g.prefix_index.rename(moves)
+                for token, rows in g.tables.items():
+                    mover = g.movers.get(token)
+                    rename = mover() if mover is not None else None
+                    if rename is not None:
+                        rename(g.index, moves)  # the cache renames its rows and their mirror
+                    else:  # an owner without a hook (or collected, not yet drained): its rows only
+                        for row in rows:
+                            row.rename(moves)
+                g.store.release(src)  # now free: stages returned, state dropped, poisoned in debug mode
+                moved += len(moves)
+                logger.debug("BlockPool compacted %d blocks of its %s group", len(moves), g.name)
+            self.num_moved_blocks += moved
+            return moved
+
+    def shrink(self) -> int:
+        """Give back the storage segments at the end of each layer group whose blocks are all free (a growable
+        pool; a fixed one keeps its preallocation and returns 0). Free blocks below a live one stay; `compact`
+        first moves live blocks down.
+
+        Returns:
+            `int`: bytes returned (also summed in `stats().bytes_returned`).
+        """
+        with self.lock:
+            self._drain()
+            if not self.growable:
+                return 0
+            returned = 0
+            for g in self.groups:
+                free = g.allocator.free_blocks()
+                top = next((b for b in range(g.allocator.num_blocks - 1, -1, -1) if b not in free), -1)
+                before = g.store.bytes_reserved()
+                kept = g.store.shrink(top + 1)
+                g.allocator.remove_blocks(g.allocator.num_blocks - kept)
+                returned += before - g.store.bytes_reserved()
+            self.bytes_returned += returned
+            return returned
+
     # -- owners (live block tables) --------------------------------------------------------------------------------
     def register_owner(self, rows: list[BlockTable] | None = None, group: int = 0) -> int:
         """A new owner token; `rows` (a list object the owner keeps filling) are its tables in `group`."""
@@ -408,11 +517,14 @@ class BlockPool:
                 self.groups[group].tables[token] = rows
             return token
 
-    def add_rows(self, token: int, group: int, rows: list[BlockTable]) -> None:
-        """Register an owner's tables in another layer group."""
+    def add_rows(self, token: int, group: int, rows: list[BlockTable], mover=None) -> None:
+        """Register an owner's tables in another layer group; `mover` (a `weakref.WeakMethod`, optional) is called
+        as ``mover()(group, {old: new})`` when `compact` moves blocks they name (it renames them and any mirror)."""
         with self.lock:
             assert token in self._owners and token not in self.groups[group].tables
             self.groups[group].tables[token] = rows
+            if mover is not None:
+                self.groups[group].movers[token] = mover
 
     def unregister_owner(self, token: int) -> None:
         """Forget an owner whose rows are already empty (an explicit `PagedCache.release()`)."""
@@ -420,6 +532,7 @@ class BlockPool:
             self._owners.discard(token)
             for group in self.groups:
                 rows = group.tables.pop(token, None)
+                group.movers.pop(token, None)
                 assert not rows, "unregister of an owner that still holds blocks"
 
     def release_owner(self, token: int) -> None:
@@ -438,6 +551,7 @@ class BlockPool:
             self._owners.discard(token)
             for group in self.groups:
                 rows = group.tables.pop(token, None)
+                group.movers.pop(token, None)
                 if rows:
                     self.free([b for row in rows for b in row.blocks], group.index)
                     rows.clear()
@@ -475,6 +589,12 @@ class BlockPool:
                 bytes_in_use=sum(g.bytes_in_use for g in per_group),
                 bytes_reserved=sum(g.bytes_reserved for g in per_group),
                 blocks_cached=sum(g.allocator.num_idle_blocks for g in self.groups),
+                bytes_cached=sum(g.allocator.num_idle_blocks * g.store.bytes_per_block for g in self.groups),
+                prefix_cache_budget=self._prefix_budget_bytes(),
+                blocks_trapped=sum(num_trapped_free(g.allocator) for g in self.groups),
+                num_segments=sum(len(g.store.segment_blocks) for g in self.groups),
+                blocks_moved=self.num_moved_blocks,
+                bytes_returned=self.bytes_returned,
                 # NOTE: each request's lookup is counted by one group's index (its cache's first), so these add up
                 lookups=sum(i.num_lookups for i in indexes),
                 lookup_tokens=sum(i.num_lookup_tokens for i in indexes),
@@ -483,6 +603,13 @@ class BlockPool:
                 cow_copies=self.num_cow_copies,
                 groups=per_group,
             )
+
+    def _prefix_budget_bytes(self) -> int | None:
+        """Bytes the cached-idle blocks may take, all groups (None without prefix caching or before a layer)."""
+        limits = [self.max_idle_blocks(g.index) for g in self.groups]
+        if self.prefix_budget is None or None in limits:
+            return None
+        return sum(n * g.store.bytes_per_block for n, g in zip(limits, self.groups))
 
     def health(self) -> Health:
         """Check the alerts now (occupancy, allocation failures, prefix hit rate, step latency; see `metrics.py`)."""

@@ -19,26 +19,27 @@ def check_positive_int(name: str, value: object) -> int:
     return value
 
 
-def parse_bytes(value: int | str) -> int:
-    """Parse a memory size such as ``"4GiB"``, ``"512 MB"`` or ``1073741824`` into bytes.
+def parse_bytes(value: int | str, name: str = "max_memory") -> int:
+    """Parse a memory size such as ``"4GiB"``, ``"512 MB"`` or ``1073741824`` into bytes (`name`: the argument, for
+    the error message).
 
     Raises:
         ValueError: if the value is not a positive size with a known unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB).
     """
     if isinstance(value, int) and not isinstance(value, bool):
         if value <= 0:
-            raise ValueError(f"`max_memory` must be positive, got {value!r}.")
+            raise ValueError(f"`{name}` must be positive, got {value!r}.")
         return value
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
     if match is None or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"`max_memory` must be bytes (int) or a size like '4GiB' or '512MB', got {value!r}.")
+        raise ValueError(f"`{name}` must be bytes (int) or a size like '4GiB' or '512MB', got {value!r}.")
     number = float(match.group(1)) * _UNITS[match.group(2).lower()]
     if _UNITS[match.group(2).lower()] == 1 and number != int(number):  # "4.5" bytes; "0.3GiB" rounds down
-        raise ValueError(f"`max_memory`={value!r} is not a whole number of bytes; give bytes as an int or a size "
+        raise ValueError(f"`{name}`={value!r} is not a whole number of bytes; give bytes as an int or a size "
                          "with a unit such as '4.5GiB'.")
     size = int(number)
     if size <= 0:
-        raise ValueError(f"`max_memory` must be positive, got {value!r}.")
+        raise ValueError(f"`{name}` must be positive, got {value!r}.")
     return size
 
 

@@ -25,16 +25,16 @@ def test_story_stats_through_fork_copy_on_write_and_release():
             s.fragmentation) == (0, 0, 0, 0, 0, 0, 0.0)
 
     # Cache A prefills 10 tokens: blocks 0, 1 full and block 2 holding 2 tokens. The pool grew by the 3 blocks
-    # needed plus a headroom of 64.
+    # needed plus a headroom of 16.
     a = PagedCache(pool=pool)
     a.update(*kv(1, 0, 10, label=100), layer_idx=0)
     assert a.block_tables() == [[0, 1, 2]]
     s = pool.stats()
     assert s.block_size == 4 and s.bytes_per_block == 4 * BYTES_PER_TOKEN == 64
-    assert (s.num_blocks, s.blocks_in_use, s.blocks_free, s.tokens_stored, s.num_sequences) == (67, 3, 64, 10, 1)
-    assert s.bytes_in_use == 3 * 64 and s.bytes_reserved == 67 * 64
+    assert (s.num_blocks, s.blocks_in_use, s.blocks_free, s.tokens_stored, s.num_sequences) == (19, 3, 16, 10, 1)
+    assert s.bytes_in_use == 3 * 64 and s.bytes_reserved == 19 * 64
     assert s.fragmentation == pytest.approx(1 - 10 / 12)  # 2 empty slots in 12 allocated
-    assert s.usage == pytest.approx(3 / 67)
+    assert s.usage == pytest.approx(3 / 19)
     pool.check_invariants()
 
     # B = A.fork(): shares every block; no block is allocated and shared tokens count once.
@@ -60,7 +60,7 @@ def test_story_stats_through_fork_copy_on_write_and_release():
     a.update(*kv(1, 10, 3, label=300), layer_idx=0)
     assert a.block_tables() == [[0, 1, 2, 4]]
     s = pool.stats()
-    assert (s.blocks_in_use, s.blocks_free, s.tokens_stored) == (5, 62, 4 + 4 + 4 + 3 + 1)
+    assert (s.blocks_in_use, s.blocks_free, s.tokens_stored) == (5, 14, 4 + 4 + 4 + 3 + 1)
     assert s.fragmentation == pytest.approx(1 - 16 / 20)
     assert labels(a) == [[100] * 10 + [300] * 3]
     assert labels(b) == [[100] * 10 + [200]]  # B did not see A's writes
@@ -76,8 +76,8 @@ def test_story_stats_through_fork_copy_on_write_and_release():
     # B is released: nothing is in use, but the storage stays reserved for reuse.
     b.release()
     s = pool.stats()
-    assert (s.num_blocks, s.blocks_in_use, s.blocks_free, s.tokens_stored, s.num_sequences) == (67, 0, 67, 0, 0)
-    assert (s.bytes_in_use, s.bytes_reserved, s.fragmentation) == (0, 67 * 64, 0.0)
+    assert (s.num_blocks, s.blocks_in_use, s.blocks_free, s.tokens_stored, s.num_sequences) == (19, 0, 19, 0, 0)
+    assert (s.bytes_in_use, s.bytes_reserved, s.fragmentation) == (0, 19 * 64, 0.0)
     pool.check_invariants()
 
 
@@ -148,34 +148,34 @@ def test_a_cache_that_is_never_released_frees_its_blocks_when_collected():
 
 
 def test_growable_pool_grows_in_chunks():
-    """A growable pool grows by what is missing plus a headroom of max(half its size, 64) blocks."""
+    """A growable pool grows by what is missing plus a headroom of max(a quarter of its size, 16) blocks."""
     B = 2
     pool = BlockPool(block_size=B)
     cache = PagedCache(pool=pool)
-    # The first token needs 1 block: the pool grows by 1 + 64 blocks, not by one block.
+    # The first token needs 1 block: the pool grows by 1 + 16 blocks, not by one block.
     cache.update(*kv(1, 0, 1, label=7), layer_idx=0)
-    assert pool.num_blocks == 65 and pool.store.keys[0].shape == (1, 65 * B, 2)
-    # Filling all 65 blocks (130 tokens) does not grow the pool ...
-    cache.update(*kv(1, 1, 129, label=7), layer_idx=0)
-    assert pool.num_blocks == 65 and pool.stats().blocks_free == 0
-    # ... the next token does: 1 missing + max(65 // 2, 64) = 65 blocks.
-    cache.update(*kv(1, 130, 1, label=8), layer_idx=0)
-    assert pool.num_blocks == 130 and pool.store.keys[0].shape == (1, 130 * B, 2)
-    # A request larger than the free blocks: 131 -> 530 tokens is 66 -> 265 blocks, 199 wanted, 64 free, so
-    # 135 missing + max(130 // 2, 64) = 200 blocks.
-    cache.update(*kv(1, 131, 399, label=9), layer_idx=0)
-    assert pool.num_blocks == 330 and pool.stats().blocks_free == 65
-    # Filling the headroom (660 tokens = 330 blocks) does not grow; one more token grows by 1 + 330 // 2.
-    cache.update(*kv(1, 530, 130, label=10), layer_idx=0)
-    assert pool.num_blocks == 330 and pool.stats().blocks_free == 0
-    cache.update(*kv(1, 660, 1, label=11), layer_idx=0)
-    assert pool.num_blocks == 330 + 1 + 165
-    # Growing copied the old content: every token reads back as written.
-    assert labels(cache) == [[7] * 130 + [8] + [9] * 399 + [10] * 130 + [11]]
-    assert pool.stats().tokens_stored == 661
+    assert pool.num_blocks == 17 and pool.store.keys[0].shape == (1, 17 * B, 2)
+    # Filling all 17 blocks (34 tokens) does not grow the pool ...
+    cache.update(*kv(1, 1, 33, label=7), layer_idx=0)
+    assert pool.num_blocks == 17 and pool.stats().blocks_free == 0
+    # ... the next token does: 1 missing + max(17 // 4, 16) = 17 blocks.
+    cache.update(*kv(1, 34, 1, label=8), layer_idx=0)
+    assert pool.num_blocks == 34 and pool.store.keys[0].shape == (1, 34 * B, 2)
+    # A request larger than the free blocks: 35 -> 434 tokens is 18 -> 217 blocks, 199 wanted, 16 free, so
+    # 183 missing + max(34 // 4, 16) = 199 blocks: the pool is sized to the need, plus 16.
+    cache.update(*kv(1, 35, 399, label=9), layer_idx=0)
+    assert pool.num_blocks == 233 and pool.stats().blocks_free == 16
+    # Filling the headroom (466 tokens = 233 blocks) does not grow; one more token grows by 1 + 233 // 4.
+    cache.update(*kv(1, 434, 32, label=10), layer_idx=0)
+    assert pool.num_blocks == 233 and pool.stats().blocks_free == 0
+    cache.update(*kv(1, 466, 1, label=11), layer_idx=0)
+    assert pool.num_blocks == 233 + 1 + 58
+    # Growing kept the old content: every token reads back as written.
+    assert labels(cache) == [[7] * 34 + [8] + [9] * 399 + [10] * 32 + [11]]
+    assert pool.stats().tokens_stored == 467
     pool.check_invariants()
     cache.release()
-    assert pool.stats().blocks_in_use == 0 and pool.num_blocks == 496  # storage is kept for reuse
+    assert pool.stats().blocks_in_use == 0 and pool.num_blocks == 292  # storage is kept for reuse
 
 
 def test_fixed_pool_preallocates_once_and_never_grows():

@@ -493,13 +493,12 @@ class PagedCache(Cache):
             PoolExhaustedError: the host tier is full (nothing changed).
             CacheReleasedError, CacheOffloadedError: the cache was released, or is offloaded already.
         """
-
         if layer_idx is not None:
             raise ValueError(f"offload(layer_idx={layer_idx}): a PagedCache moves whole, with all its layers "
                              "(call cache.offload()).")
         self.check_usable()
         self._offloaded = offload_cache(self)
-        self._step = None
+        self._end_step()
 
     def prefetch(self, layer_idx: int | None = None, only_non_sliding: bool = True) -> None:
         """Bring an offloaded cache back to the device (new block ids, the same K/V); a no-op when not offloaded.
@@ -546,10 +545,16 @@ class PagedCache(Cache):
                                    "build the cache with config=model.config so every layer is known up front.")
             rt = RowTables(group, window, self.block_size)
             rt.reset(self.num_rows)
-            self.pool.add_rows(self._owner, group, rt.rows)
+            self.pool.add_rows(self._owner, group, rt.rows, mover=weakref.WeakMethod(self._blocks_moved))
             self._groups.insert(0 if window is None else len(self._groups), rt)  # full attention first
             self._by_group[group] = rt
         return rt
+
+    def _blocks_moved(self, group: int, mapping: dict[int, int]) -> None:
+        """`BlockPool.compact` moved blocks of `group` (`{old id: new id}`): rename them in this cache's tables and
+        their mirror; the current step's view base and slot tensors are stale, so the next read recomputes them."""
+        self._by_group[group].rename_blocks(mapping)
+        self._end_step()
 
     @staticmethod
     def _clone_layer(layer: PagedLayer, owner: PagedCache) -> PagedLayer:

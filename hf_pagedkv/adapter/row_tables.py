@@ -76,6 +76,12 @@ class RowTables:
         if end > start:
             self.table[r, start:end] = torch.tensor(row.blocks[start - row.num_dropped:], dtype=torch.long)
 
+    def rename_blocks(self, mapping: dict[int, int]) -> None:
+        """The pool moved blocks (`BlockPool.compact`): every row and the mirror name `mapping[b]` in place of `b`."""
+        for r, row in enumerate(self.rows):
+            if row.rename(mapping):
+                self.set_row(r, 0)
+
     def select(self, idx: list[int]) -> None:
         """The mirror follows a row selection (`rows` already replaced by the caller)."""
         self.table = self.table[torch.tensor(idx, dtype=torch.long)] if idx else self.table[:0]

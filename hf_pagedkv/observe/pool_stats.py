@@ -34,7 +34,14 @@ class PoolStats:
     num_sequences: int  # live block tables (batch rows of live caches)
     bytes_in_use: int  # bytes of the blocks in use, all layers (quantized: + the full-precision partial blocks)
     bytes_reserved: int  # bytes of storage the pool has allocated, in use or not (quantized: + its staging area)
-    blocks_cached: int = 0  # cached-idle blocks: refcount 0, still in the prefix index, evicted when space is needed
+    blocks_cached: int = 0  # cached-idle blocks: refcount 0, still in the prefix index, evicted LRU beyond the budget
+    bytes_cached: int = 0  # bytes of the cached-idle blocks (codes + scales when quantized), all layers
+    prefix_cache_budget: int | None = None  # bytes cached-idle blocks may take (`prefix_cache_memory`), or None
+    blocks_trapped: int = 0  # free blocks below the highest live one (storage fragmentation: `shrink` cannot return
+    #                          them until `compact` moves the live blocks down)
+    num_segments: int = 0  # storage segments held, all groups (one per growth)
+    blocks_moved: int = 0  # blocks moved by `BlockPool.compact` since creation
+    bytes_returned: int = 0  # storage bytes given back by `BlockPool.shrink` since creation
     lookups: int = 0  # prefix lookups (one per request attached with `PagedCache.from_prefix`)
     lookup_tokens: int = 0  # tokens those lookups asked about
     hit_tokens: int = 0  # tokens served from cached blocks instead of being computed

@@ -151,6 +151,24 @@ class BlockAllocator:
             heapq.heappush(self._free_heap, b)
             self._num_idle -= 1
 
+    def move(self, src: int, dst: int) -> None:
+        """Compaction: free block `dst` takes over live block `src` (its refcount and fill, in use or cached-idle);
+        `src` becomes free. The caller renames every table entry and copies the storage."""
+        assert dst in self._free and src not in self._free, f"move of block {src} to {dst}: not live -> free"
+        self._free.remove(dst)
+        self._refcount[dst], self._fill[dst] = self._refcount[src], self._fill[src]
+        self._refcount[src], self._fill[src] = 0, 0
+        self._free.add(src)
+        heapq.heappush(self._free_heap, src)
+
+    def remove_blocks(self, n: int) -> None:
+        """Forget the last `n` block ids (the pool shrank); they must all be free."""
+        start = len(self._refcount) - n
+        assert all(b in self._free for b in range(start, len(self._refcount))), "remove_blocks of blocks not free"
+        del self._refcount[start:], self._fill[start:]
+        self._free.difference_update(range(start, start + n))
+        self._free_heap = sorted(self._free)
+
     def free_blocks(self) -> set[int]:
         """A copy of the free set (for checks and tests)."""
         return set(self._free)

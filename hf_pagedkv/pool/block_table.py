@@ -89,11 +89,22 @@ class BlockTable:
         gone = set(positions)
         dropped = [b for j, b in enumerate(self.blocks) if j in gone]
         self.blocks = [b for j, b in enumerate(self.blocks) if j not in gone]
+        self._count_contiguous()
+        return dropped
+
+    def rename(self, mapping: dict[int, int]) -> bool:
+        """Compaction moved blocks: name `mapping[b]` in place of each `b` it holds; return whether any changed."""
+        if not any(b in mapping for b in self.blocks):
+            return False
+        self.blocks = [mapping.get(b, b) for b in self.blocks]
+        self._count_contiguous()
+        return True
+
+    def _count_contiguous(self) -> None:
         run = 1 if self.blocks else 0
         while run < len(self.blocks) and self.blocks[run] == self.blocks[0] + run:
             run += 1
         self.num_contiguous = run
-        return dropped
 
     def after(self, position: int) -> list[int]:
         """Held block ids at positions ``>= position``."""

@@ -173,6 +173,16 @@ class PrefixIndex:
         self.num_evictions += n
         return out
 
+    def rename(self, mapping: dict[int, int]) -> None:
+        """Compaction moved blocks `b -> mapping[b]`: published ones keep their hash, idle ones their LRU place."""
+        for src, dst in mapping.items():
+            h = self._by_block.pop(src, None)
+            if h is not None:
+                self._by_block[dst] = h
+                self._by_hash[h] = dst
+        if any(b in self._idle for b in mapping):
+            self._idle = OrderedDict((mapping.get(b, b), None) for b in self._idle)
+
     def check(self, free: set[int], num_blocks: int) -> list[str]:
         """Consistency problems (empty when fine): the two maps are inverse, idle blocks are published, and no
         published block is free or out of range."""

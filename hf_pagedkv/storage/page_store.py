@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_pagedkv.storage.read_request import ReadRequest
+from hf_pagedkv.storage.segmented_tensor import SegmentedTensor
 
 
 @dataclass(frozen=True)
@@ -37,13 +38,17 @@ class PageStore:
     Layout, per layer (head-major, so that a row whose blocks have consecutive ids is already the
     `[num_kv_heads, seq_len, head_dim]` slice attention wants and is read as a view)::
 
-        keys[layer]:   [num_kv_heads, num_blocks * block_size, key_dim]
+        keys[layer]:   [num_kv_heads, num_blocks * block_size, key_dim]     (a `SegmentedTensor`)
         values[layer]: [num_kv_heads, num_blocks * block_size, value_dim]
 
     Slot `s` is token ``s % block_size`` of block ``s // block_size``; a block id names the same slot range
-    in every layer. Storage grows by whole chunks of blocks (`grow`), never per token. In debug mode, freed
-    blocks and new storage are filled with NaN (poisoned), so that a read of a slot no sequence owns shows up
-    at once in the logits instead of as silent drift.
+    in every layer. Storage grows by whole chunks of blocks (`grow`), never per token: each growth appends one
+    *segment* of blocks to every layer (`segment_blocks`), copying nothing, so a growing pool never holds its old
+    and a new full-size tensor at once; `shrink` drops trailing segments. A row whose consecutive blocks lie in
+    one segment is read as a view; one that crosses a segment boundary is copied. In debug mode, freed blocks and
+    new storage are filled with NaN (poisoned), so that a read of a slot no sequence owns shows up at once in the
+    logits instead of as silent drift; outside debug mode new storage is left uninitialized (never read before
+    written), so it costs no page until used.
     """
 
     is_quantized = False
@@ -51,10 +56,11 @@ class PageStore:
     def __init__(self, block_size: int, debug: bool = False) -> None:
         self.block_size = block_size  # tokens per block; fixed
         self.debug = debug  # poison freed blocks and new storage with NaN; set by the pool
-        self.num_blocks = 0  # blocks allocated in every layer's tensors; changed by `grow` only
+        self.num_blocks = 0  # blocks allocated in every layer's tensors; changed by `grow` / `shrink` only
+        self.segment_blocks: list[int] = []  # blocks of each storage segment, in id order; sums to num_blocks
         self.specs: dict[int, LayerSpec] = {}  # layer_idx -> spec; set once per layer by `add_layer`
-        self.keys: dict[int, torch.Tensor] = {}  # layer_idx -> [num_kv_heads, num_blocks * block_size, key_dim]
-        self.values: dict[int, torch.Tensor] = {}  # layer_idx -> [num_kv_heads, num_blocks * block_size, value_dim]
+        self.keys: dict[int, SegmentedTensor] = {}  # layer_idx -> [num_kv_heads, num_blocks * block_size, key_dim]
+        self.values: dict[int, SegmentedTensor] = {}  # layer_idx -> [.., value_dim]
 
     @property
     def bytes_per_block(self) -> int:
@@ -66,39 +72,56 @@ class PageStore:
         return spec.bytes_per_token * self.block_size
 
     def bytes_in_use(self, num_used_blocks: int) -> int:
+        """Bytes of `num_used_blocks` blocks in every layer, keys plus values."""
         return num_used_blocks * self.bytes_per_block
 
     def bytes_reserved(self) -> int:
+        """Bytes of every storage tensor this store owns (`tensors()`), in use or not."""
         return self.num_blocks * self.bytes_per_block
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every storage tensor this store owns, segment by segment (for byte accounting checks)."""
+        return [seg for d in (self.keys, self.values) for t in d.values() for seg in t.segments]
 
     def release(self, blocks: list[int]) -> None:
         """Blocks whose refcount reached 0 (poisoned in debug mode)."""
         self.poison(blocks)
 
-    # NOTE: storage outlives the call that creates it. Made inside `torch.inference_mode()` it would be an inference
-    # tensor, which a later write outside that mode may not update in place; so it is always made outside it.
-    @torch.inference_mode(False)
-    def _new(self, spec: LayerSpec, dim: int, num_blocks: int) -> torch.Tensor:
-        shape = (spec.num_kv_heads, num_blocks * self.block_size, dim)
-        if self.debug and spec.dtype.is_floating_point:
-            return torch.full(shape, float("nan"), dtype=spec.dtype, device=spec.device)
-        return torch.empty(shape, dtype=spec.dtype, device=spec.device)  # never read before written
+    def _fill(self, spec: LayerSpec) -> float | None:
+        """What new storage is filled with: NaN in debug mode (float), else nothing (never read before written)."""
+        return float("nan") if self.debug and spec.dtype.is_floating_point else None
 
     def add_layer(self, layer_idx: int, spec: LayerSpec) -> None:
+        """Storage for a new layer, with the same segments as the other layers."""
         assert layer_idx not in self.specs, f"layer {layer_idx} already has storage"
         self.specs[layer_idx] = spec
-        self.keys[layer_idx] = self._new(spec, spec.key_dim, self.num_blocks)
-        self.values[layer_idx] = self._new(spec, spec.value_dim, self.num_blocks)
+        for store, dim in ((self.keys, spec.key_dim), (self.values, spec.value_dim)):
+            t = store[layer_idx] = SegmentedTensor(spec.num_kv_heads, dim, spec.dtype, spec.device)
+            for n in self.segment_blocks:
+                t.append_segment(n * self.block_size, self._fill(spec))
 
     def grow(self, num_blocks: int) -> None:
-        """Resize every layer to `num_blocks` blocks, keeping the content of the existing ones."""
+        """Extend every layer to `num_blocks` blocks by one new segment; existing blocks are not touched (no copy)."""
         assert num_blocks >= self.num_blocks
+        if num_blocks == self.num_blocks:
+            return
+        n = num_blocks - self.num_blocks
         for idx, spec in self.specs.items():
-            for store, dim in ((self.keys, spec.key_dim), (self.values, spec.value_dim)):
-                new = self._new(spec, dim, num_blocks)
-                new[:, : store[idx].shape[1]] = store[idx]
-                store[idx] = new
+            self.keys[idx].append_segment(n * self.block_size, self._fill(spec))
+            self.values[idx].append_segment(n * self.block_size, self._fill(spec))
+        self.segment_blocks.append(n)
         self.num_blocks = num_blocks
+
+    def shrink(self, num_blocks: int) -> int:
+        """Drop the trailing segments that lie wholly at or past block `num_blocks` (the caller made sure no block
+        there is held); return the new `num_blocks` (at least `num_blocks`: a segment is dropped whole or kept)."""
+        while self.segment_blocks and self.num_blocks - self.segment_blocks[-1] >= num_blocks:
+            n = self.segment_blocks.pop()
+            for d in (self.keys, self.values):
+                for t in d.values():
+                    t.pop_segment()
+            self.num_blocks -= n
+        return self.num_blocks
 
     # -- the store interface (shared with QuantizedPageStore) -------------------------------------------------------
     def prepare_write(self, slots: torch.Tensor, device: torch.device, *, new_step: bool = True, start: int = 0,
@@ -139,7 +162,8 @@ class PageStore:
                                 request.lo % self.block_size, request.end - request.lo)
 
     def read_view(self, layer_idx: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of one row stored in consecutive slots ``start .. start + length - 1``, as views (no copy).
+        """K/V of one row stored in consecutive slots ``start .. start + length - 1``: views (no copy) when they lie
+        in one storage segment, else a copy.
 
         Returns:
             keys, values of shape `[1, num_kv_heads, length, head_dim]`.
@@ -188,7 +212,7 @@ class PageStore:
         for store in (self.keys, self.values):
             t = store[layer_idx]  # [num_kv_heads, slots, dim]
             heads, dim = t.shape[0], t.shape[-1]
-            g = t.view(heads, -1, B * dim).index_select(1, flat)  # [num_kv_heads, batch * n, B * dim]
+            g = t.index_select_chunks(flat, B)  # [num_kv_heads, batch * n, B * dim]
             g = g.view(heads, batch, n * B, dim).narrow(2, offset, length)
             out.append(g.transpose(0, 1))  # [batch, num_kv_heads, length, dim]
         return out[0], out[1]

@@ -59,6 +59,11 @@ class QuantizedBlockStates:
         self.encoded.extend(bytes(num_blocks - len(self.encoded)))
         self.num_encodes.extend(bytes(num_blocks - len(self.num_encodes)))
 
+    def shrink(self, num_blocks: int) -> None:
+        """Track only blocks ``< num_blocks`` (the store dropped the others' storage; none holds a stage)."""
+        assert not any(b >= num_blocks for b in (*self.stage_of, *self.sink_of)), "shrink of held blocks"
+        del self.encoded[num_blocks:], self.num_encodes[num_blocks:]
+
     def plan(self, slots: torch.Tensor, device: torch.device, new_step: bool = True, start: int = 0,
              num_new: int | None = None) -> tuple[WritePlan, list[tuple[int, int, int]]]:
         """Route a step's new tokens: to stages, or into the blocks they complete, updating the block states once

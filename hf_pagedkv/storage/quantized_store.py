@@ -11,6 +11,7 @@ from hf_pagedkv.storage.codecs import BlockLayout, check_finite, codec_name, mak
 from hf_pagedkv.storage.page_store import LayerSpec, check_block_tensors
 from hf_pagedkv.storage.quantized_block_states import QuantizedBlockStates
 from hf_pagedkv.storage.read_request import ReadRequest
+from hf_pagedkv.storage.segmented_tensor import SegmentedTensor
 from hf_pagedkv.storage.staging_store import StagingStore
 from hf_pagedkv.storage.write_plan import WritePlan
 
@@ -24,6 +25,9 @@ class QuantizedPageStore:
 
         codes[layer]  = [key_codes, value_codes]:    [num_kv_heads, num_blocks, code_size]   uint8 (identity: dtype)
         scales[layer] = [key_scales, value_scales]:  [num_kv_heads, num_blocks, scale_size]  fp16
+
+    each a `SegmentedTensor`: growth appends a segment of blocks (`segment_blocks`), copying nothing, and codes of
+    consecutive blocks in one segment are read as views.
 
     where one block of one head is encoded by the layer's codec (`codecs/`, see `layouts`): keys per channel over the
     block's tokens, values per token in groups along head_dim (KIVI, arXiv 2402.02750). Blocks not encoded yet live in
@@ -64,11 +68,12 @@ class QuantizedPageStore:
         self.sink_tokens = quant.sink_tokens  # tokens per sink stage; fixed
         self.sinks = StagingStore(max(1, self.sink_tokens), debug)  # full-precision sink tokens of first blocks
         self.states = QuantizedBlockStates(block_size, self.sink_tokens, self.staging, self.sinks)  # block states
-        self.num_blocks = 0  # blocks allocated in every layer's tensors; changed by `grow` only
+        self.num_blocks = 0  # blocks allocated in every layer's tensors; changed by `grow` / `shrink` only
+        self.segment_blocks: list[int] = []  # blocks of each storage segment, in id order; sums to num_blocks
         self.specs: dict[int, LayerSpec] = {}  # layer_idx -> spec; set once per layer by `add_layer`
         self.layouts: dict[int, tuple[BlockLayout, BlockLayout]] = {}  # layer_idx -> (key, value) block layouts
-        self.codes: dict[int, list[torch.Tensor]] = {}  # layer_idx -> [key_codes, value_codes]
-        self.scales: dict[int, list[torch.Tensor]] = {}  # layer_idx -> [key_scales, value_scales]
+        self.codes: dict[int, list[SegmentedTensor]] = {}  # layer_idx -> [key_codes, value_codes]
+        self.scales: dict[int, list[SegmentedTensor]] = {}  # layer_idx -> [key_scales, value_scales]
         # accelerators: per-layer finiteness flags of this step's quantized halves, checked at the next step's start
         # (reading a flag on the host would wait for the device at every layer)
         self._finite_flags: list[tuple[int, int, torch.Tensor]] = []
@@ -102,43 +107,64 @@ class QuantizedPageStore:
         return sum(self.block_bytes(spec) for spec in self.specs.values())
 
     def bytes_in_use(self, num_used_blocks: int) -> int:
-        """Codes + scales of the blocks in use, plus the full-precision stages of open (partial) blocks and sinks."""
-        return (num_used_blocks * self.bytes_per_block + self.states.num_open() * self.staging.bytes_per_stage()
-                + len(self.states.sink_of) * self.sinks.bytes_per_stage())
+        """Bytes held for the blocks in use: their codes + scales, plus every full-precision stage handed out (the
+        open, partial blocks, and a block encoded in the current step until the next step returns its stage) and
+        every sink stage (the first tokens of each sequence)."""
+        return num_used_blocks * self.bytes_per_block + self.staging.bytes_in_use() + self.sinks.bytes_in_use()
 
     def bytes_reserved(self) -> int:
-        return (self.num_blocks * self.bytes_per_block + self.staging.num_stages * self.staging.bytes_per_stage()
-                + self.sinks.num_stages * self.sinks.bytes_per_stage())
+        """Bytes of every storage tensor this store owns (`tensors()`): codes + scales of all blocks, plus the
+        stages and sink stages allocated."""
+        return self.num_blocks * self.bytes_per_block + self.staging.bytes_reserved() + self.sinks.bytes_reserved()
 
-    @torch.inference_mode(False)  # never inference tensors: they outlive the call (see PageStore._new)
-    def _new(self, layer_idx: int, num_blocks: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        spec, codes, scales = self.specs[layer_idx], [], []
-        for layout in self.layouts[layer_idx]:
+    def tensors(self) -> list[torch.Tensor]:
+        """Every storage tensor this store owns: codes, scales, stages and sink stages of every layer."""
+        own = [seg for idx in self.specs for t in self.codes[idx] + self.scales[idx] for seg in t.segments]
+        return own + self.staging.tensors() + self.sinks.tensors()
+
+    def _append_segment(self, layer_idx: int, n: int) -> None:
+        """A segment of `n` blocks at the end of one layer's codes and scales: zero, or poisoned in debug mode."""
+        for layout, codes, scales in zip(self.layouts[layer_idx], self.codes[layer_idx], self.scales[layer_idx]):
             fill = (float("nan") if layout.code_dtype.is_floating_point else _CODE_SENTINEL) if self.debug else 0
-            codes.append(torch.full((spec.num_kv_heads, num_blocks, layout.code_size), fill, dtype=layout.code_dtype,
-                                    device=spec.device))
-            scales.append(torch.full((spec.num_kv_heads, num_blocks, layout.scale_size),
-                                     float("nan") if self.debug else 0.0, dtype=layout.scale_dtype, device=spec.device))
-        return codes, scales
+            codes.append_segment(n, fill)
+            scales.append_segment(n, float("nan") if self.debug else 0.0)
 
     def add_layer(self, layer_idx: int, spec: LayerSpec) -> None:
+        """Storage for a new layer, with the same segments as the other layers."""
         assert layer_idx not in self.specs, f"layer {layer_idx} already has storage"
         layouts = self.block_layouts(spec)  # may raise ValueError before anything changes
         self.specs[layer_idx], self.layouts[layer_idx] = spec, layouts
-        self.codes[layer_idx], self.scales[layer_idx] = self._new(layer_idx, self.num_blocks)
+        h, dev = spec.num_kv_heads, spec.device
+        self.codes[layer_idx] = [SegmentedTensor(h, lay.code_size, lay.code_dtype, dev) for lay in layouts]
+        self.scales[layer_idx] = [SegmentedTensor(h, lay.scale_size, lay.scale_dtype, dev) for lay in layouts]
+        for n in self.segment_blocks:
+            self._append_segment(layer_idx, n)
         self.staging.add_layer(layer_idx, spec)
         self.sinks.add_layer(layer_idx, spec)
 
     def grow(self, num_blocks: int) -> None:
-        """Resize every layer to `num_blocks` blocks, keeping the content of the existing ones."""
+        """Extend every layer to `num_blocks` blocks by one new segment; existing blocks are not touched (no copy)."""
         assert num_blocks >= self.num_blocks
+        if num_blocks == self.num_blocks:
+            return
+        n = num_blocks - self.num_blocks
         for idx in self.specs:
-            codes, scales = self._new(idx, num_blocks)
-            for new, old in zip(codes + scales, self.codes[idx] + self.scales[idx]):
-                new[:, : old.shape[1]] = old
-            self.codes[idx], self.scales[idx] = codes, scales
+            self._append_segment(idx, n)
+        self.segment_blocks.append(n)
         self.states.grow(num_blocks)
         self.num_blocks = num_blocks
+
+    def shrink(self, num_blocks: int) -> int:
+        """Drop the trailing segments that lie wholly at or past block `num_blocks` (the caller made sure those
+        blocks are free, hence hold no stage); return the new `num_blocks`."""
+        while self.segment_blocks and self.num_blocks - self.segment_blocks[-1] >= num_blocks:
+            n = self.segment_blocks.pop()
+            for idx in self.specs:
+                for t in self.codes[idx] + self.scales[idx]:
+                    t.pop_segment()
+            self.num_blocks -= n
+        self.states.shrink(self.num_blocks)
+        return self.num_blocks
 
     # -- block lifecycle -------------------------------------------------------------------------------------------
     def release(self, blocks: list[int]) -> None:

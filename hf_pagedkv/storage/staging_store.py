@@ -6,7 +6,9 @@ import torch
 
 from hf_pagedkv.storage.page_store import LayerSpec
 
-_MIN_STAGES = 8  # stages allocated at first use; capacity then doubles when full
+# NOTE: a stage is a full-precision block (in an fp32 model as large as ~8 encoded int4 blocks), so capacity grows by
+# a quarter of itself (at least one stage), not by doubling from 8: a batch-1 pool holds one or two stages, not 8.
+_GROWTH_FRACTION = 4  # a full store grows by num_stages // _GROWTH_FRACTION stages, at least 1
 
 
 class StagingStore:
@@ -21,7 +23,9 @@ class StagingStore:
 
     Stage `s` holds slots ``s * block_size .. (s + 1) * block_size - 1``. Invariant: a stage id is either free
     (in `_free`) or owned by exactly one block of the pool (the owner, `QuantizedPageStore`, keeps that map).
-    Capacity grows by doubling (at least 8 stages), never shrinks; new and freed stages are NaN in debug mode.
+    Capacity grows by a quarter of itself (at least one stage) when full, so it follows the number of live
+    sequences (`tests/test_staging_store.py`); it never shrinks. New stages are zero, and new and freed stages are
+    NaN in debug mode only.
     """
 
     def __init__(self, block_size: int, debug: bool = False) -> None:
@@ -38,6 +42,18 @@ class StagingStore:
     @property
     def num_used(self) -> int:
         return self.num_stages - len(self._free)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every storage tensor this store owns (for byte accounting checks)."""
+        return [*self.keys.values(), *self.values.values()]
+
+    def bytes_in_use(self) -> int:
+        """Bytes of the stages handed out (`num_used` of them), every layer."""
+        return self.num_used * self.bytes_per_stage()
+
+    def bytes_reserved(self) -> int:
+        """Bytes of every stage allocated, in use or free: the bytes of `tensors()`."""
+        return self.num_stages * self.bytes_per_stage()
 
     def bytes_per_stage(self) -> int:
         """Bytes of one stage across all layers, keys plus values."""
@@ -56,7 +72,7 @@ class StagingStore:
         self.values[layer_idx] = self._new(spec, spec.value_dim, self.num_stages)
 
     def _grow(self) -> None:
-        new_num = max(_MIN_STAGES, 2 * self.num_stages)
+        new_num = self.num_stages + max(1, self.num_stages // _GROWTH_FRACTION)
         for idx, spec in self.specs.items():
             for store, dim in ((self.keys, spec.key_dim), (self.values, spec.value_dim)):
                 new = self._new(spec, dim, new_num)

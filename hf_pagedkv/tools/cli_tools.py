@@ -50,6 +50,8 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
                    "what it keeps (sink_window:SINK:WINDOW, key_norm:BUDGET|RATIO, key_diff:BUDGET|RATIO)")
     p.add_argument("--host-memory", help="a host-memory tier for offloaded caches and evicted prefix blocks, e.g. "
                                          "64GiB: prints the blocks, tokens and sequences it holds")
+    p.add_argument("--prefix-cache-memory", default=None,
+                   help="room for cached-idle prefix blocks on top of the sequences, e.g. 1GiB (default: none)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=_plan)
 
@@ -147,9 +149,10 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         plan = plan_capacity(model, args.max_seq_len, args.batch, quant=args.quant, dtype=args.dtype,
                              block_size=args.block_size, value_group_size=args.value_group_size, memory=memory,
-                             tp=args.tp)
-    except ValueError as e:  # a block size or value group the codecs cannot pack
-        parser.error(f"--quant {args.quant}: {e}")
+                             tp=args.tp, prefix_cache_memory=args.prefix_cache_memory)
+    except ValueError as e:  # a block size or value group the codecs cannot pack; a bad --prefix-cache-memory
+        parser.error(f"--prefix-cache-memory {args.prefix_cache_memory}: {e}" if "prefix_cache" in str(e)
+                     else f"--quant {args.quant}: {e}")
     host = _host_tier(plan, args.host_memory, parser) if args.host_memory else None
     if args.json:
         print(json.dumps({**plan.to_dict(), **({"host_tier": host} if host else {})}, indent=2))
@@ -180,8 +183,13 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     else:
         print("weights: unknown (could not count the parameters of this architecture)")
     quant = "" if plan.quant == "fp" else f", quant={plan.quant!r}"
-    print(f"pool to set{rank} (peak x 1.2): {plan.pool_blocks:,} blocks, {fmt_bytes(plan.pool_bytes)} -> "
-          f"BlockPool(block_size={plan.block_size}{quant}, max_memory={plan.pool_bytes})")
+    prefix = ""
+    if plan.prefix_cache_bytes:
+        print(f"prefix cache{rank}: {fmt_bytes(plan.prefix_cache_bytes)} of cached-idle blocks, in the pool below")
+        prefix = f", prefix_caching=True, prefix_cache_memory={plan.prefix_cache_bytes}"
+    print(f"pool to set{rank} (peak x 1.2{' + prefix cache' if prefix else ''}): {plan.pool_blocks:,} blocks, "
+          f"{fmt_bytes(plan.pool_bytes)} -> BlockPool(block_size={plan.block_size}{quant}, "
+          f"max_memory={plan.pool_bytes}{prefix})")
     if host:
         print(f"host tier: {fmt_bytes(host['bytes'])} -> {host['blocks']:,} blocks = {host['tokens']:,} tokens = "
               f"{host['sequences']:,} sequences of {plan.max_seq_len:,} tokens offloaded -> "
@@ -200,7 +208,7 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for preset in list(PRESETS)[list(PRESETS).index(plan.quant) + 1:]:
         alt = plan_capacity(model, args.max_seq_len, args.batch, quant=preset, dtype=args.dtype,
                             block_size=args.block_size, value_group_size=args.value_group_size, memory=memory,
-                            tp=args.tp)
+                            tp=args.tp, prefix_cache_memory=args.prefix_cache_memory)
         if alt.fits:
             fixes.append(f"--quant {preset} ({fmt_bytes(alt.pool_bytes)} pool)")
             break

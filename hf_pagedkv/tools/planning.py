@@ -23,7 +23,8 @@ import torch
 
 from hf_pagedkv._compat import layer_plan
 from hf_pagedkv.storage.codecs import codec_name, make_codec
-from hf_pagedkv.config import DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, PRESETS, QuantConfig, check_positive_int
+from hf_pagedkv.config import (DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, PRESETS, QuantConfig, check_positive_int,
+                               parse_bytes)
 
 POOL_HEADROOM = 1.2  # the pool to set is the peak KV times this
 BLOCK_SIZE_CANDIDATES = (4, 8, 16, 32, 64, 128)
@@ -187,6 +188,7 @@ class CapacityPlan:
     pool_bytes: int  # its bytes
     memory: int | None  # the memory it must fit in (one rank's device when tp > 1)
     fits: bool | None  # weights + pool <= memory (None without a memory)
+    prefix_cache_bytes: int = 0  # of pool_bytes: room for cached-idle prefix blocks (`prefix_cache_memory`)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -194,13 +196,17 @@ class CapacityPlan:
 
 def plan_capacity(model: ModelShape, max_seq_len: int, batch: int, quant: str = "fp", dtype: str = "float16",
                   block_size: int | None = None, value_group_size: int = 64, memory: int | None = None,
-                  tp: int = 1) -> CapacityPlan:
+                  tp: int = 1, prefix_cache_memory: int | str | None = None) -> CapacityPlan:
     """Plan the KV memory of `batch` sequences of `max_seq_len` tokens (see `CapacityPlan`). `block_size` defaults
     to what `PagedCache` uses: 16 tokens, 32 when quantized. A quantized sequence also holds its first
     `QuantConfig.sink_tokens` tokens in full precision.
 
     With `tp > 1` every byte count is one rank's: its `num_kv_heads / tp` heads (the block count is the same on
     every rank), and `memory` is one rank's device. The weights are counted as `parameters / tp`.
+
+    `prefix_cache_memory` (a size, as `BlockPool(prefix_cache_memory=...)`) adds room for that many bytes of
+    cached-idle prefix blocks to the pool to set (`prefix_cache_bytes`, whole blocks), so the live sequences still
+    fit while the prefix cache is full.
 
     NOTE: `parameters / tp` slightly undercounts a rank's weights: modules the TP plan does not shard (norms, and
     whatever a model's plan leaves whole) are replicated on every rank. For Llama-2-7B those are its 266,240 norm
@@ -255,11 +261,18 @@ def plan_capacity(model: ModelShape, max_seq_len: int, batch: int, quant: str = 
     pool_blocks = math.ceil(blocks * POOL_HEADROOM)
     weights = None if model.num_params is None else -(-model.num_params * dtype_bytes // tp)
     pool_bytes = math.ceil(one * batch * POOL_HEADROOM)
+    prefix_bytes = 0
+    if prefix_cache_memory is not None:  # whole blocks of the idle prefix cache, on top of the live sequences
+        block_bytes = math.ceil(heads * per_head * block_size)
+        prefix_blocks = parse_bytes(prefix_cache_memory, "prefix_cache_memory") // block_bytes
+        prefix_bytes = prefix_blocks * block_bytes
+        pool_blocks += prefix_blocks
+        pool_bytes += prefix_bytes
     fits = None if memory is None else (weights or 0) + pool_bytes <= memory
     held_one = seq_bytes(max_seq_len, held)
     return CapacityPlan(model, quant, dtype, block_size, max_seq_len, batch, tp, kv_heads, heads * per_head, held_one,
                         held_one * batch, seq_bytes(max_seq_len, window) * batch, weights, pool_blocks, pool_bytes,
-                        memory, fits)
+                        memory, fits, prefix_bytes)
 
 
 @dataclass(frozen=True)

@@ -220,7 +220,7 @@ def test_growable_pool_never_raises_the_occupancy_alert():
     model = tiny_model("llama")
     pool = BlockPool(block_size=4)  # grows on demand: right after a prefill it is often exactly full
     with PagedCache(pool=pool) as cache, PagedCache(pool=pool) as other:
-        model(ids(1, 64 * 4), past_key_values=cache)  # 64 blocks, and the pool grew with 64 blocks of headroom
-        model(ids(1, 64 * 4), past_key_values=other)  # fills the headroom exactly
+        model(ids(1, 64 * 4), past_key_values=cache)  # 64 blocks, and the pool grew with 16 blocks of headroom
+        model(ids(1, 16 * 4), past_key_values=other)  # fills the headroom exactly
         assert pool.metrics.snapshot().occupancy == 1.0
         assert pool.health().ok

@@ -116,7 +116,9 @@ def test_story_lru_eviction_clears_hashes_and_is_all_or_nothing():
     assert pool.stats().blocks_in_use == 0
 
 
-def test_growable_pool_evicts_before_growing():
+def test_growable_pool_grows_rather_than_evicting_within_the_prefix_budget():
+    """Issue 12: evicting idle blocks before every growth kept no prefix across requests. Within the prefix cache's
+    budget (1 GiB by default) a growable pool grows instead, and the cached prefix still hits."""
     pool = BlockPool(block_size=B, prefix_caching=True)
     pool.reserve(1)
     n = pool.num_blocks
@@ -125,12 +127,11 @@ def test_growable_pool_evicts_before_growing():
     pool.publish_blocks(hash_blocks(list(range(n * B)), B, KEY), blocks)
     release(pool, owner)
     assert pool.stats().blocks_cached == n
-    owner = hold(pool, pool.allocate(n), n * B)  # served by evicting, not by growing
-    assert pool.num_blocks == n and pool.stats().evictions == n
-    owner2 = hold(pool, pool.allocate(1), B)  # nothing left to evict: grows
-    assert pool.num_blocks > n
+    owner = hold(pool, pool.allocate(n), n * B)  # served by growing, not by evicting
+    assert pool.num_blocks > n and pool.stats().evictions == 0 and pool.stats().blocks_cached == n
+    assert pool.prefix_index.match(hash_blocks(list(range(n * B)), B, KEY)) == blocks
+    pool.check_invariants()
     release(pool, owner)
-    release(pool, owner2)
 
 
 def test_publish_rules():

@@ -39,7 +39,16 @@ def kv(layer: int, rows: int, q: int, base: int = 0) -> tuple[torch.Tensor, torc
 
 def real_bytes(store: PageStore) -> int:
     """Bytes of the storage tensors themselves."""
-    return sum(t.numel() * t.element_size() for d in (store.keys, store.values) for t in d.values())
+    return sum(t.numel() * t.element_size() for t in store.tensors())
+
+
+def keys_of(store: PageStore, idx: int) -> torch.Tensor:
+    """A layer's whole key storage as one tensor (its segments concatenated)."""
+    return store.keys[idx].materialize()
+
+
+def values_of(store: PageStore, idx: int) -> torch.Tensor:
+    return store.values[idx].materialize()
 
 
 def fill_all(store: PageStore) -> dict:
@@ -48,7 +57,7 @@ def fill_all(store: PageStore) -> dict:
     for idx in SPECS:
         k, v = kv(idx, 1, len(slots), base=100 * idx)
         store.write(idx, slots, k, v)
-    return {idx: (store.keys[idx].clone(), store.values[idx].clone()) for idx in SPECS}
+    return {idx: (keys_of(store, idx).clone(), values_of(store, idx).clone()) for idx in SPECS}
 
 
 def is_nan(t: torch.Tensor) -> torch.Tensor:
@@ -76,7 +85,8 @@ def test_write_then_read_gather_returns_exactly_what_was_written(layer):
     slots = torch.tensor([[4, 5, 6], [9, 0, 10]])
     store.write(layer, slots.reshape(-1), k, v)  # the slot mapping is row-major
     # storage holds token t of row r, head h at [h, slots[r, t]]
-    assert torch.equal(store.keys[layer][1, 9], k[1, 1, 0]) and torch.equal(store.values[layer][0, 6], v[0, 0, 2])
+    assert torch.equal(keys_of(store, layer)[1, 9], k[1, 1, 0])
+    assert torch.equal(values_of(store, layer)[0, 6], v[0, 0, 2])
     got_k, got_v = store.read_gather(layer, slots)
     assert got_k.shape == k.shape and got_v.shape == v.shape and got_k.dtype == SPECS[layer].dtype
     assert torch.equal(got_k, k) and torch.equal(got_v, v)
@@ -94,8 +104,8 @@ def test_read_view_of_consecutive_slots_is_a_view_of_the_storage(layer):
     store.write(layer, torch.arange(3, 9), k, v)  # slots 3..8: the end of block 0, block 1, the start of block 2
     got_k, got_v = store.read_view(layer, 3, 6)
     assert torch.equal(got_k, k) and torch.equal(got_v, v)  # [1, 2, 6, dim]
-    assert got_k.data_ptr() == store.keys[layer][:, 3:].data_ptr()  # no copy: attention reads the pool itself
-    assert got_v.data_ptr() == store.values[layer][:, 3:].data_ptr()
+    assert got_k.data_ptr() == keys_of(store, layer)[:, 3:].data_ptr()  # no copy: attention reads the pool itself
+    assert got_v.data_ptr() == values_of(store, layer)[:, 3:].data_ptr()
     got_k, _ = store.read_view(layer, 5, 2)  # any sub-range
     assert torch.equal(got_k, k[:, :, 2:4])
 
@@ -104,9 +114,9 @@ def test_writes_to_one_layer_leave_the_other_layers_and_slots_alone():
     store = make_store(num_blocks=3, debug=True)  # debug: new storage is NaN, so untouched slots are visible
     k, v = kv(0, rows=1, q=2)
     store.write(0, torch.tensor([5, 11]), k, v)
-    assert is_nan(store.keys[0]).nonzero().squeeze(1).tolist() == [s for s in range(12) if s not in (5, 11)]
-    assert is_nan(store.values[0]).nonzero().squeeze(1).tolist() == [s for s in range(12) if s not in (5, 11)]
-    assert bool(is_nan(store.keys[1]).all()) and bool(is_nan(store.values[1]).all())
+    assert is_nan(keys_of(store, 0)).nonzero().squeeze(1).tolist() == [s for s in range(12) if s not in (5, 11)]
+    assert is_nan(values_of(store, 0)).nonzero().squeeze(1).tolist() == [s for s in range(12) if s not in (5, 11)]
+    assert bool(is_nan(keys_of(store, 1)).all()) and bool(is_nan(values_of(store, 1)).all())
 
 
 def test_grow_keeps_content_and_adds_blocks_in_every_layer():
@@ -116,11 +126,11 @@ def test_grow_keeps_content_and_adds_blocks_in_every_layer():
     assert store.num_blocks == 5
     for idx in SPECS:
         assert tuple(store.keys[idx].shape)[:2] == (2, 20) and tuple(store.values[idx].shape)[:2] == (2, 20)
-        assert torch.equal(store.keys[idx][:, :8], before[idx][0])  # blocks 0, 1 exactly as they were
-        assert torch.equal(store.values[idx][:, :8], before[idx][1])
-        assert bool(is_nan(store.keys[idx][:, 8:]).all()) and bool(is_nan(store.values[idx][:, 8:]).all())
+        assert torch.equal(keys_of(store, idx)[:, :8], before[idx][0])  # blocks 0, 1 exactly as they were
+        assert torch.equal(values_of(store, idx)[:, :8], before[idx][1])
+        assert bool(is_nan(keys_of(store, idx)[:, 8:]).all()) and bool(is_nan(values_of(store, idx)[:, 8:]).all())
     store.grow(5)  # to the same size: nothing changes
-    assert torch.equal(store.keys[0][:, :8], before[0][0])
+    assert torch.equal(keys_of(store, 0)[:, :8], before[0][0])
     with pytest.raises(AssertionError):  # storage never shrinks
         store.grow(4)
 
@@ -140,25 +150,25 @@ def test_copy_blocks_copies_whole_blocks_in_every_layer():
     before = fill_all(store)
     store.copy_blocks([0, 1], [3, 2])  # block 0 -> 3, block 1 -> 2
     for idx in SPECS:
-        for now, old in zip((store.keys[idx], store.values[idx]), before[idx]):
+        for now, old in zip((keys_of(store, idx), values_of(store, idx)), before[idx]):
             assert torch.equal(now[:, 12:16], old[:, 0:4])  # block 3 is block 0
             assert torch.equal(now[:, 8:12], old[:, 4:8])  # block 2 is block 1
             assert torch.equal(now[:, :8], old[:, :8])  # the sources are untouched
     store.copy_blocks([], [])  # nothing to copy
-    assert torch.equal(store.keys[0][:, 12:16], before[0][0][:, 0:4])
+    assert torch.equal(keys_of(store, 0)[:, 12:16], before[0][0][:, 0:4])
 
 
 def test_poison_nan_fills_exactly_the_named_blocks_in_every_layer():
     store = make_store(num_blocks=3, debug=True)
     before = fill_all(store)
-    assert not any(bool(t.isnan().any()) for d in (store.keys, store.values) for t in d.values())
+    assert not any(bool(t.isnan().any()) for t in store.tensors())
     store.poison([2, 0])
     for idx in SPECS:
-        for now, old in zip((store.keys[idx], store.values[idx]), before[idx]):
+        for now, old in zip((keys_of(store, idx), values_of(store, idx)), before[idx]):
             assert is_nan(now).nonzero().squeeze(1).tolist() == [0, 1, 2, 3, 8, 9, 10, 11]
             assert torch.equal(now[:, 4:8], old[:, 4:8])  # block 1 keeps its K/V
     store.release([1])  # a block whose refcount reached 0 is poisoned the same way
-    assert bool(is_nan(store.keys[1]).all()) and bool(is_nan(store.values[0]).all())
+    assert bool(is_nan(keys_of(store, 1)).all()) and bool(is_nan(values_of(store, 0)).all())
 
 
 def test_poison_slots_nan_fills_exactly_the_named_slots():
@@ -166,7 +176,7 @@ def test_poison_slots_nan_fills_exactly_the_named_slots():
     before = fill_all(store)
     store.poison_slots([6, 7, 9])  # the tail of a block cropped to 2 tokens, and one slot of the next
     for idx in SPECS:
-        for now, old in zip((store.keys[idx], store.values[idx]), before[idx]):
+        for now, old in zip((keys_of(store, idx), values_of(store, idx)), before[idx]):
             assert is_nan(now).nonzero().squeeze(1).tolist() == [6, 7, 9]
             keep = [s for s in range(12) if s not in (6, 7, 9)]
             assert torch.equal(now[:, keep], old[:, keep])
@@ -179,7 +189,7 @@ def test_poisoning_is_off_outside_debug_mode():
     store.poison_slots([3])
     store.release([0])
     for idx in SPECS:
-        assert torch.equal(store.keys[idx], before[idx][0]) and torch.equal(store.values[idx], before[idx][1])
+        assert torch.equal(keys_of(store, idx), before[idx][0]) and torch.equal(values_of(store, idx), before[idx][1])
 
 
 def test_bytes_per_block_and_reserved_are_the_bytes_of_the_tensors():
@@ -197,7 +207,42 @@ def test_bytes_per_block_and_reserved_are_the_bytes_of_the_tensors():
     assert store.bytes_reserved() == 3520 == real_bytes(store)
     assert store.bytes_in_use(7) == 7 * 352
     # one block is the same slice of every tensor: per-tensor bytes over the block count add up to it
-    per_block = sum(t.numel() * t.element_size() // store.num_blocks for d in (store.keys, store.values)
-                    for t in d.values())
+    per_block = sum(t.nbytes // store.num_blocks for d in (store.keys, store.values) for t in d.values())
     assert per_block == store.bytes_per_block
     assert SPECS[0].bytes_per_token == 64 and SPECS[1].bytes_per_token == 24
+
+
+def test_grow_appends_a_segment_without_copying_and_reads_cross_segments_exactly():
+    """Growth adds a segment per layer (the old storage is neither copied nor freed); a row in one segment reads
+    as a view, a row across the boundary reads the same values as a copy; writes and gathers split per segment."""
+    store = make_store(num_blocks=2)
+    old_ptr = store.keys[0].segments[0].data_ptr()
+    store.grow(5)
+    assert store.segment_blocks == [2, 3] and [t.shape[1] for t in store.keys[0].segments] == [8, 12]
+    assert store.keys[0].segments[0].data_ptr() == old_ptr  # not reallocated
+    assert store.bytes_reserved() == real_bytes(store) == 5 * 352
+    k, v = kv(0, rows=1, q=10)
+    store.write(0, torch.arange(3, 13), k, v)  # slots 3..12: blocks 0, 1 (segment 0) and 2, 3 (segment 1)
+    got_k, got_v = store.read_view(0, 3, 10)  # crosses the boundary at slot 8: a copy, same values
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    got_k, _ = store.read_view(0, 8, 5)  # wholly in segment 1: a view of it
+    assert torch.equal(got_k, k[:, :, 5:]) and got_k.data_ptr() == store.keys[0].segments[1][:, 0:].data_ptr()
+    slots = torch.tensor([[12, 3, 9], [4, 10, 5]])  # rows mixing both segments
+    got_k, got_v = store.read_gather(0, slots)
+    assert torch.equal(got_k, k[0][:, slots - 3].permute(1, 0, 2, 3))
+    assert torch.equal(got_v, v[0][:, slots - 3].permute(1, 0, 2, 3))
+    store.copy_blocks([0, 3], [4, 1])  # across segments both ways
+    assert torch.equal(keys_of(store, 0)[:, 16:20], keys_of(store, 0)[:, 0:4])
+
+
+def test_shrink_drops_only_whole_trailing_segments():
+    store = make_store(num_blocks=2)
+    store.grow(5)
+    store.grow(6)
+    assert store.segment_blocks == [2, 3, 1]
+    assert store.shrink(4) == 5  # block 4 sits in the [2, 5) segment, which is kept; only [5, 6) goes
+    assert store.segment_blocks == [2, 3] and store.bytes_reserved() == real_bytes(store) == 5 * 352
+    assert store.shrink(2) == 2 and store.segment_blocks == [2]
+    assert store.shrink(0) == 0 and store.segment_blocks == [] and real_bytes(store) == 0
+    store.grow(1)  # usable again
+    assert [t.shape[1] for t in store.keys[1].segments] == [4]

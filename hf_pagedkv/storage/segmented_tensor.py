@@ -1,0 +1,167 @@
+"""`SegmentedTensor`: one logical `[d0, length, d2]` storage tensor kept as a list of segments along dim 1."""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+
+class SegmentedTensor:
+    """A tensor of shape `[d0, length, d2]` stored as segments `[d0, n_i, d2]` that together cover ``0 .. length``
+    along dim 1 (the slot axis of a page store, or the block axis of a quantized store's codes and scales).
+
+    Why: a growing pool that reallocated one tensor would hold the old and the new storage at once and copy
+    everything (a peak of twice the cache). Growing appends a segment, copying nothing; shrinking drops the last
+    segments. Index `i` lives in segment ``s`` with ``starts[s] <= i < starts[s] + n_s``, at ``i - starts[s]``.
+
+    Reads that stay in one segment are served by that segment alone: `narrow` returns a **view** (what makes a
+    batch-1 row whose blocks are consecutive zero-copy), `index_select` / `index_copy_` / `index_fill_` one op.
+    Indices spread over several segments are split per segment (a gather); `narrow` across a boundary copies.
+
+    The methods take `dim` for the look of torch's; only ``dim=1`` is supported. Invariant: `segments` are
+    non-empty, on one device with one dtype and equal `d0`, `d2`; ``starts[s] == sum(n_0 .. n_{s-1})``.
+    """
+
+    def __init__(self, d0: int, d2: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.d0, self.d2 = d0, d2  # the two fixed dims; fixed
+        self.dtype, self.device = dtype, device  # of every segment; fixed
+        self.segments: list[torch.Tensor] = []  # [d0, n_s, d2] each; changed by append/pop_segment only
+        self.starts: list[int] = []  # first index of each segment along dim 1
+        self.length = 0  # total along dim 1
+        self._bounds: dict[torch.device, torch.Tensor] = {}  # device -> starts[1:] as int64, for bucketize
+
+    # -- shape ------------------------------------------------------------------------------------------------------
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.d0, self.length, self.d2))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.segments)
+
+    def __len__(self) -> int:
+        return len(self.segments)
+
+    # NOTE: storage outlives the call that creates it. Made inside `torch.inference_mode()` it would be an inference
+    # tensor, which a later write outside that mode may not update in place; so it is always made outside it.
+    @torch.inference_mode(False)
+    def append_segment(self, n: int, fill: float | int | None = None) -> None:
+        """Add a segment of `n` entries at the end (uninitialized when `fill` is None, else filled with it)."""
+        assert n > 0, "a segment holds at least one entry"
+        shape = (self.d0, n, self.d2)
+        t = (torch.empty(shape, dtype=self.dtype, device=self.device) if fill is None
+             else torch.full(shape, fill, dtype=self.dtype, device=self.device))
+        self.segments.append(t)
+        self.starts.append(self.length)
+        self.length += n
+        self._bounds.clear()
+
+    def pop_segment(self) -> int:
+        """Drop the last segment (its memory goes back to the allocator); return its length."""
+        t = self.segments.pop()
+        self.starts.pop()
+        self.length -= t.shape[1]
+        self._bounds.clear()
+        return t.shape[1]
+
+    def materialize(self) -> torch.Tensor:
+        """The whole tensor, `[d0, length, d2]` (a copy when there are several segments; for tests and tools)."""
+        if len(self.segments) == 1:
+            return self.segments[0]
+        return torch.cat(self.segments, 1) if self.segments else torch.empty(self.shape, dtype=self.dtype,
+                                                                              device=self.device)
+
+    # -- locating ---------------------------------------------------------------------------------------------------
+    def _segment_of(self, i: int) -> int:
+        return bisect.bisect_right(self.starts, i) - 1
+
+    def _split(self, index: torch.Tensor):
+        """Yield `(segment, positions, local)`: the entries of 1-D `index` that fall in `segment` (`positions` into
+        `index`, or None for all of them, in order) and their indices inside it."""
+        if len(self.segments) == 1:
+            yield self.segments[0], None, index
+            return
+        bounds = self._bounds.get(index.device)
+        if bounds is None:
+            bounds = self._bounds[index.device] = torch.tensor(self.starts[1:], dtype=torch.long,
+                                                               device=index.device)
+        seg = torch.bucketize(index, bounds, right=True)  # [n] segment of each index
+        present = torch.unique(seg).tolist()
+        if len(present) == 1:
+            s = present[0]
+            yield self.segments[s], None, index - self.starts[s]
+            return
+        for s in present:
+            pos = (seg == s).nonzero().squeeze(1)  # [n_s] entries of `index` in segment s
+            yield self.segments[s], pos, index.index_select(0, pos) - self.starts[s]
+
+    # -- the tensor operations a store uses (dim 1 only) -------------------------------------------------------------
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """Entries ``start .. start + length - 1``, `[d0, length, d2]`: a view when they lie in one segment, else a
+        copy."""
+        assert dim == 1
+        s = self._segment_of(start)
+        local = start - self.starts[s]
+        if local + length <= self.segments[s].shape[1]:
+            return self.segments[s].narrow(1, local, length)  # a view: no copy
+        parts, end = [], start + length
+        while start < end:
+            s = self._segment_of(start)
+            local = start - self.starts[s]
+            take = min(end - start, self.segments[s].shape[1] - local)
+            parts.append(self.segments[s].narrow(1, local, take))
+            start += take
+        return torch.cat(parts, 1)  # [d0, length, d2]
+
+    def index_select(self, dim: int, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Entries `index` (`[n]` int64), `[d0, n, d2]`, into `out` when given."""
+        assert dim == 1
+        if len(self.segments) == 1:
+            return torch.index_select(self.segments[0], 1, index, out=out) if out is not None \
+                else self.segments[0].index_select(1, index)
+        if out is None:
+            out = torch.empty((self.d0, len(index), self.d2), dtype=self.dtype, device=self.device)
+        for seg, pos, local in self._split(index):
+            if pos is None:
+                torch.index_select(seg, 1, local, out=out)
+            else:
+                out.index_copy_(1, pos, seg.index_select(1, local))  # [d0, n_s, d2] into its positions
+        return out
+
+    def index_select_chunks(self, index: torch.Tensor, size: int) -> torch.Tensor:
+        """Whole chunks of `size` consecutive entries (chunk `c` = entries ``c * size .. (c + 1) * size - 1``, e.g.
+        the slots of block `c`), `[d0, len(index), size * d2]`: one `index_select` of `size * d2`-element rows per
+        segment touched. Every segment's length must be a multiple of `size` (segments of whole blocks)."""
+        views = [seg.view(self.d0, -1, size * self.d2) for seg in self.segments]
+        if len(views) == 1:
+            return views[0].index_select(1, index)
+        starts = [s // size for s in self.starts]
+        seg_of = torch.bucketize(index, torch.tensor(starts[1:], dtype=torch.long, device=index.device), right=True)
+        present = torch.unique(seg_of).tolist()
+        if len(present) == 1:
+            s = present[0]
+            return views[s].index_select(1, index - starts[s])
+        out = torch.empty((self.d0, len(index), size * self.d2), dtype=self.dtype, device=self.device)
+        for s in present:
+            pos = (seg_of == s).nonzero().squeeze(1)  # [n_s] entries of `index` in segment s
+            out.index_copy_(1, pos, views[s].index_select(1, index.index_select(0, pos) - starts[s]))
+        return out
+
+    def index_copy_(self, dim: int, index: torch.Tensor, source: torch.Tensor) -> SegmentedTensor:
+        """Write `source` `[d0, n, d2]` into entries `index` `[n]`."""
+        assert dim == 1
+        for seg, pos, local in self._split(index):
+            seg.index_copy_(1, local, source if pos is None else source.index_select(1, pos))
+        return self
+
+    def index_fill_(self, dim: int, index: torch.Tensor, value: float | int) -> SegmentedTensor:
+        """Fill entries `index` `[n]` with `value`."""
+        assert dim == 1
+        for seg, _, local in self._split(index):
+            seg.index_fill_(1, local, value)
+        return self
+
+    def __repr__(self) -> str:
+        sizes = [t.shape[1] for t in self.segments]
+        return f"SegmentedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, segments={sizes})"

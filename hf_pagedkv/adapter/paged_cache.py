@@ -13,6 +13,7 @@ from hf_pagedkv.block_pool import BlockPool
 from hf_pagedkv.pool.block_table import BlockTable, num_blocks_for
 from hf_pagedkv.config import QuantConfig, check_positive_int
 from hf_pagedkv.errors import CacheReleasedError, InvariantError
+from hf_pagedkv.adapter.in_place_reads import InPlaceReads
 from hf_pagedkv.adapter.paged_layer import PagedLayer
 from hf_pagedkv.storage.page_store import LayerSpec
 from hf_pagedkv.adapter.prefix_cache import PrefixMixin
@@ -106,6 +107,7 @@ class PagedCache(StepMixin, PrefixMixin, Cache):
         self._step: _Step | None = None  # the current forward step, set by its first layer
         self.last_step_tokens = 0  # new tokens per row of the last forward step (a sliding group holds them too)
         self._maybe_dups = False  # rows were just forked, so identical rows may be deduplicated next step
+        self._in_place = InPlaceReads()  # which step's attention reads the pool in place (hf_pagedkv.attention)
         self._released = False
         self._owner = pool._register()  # this cache's token in the pool's table registry
         self.seq_id = self._owner  # names this cache in the block event log

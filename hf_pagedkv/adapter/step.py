@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -81,7 +82,16 @@ class StepMixin:
             store.write(layer.layer_idx, target, key_states.detach(), value_states.detach())
         layer.num_tokens = step.end
         lo = rt.window_start(step.start)
+        # -- issue 15: an attention that reads the pool in place (hf_pagedkv.attention) gets a PagedView ----------
+        view = None if grad else self._in_place.view(
+            step, store, layer.layer_idx, rt.table[:, : num_blocks_for(step.end, self.block_size)], lo, step.end,
+            step.view_base[rt.group], new, functools.partial(self.read_layer, layer, lo, new))
+        if view is not None and self._in_place.confirmed(step):
+            return view.placeholders()
         out = self.read_layer(layer, lo, new)
+        if view is not None:
+            view.tag(out[0])
+        # -- end issue 15 --------------------------------------------------------------------------------------
         if grad:
             out = attach_step_grad(out, step_kv, step.start - lo, step.grad_history)
             self._grad_history = True

@@ -1,0 +1,149 @@
+"""`PagedView`: where one layer's K/V of one forward step lie in the pool, for an attention that reads them in place."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+
+_ATTR = "hf_pagedkv_view"  # the attribute of a tensor returned by `PagedCache.update` that names its view
+_SCALARS: dict[tuple, torch.Tensor] = {}  # (dtype, device) -> the one-element storage placeholders expand
+
+
+class PagedView:
+    """What one layer's attention reads in one forward step, described by block tables instead of a copy.
+
+    `PagedCache.update` builds one per layer and step (cheap: no tensor work) and either tags the keys it returns
+    with it (`tag`: a normal, materialized read) or, once this step's attention said it reads in place (`confirm`),
+    returns `placeholders()` instead: zero-stride tensors of the right shape that hold no history. The attention
+    (`hf_pagedkv.attention`) then reads the tokens ``lo .. end - 1`` of every row as *chunks*, in token order::
+
+        pages:  [ block first | block first+1 | ... ]   whole blocks through the block table, tile by tile:
+                  p0 = first * block_size               fp pages gathered, quantized ones decoded per tile
+        fp:     [ sink ] ... [ staged partial block + this step's tokens ]   small full-precision segments
+                                                                              (quantized stores only)
+
+    Every chunk is `(pos0, keys, values, masked_below)`: keys `[num_kv_heads, batch, n, key_dim]`, values
+    `[num_kv_heads, batch, n, value_dim]` (head-major, as the pool stores them), token positions
+    ``pos0 .. pos0 + n - 1``; positions outside ``lo .. end - 1`` or below `masked_below` (tokens a quantized store
+    serves in full precision from its sink instead) must be masked out by the reader.
+
+    Args:
+        store (`PageStore` or `QuantizedPageStore`): the layer group's store.
+        layer_idx (`int`): the model layer.
+        table (`torch.LongTensor` of shape `[batch, >= ceil(end / block_size)]`, CPU): each row's block ids by
+            block position.
+        lo, end (`int`): the token range attention reads (a sliding window starts at `lo > 0`).
+        base (`int`, *optional*): slot of token 0 when there is one row whose blocks are consecutive.
+        new (`tuple`, *optional*): `(start, key_states, value_states)` of this step (quantized stores return the
+            step's own tokens in full precision).
+        materialize (`Callable`): returns the keys and values the cache would return without this view
+            (`[batch, num_kv_heads, end - lo, head_dim]`), for a reader that falls back to another attention.
+        confirm (`Callable`): tells the cache that this step's attention reads in place.
+    """
+
+    def __init__(self, store, layer_idx: int, table: torch.Tensor, lo: int, end: int, base: int | None,
+                 new: tuple | None, materialize: Callable, confirm: Callable) -> None:
+        self.store = store  # the group's store; read only
+        self.layer_idx = layer_idx  # the model layer
+        self.table = table  # [batch, blocks] block ids, CPU
+        self.lo, self.end = lo, end  # tokens read: lo .. end - 1
+        self.base = base  # slot of token 0 of the only row when its blocks are consecutive, else None
+        self.new = new  # (start, key_states, value_states) of this step, or None
+        self.materialize = materialize  # () -> (keys, values) as the cache returns them
+        self.confirm = confirm  # () -> None: this step's attention reads in place
+        self.spec = store.specs[layer_idx]  # shape, dtype, device of the layer's K/V
+        self.block_size = store.block_size
+
+    # -- the hook between cache and attention ------------------------------------------------------------------
+    @staticmethod
+    def of(key: torch.Tensor) -> PagedView | None:
+        """The view a tensor returned by `PagedCache.update` carries, or None."""
+        return getattr(key, _ATTR, None)
+
+    def tag(self, keys: torch.Tensor) -> None:
+        """Attach this view to the keys the cache returns (a materialized read)."""
+        setattr(keys, _ATTR, self)
+
+    def placeholders(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the right shapes, `[batch, num_kv_heads, end - lo, head_dim]`, holding no history (one
+        zero element expanded); the keys carry this view."""
+        spec, n = self.spec, self.end - self.lo
+        key = (spec.dtype, spec.device)
+        one = _SCALARS.get(key)
+        if one is None:
+            one = _SCALARS[key] = torch.zeros((), dtype=spec.dtype, device=spec.device)
+        batch = self.table.shape[0]
+        k = one.expand(batch, spec.num_kv_heads, n, spec.key_dim)
+        v = one.expand(batch, spec.num_kv_heads, n, spec.value_dim)
+        setattr(k, _ATTR, self)
+        return k, v
+
+    def is_placeholder(self, key: torch.Tensor) -> bool:
+        """Whether `key` is a placeholder (holds no history) rather than materialized keys."""
+        return key.dim() == 4 and key.shape[2] > 1 and key.stride(2) == 0
+
+    # -- chunks ----------------------------------------------------------------------------------------------
+    def chunks(self, tile_tokens: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, int]]:
+        """The tokens ``lo .. end - 1`` as `(pos0, keys, values, masked_below)` chunks (see the class docstring);
+        page chunks hold at most `tile_tokens` tokens (at least one block) and are decoded only when reached."""
+        B, store = self.block_size, self.store
+        first = self.lo // B
+        if not store.is_quantized:
+            if self.base is not None:  # one row in consecutive slots: the whole range is a view of the pool
+                n = self.end - self.lo
+                k = store.keys[self.layer_idx].narrow(1, self.base + self.lo, n)  # [H, n, key_dim]
+                v = store.values[self.layer_idx].narrow(1, self.base + self.lo, n)  # [H, n, value_dim]
+                yield self.lo, k.unsqueeze(1), v.unsqueeze(1), 0
+                return
+            last = -(-self.end // B)
+            yield from self._fp_tiles(first, last, tile_tokens)
+            return
+        start = self.new[0] if self.new is not None else self.end
+        enc = start // B  # blocks before position `enc` are full, hence encoded
+        n_sink = min(store.sink_tokens, start) if first == 0 and enc > first else 0
+        if n_sink:  # the sink tokens in full precision (positions 0 .. n_sink - 1)
+            k, v = store.read(self.layer_idx, self.table[:, :1], 0, n_sink)  # [batch, H, n_sink, dim]
+            yield 0, k.transpose(0, 1), v.transpose(0, 1), 0
+        if enc > first:
+            yield from self._code_tiles(first, enc, tile_tokens, n_sink)
+        fp_lo = max(self.lo, enc * B) if enc > first else self.lo
+        if self.end > fp_lo:  # the staged partial block and this step's tokens, in full precision
+            k, v = store.read(self.layer_idx, self.table, fp_lo, self.end, self._first_block(), self.new)
+            yield fp_lo, k.transpose(0, 1), v.transpose(0, 1), 0  # [H, batch, n, dim]
+
+    def _first_block(self) -> int | None:
+        return None if self.base is None else self.base // self.block_size
+
+    def _tile_ranges(self, first: int, last: int, tile_tokens: int) -> Iterator[tuple[int, int]]:
+        step = max(1, tile_tokens // self.block_size)
+        for j in range(first, last, step):
+            yield j, min(last, j + step)
+
+    def _fp_tiles(self, first: int, last: int, tile_tokens: int):
+        """Full-precision pages, gathered tile by tile through the block table."""
+        B, spec, idx = self.block_size, self.spec, self.layer_idx
+        H, batch = spec.num_kv_heads, self.table.shape[0]
+        pages = [t.view(H, -1, B, t.shape[-1]) for t in (self.store.keys[idx], self.store.values[idx])]
+        blocks = self.table[:, first:last].to(spec.device)  # [batch, last - first]
+        for j0, j1 in self._tile_ranges(first, last, tile_tokens):
+            ids = blocks[:, j0 - first: j1 - first].reshape(-1)  # [batch * nb]
+            k, v = (p.index_select(1, ids).view(H, batch, (j1 - j0) * B, p.shape[-1]) for p in pages)
+            yield j0 * B, k, v, 0
+
+    def _code_tiles(self, first: int, last: int, tile_tokens: int, masked_below: int):
+        """Encoded pages, decoded tile by tile (codes + scales through the store's codecs)."""
+        B, spec, store, idx = self.block_size, self.spec, self.store, self.layer_idx
+        H, batch = spec.num_kv_heads, self.table.shape[0]
+        base = self._first_block()
+        blocks = self.table[:, first:last]  # [batch, last - first], CPU (the store moves ids to its device)
+        for j0, j1 in self._tile_ranges(first, last, tile_tokens):
+            nb, out = j1 - j0, []
+            for half, dim in enumerate((spec.key_dim, spec.value_dim)):
+                buf = torch.empty((H, batch, nb, B, dim), dtype=spec.dtype, device=spec.device)
+                if base is not None and batch == 1:  # consecutive blocks: the codes are read as views
+                    store.decode_blocks(idx, half, blocks[0, j0 - first: j1 - first], buf[:, 0], base + j0)
+                else:
+                    store.decode_blocks(idx, half, blocks[:, j0 - first: j1 - first], buf)
+                out.append(buf.view(H, batch, nb * B, dim))
+            yield j0 * B, out[0], out[1], masked_below

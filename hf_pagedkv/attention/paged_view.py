@@ -86,7 +86,17 @@ class PagedView:
     # -- chunks ----------------------------------------------------------------------------------------------
     def chunks(self, tile_tokens: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, int]]:
         """The tokens ``lo .. end - 1`` as `(pos0, keys, values, masked_below)` chunks (see the class docstring);
-        page chunks hold at most `tile_tokens` tokens (at least one block) and are decoded only when reached."""
+        page chunks hold at most `tile_tokens` tokens (at least one block) and are decoded only when reached. Each
+        chunk is cut to ``lo .. end - 1``: slots outside it (before a window, past the last token of a partial
+        block) may hold anything, NaN included (debug poisoning, never-written storage), and a masked NaN would
+        still reach the output through ``0 * NaN``."""
+        for pos0, k, v, masked_below in self._whole_chunks(tile_tokens):
+            a, b = max(0, self.lo - pos0), min(k.shape[2], self.end - pos0)
+            if a or b < k.shape[2]:
+                k, v, pos0 = k[:, :, a:b], v[:, :, a:b], pos0 + a
+            yield pos0, k, v, masked_below
+
+    def _whole_chunks(self, tile_tokens: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, int]]:
         B, store = self.block_size, self.store
         first = self.lo // B
         if not store.is_quantized:

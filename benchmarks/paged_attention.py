@@ -5,7 +5,8 @@
     python benchmarks/paged_attention.py --profile --lengths 2048 --batches 1  # where the time goes, per case
 
 Every case runs in one process, side by side: the bundled SmolLM2-135M (fp32) decodes `--steps` greedy steps
-(`model(next_token, cache)`) after an untimed prefill of random tokens and one warm-up step. Cases: `DynamicCache`
+(`model(next_token, cache)`) after one warm-up step, from the K/V of one untimed prefill of random tokens per
+length and batch (written into each case's cache layer by layer, as a prefill step writes them). Cases: `DynamicCache`
 with `sdpa` (the baseline); `PagedCache` fp / k8v8 / k8v4 / k4v4 with `sdpa` (materialized reads) and with
 ``"hf_pagedkv"`` (in-place reads); transformers' `QuantizedCache` (quanto int4) when optimum-quanto is installed.
 The order of the cases is shuffled in every round (the machine is shared and noisy); times are this process's CPU
@@ -44,13 +45,23 @@ def make_cache(method: str, model):
     return PagedCache(config=model.config, quant=None if quant == "fp" else quant)
 
 
-def run_case(model, method: str, x: torch.Tensor, steps: int, profile: bool = False) -> tuple[float, str]:
-    """CPU seconds per decode step (and a profile text when asked)."""
+def prefill(model, x: torch.Tensor) -> tuple[list, torch.Tensor]:
+    """The prompt's K/V per layer (one model prefill, shared by every case) and the first generated token."""
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        tok = model(x, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
+    return [(layer.keys, layer.values) for layer in cache.layers], tok
+
+
+def run_case(model, method: str, kv: list, tok: torch.Tensor, steps: int, profile: bool = False) -> tuple[float, str]:
+    """CPU seconds per decode step (and a profile text when asked), from the prompt's K/V written into a new cache
+    (one `update` per layer, as a prefill step does)."""
     model.set_attn_implementation("hf_pagedkv" if method.endswith("/paged") else "sdpa")
     cache = make_cache(method, model)
     text = ""
     with torch.no_grad():
-        tok = model(x, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
+        for i, (k, v) in enumerate(kv):
+            cache.update(k.clone(), v.clone(), i)
         tok = model(tok, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)  # warm-up step
         prof = cProfile.Profile() if profile else None
         if prof:
@@ -94,11 +105,12 @@ def main(argv=None) -> int:
     for n in map(int, args.lengths.split(",")):
         for batch in map(int, args.batches.split(",")):
             x = torch.randint(100, model.config.vocab_size, (batch, n), generator=g)
+            kv, tok = prefill(model, x)
             for r in range(1 if args.profile else args.rounds):
                 order = methods[:]
                 rng.shuffle(order)
                 for m in order:
-                    dt, text = run_case(model, m, x, args.steps, args.profile)
+                    dt, text = run_case(model, m, kv, tok, args.steps, args.profile)
                     times.setdefault((n, batch, m), []).append(dt)
                     if text:
                         print(f"== profile: {n} tokens, batch {batch}, {m}: {dt * 1e3:.1f} ms/step\n{text}")

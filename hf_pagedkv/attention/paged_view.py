@@ -20,13 +20,12 @@ class PagedView:
 
         pages:  [ block first | block first+1 | ... ]   whole blocks through the block table, tile by tile:
                   p0 = first * block_size               fp pages gathered, quantized ones decoded per tile
-        fp:     [ sink ] ... [ staged partial block + this step's tokens ]   small full-precision segments
-                                                                              (quantized stores only)
+        (quantized: tiles are de-quantized by the store, sink tokens in full precision; the last tile also
+         holds the staged partial block and this step's tokens, in full precision)
 
-    Every chunk is `(pos0, keys, values, masked_below)`: keys `[num_kv_heads, batch, n, key_dim]`, values
+    Every chunk is `(pos0, keys, values)`: keys `[num_kv_heads, batch, n, key_dim]`, values
     `[num_kv_heads, batch, n, value_dim]` (head-major, as the pool stores them), token positions
-    ``pos0 .. pos0 + n - 1``; positions outside ``lo .. end - 1`` or below `masked_below` (tokens a quantized store
-    serves in full precision from its sink instead) must be masked out by the reader.
+    ``pos0 .. pos0 + n - 1``, all within ``lo .. end - 1``; the chunks cover that range once, in order.
 
     Args:
         store (`PageStore` or `QuantizedPageStore`): the layer group's store.
@@ -84,19 +83,19 @@ class PagedView:
         return key.dim() == 4 and key.shape[2] > 1 and key.stride(2) == 0
 
     # -- chunks ----------------------------------------------------------------------------------------------
-    def chunks(self, tile_tokens: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, int]]:
-        """The tokens ``lo .. end - 1`` as `(pos0, keys, values, masked_below)` chunks (see the class docstring);
+    def chunks(self, tile_tokens: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """The tokens ``lo .. end - 1`` as `(pos0, keys, values)` chunks (see the class docstring);
         page chunks hold at most `tile_tokens` tokens (at least one block) and are decoded only when reached. Each
         chunk is cut to ``lo .. end - 1``: slots outside it (before a window, past the last token of a partial
         block) may hold anything, NaN included (debug poisoning, never-written storage), and a masked NaN would
         still reach the output through ``0 * NaN``."""
-        for pos0, k, v, masked_below in self._whole_chunks(tile_tokens):
+        for pos0, k, v in self._whole_chunks(tile_tokens):
             a, b = max(0, self.lo - pos0), min(k.shape[2], self.end - pos0)
             if a or b < k.shape[2]:
                 k, v, pos0 = k[:, :, a:b], v[:, :, a:b], pos0 + a
-            yield pos0, k, v, masked_below
+            yield pos0, k, v
 
-    def _whole_chunks(self, tile_tokens: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, int]]:
+    def _whole_chunks(self, tile_tokens: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         B, store = self.block_size, self.store
         first = self.lo // B
         if not store.is_quantized:
@@ -104,23 +103,26 @@ class PagedView:
                 n = self.end - self.lo
                 k = store.keys[self.layer_idx].narrow(1, self.base + self.lo, n)  # [H, n, key_dim]
                 v = store.values[self.layer_idx].narrow(1, self.base + self.lo, n)  # [H, n, value_dim]
-                yield self.lo, k.unsqueeze(1), v.unsqueeze(1), 0
+                yield self.lo, k.unsqueeze(1), v.unsqueeze(1)
                 return
             last = -(-self.end // B)
             yield from self._fp_tiles(first, last, tile_tokens)
             return
+        # Quantized: tiles of whole (encoded) blocks, de-quantized one tile at a time by the store's own read
+        # (which also puts the sink tokens back in full precision); the last tile also takes the staged partial
+        # block and this step's tokens.
         start = self.new[0] if self.new is not None else self.end
         enc = start // B  # blocks before position `enc` are full, hence encoded
-        n_sink = min(store.sink_tokens, start) if first == 0 and enc > first else 0
-        if n_sink:  # the sink tokens in full precision (positions 0 .. n_sink - 1)
-            k, v = store.read(self.layer_idx, self.table[:, :1], 0, n_sink)  # [batch, H, n_sink, dim]
-            yield 0, k.transpose(0, 1), v.transpose(0, 1), 0
-        if enc > first:
-            yield from self._code_tiles(first, enc, tile_tokens, n_sink)
-        fp_lo = max(self.lo, enc * B) if enc > first else self.lo
-        if self.end > fp_lo:  # the staged partial block and this step's tokens, in full precision
-            k, v = store.read(self.layer_idx, self.table, fp_lo, self.end, self._first_block(), self.new)
-            yield fp_lo, k.transpose(0, 1), v.transpose(0, 1), 0  # [H, batch, n, dim]
+        first_block = self._first_block()
+        if enc <= first:
+            k, v = store.read(self.layer_idx, self.table, self.lo, self.end, first_block, self.new)
+            yield self.lo, k.transpose(0, 1), v.transpose(0, 1)  # [H, batch, n, dim]
+            return
+        for j0, j1 in self._tile_ranges(first, enc, tile_tokens):
+            last = j1 == enc
+            hi = self.end if last else j1 * B
+            k, v = store.read(self.layer_idx, self.table, j0 * B, hi, first_block, self.new if last else None)
+            yield j0 * B, k.transpose(0, 1), v.transpose(0, 1)  # [H, batch, n, dim]
 
     def _first_block(self) -> int | None:
         return None if self.base is None else self.base // self.block_size
@@ -139,21 +141,4 @@ class PagedView:
         for j0, j1 in self._tile_ranges(first, last, tile_tokens):
             ids = blocks[:, j0 - first: j1 - first].reshape(-1)  # [batch * nb]
             k, v = (p.index_select(1, ids).view(H, batch, (j1 - j0) * B, p.shape[-1]) for p in pages)
-            yield j0 * B, k, v, 0
-
-    def _code_tiles(self, first: int, last: int, tile_tokens: int, masked_below: int):
-        """Encoded pages, decoded tile by tile (codes + scales through the store's codecs)."""
-        B, spec, store, idx = self.block_size, self.spec, self.store, self.layer_idx
-        H, batch = spec.num_kv_heads, self.table.shape[0]
-        base = self._first_block()
-        blocks = self.table[:, first:last]  # [batch, last - first], CPU (the store moves ids to its device)
-        for j0, j1 in self._tile_ranges(first, last, tile_tokens):
-            nb, out = j1 - j0, []
-            for half, dim in enumerate((spec.key_dim, spec.value_dim)):
-                buf = torch.empty((H, batch, nb, B, dim), dtype=spec.dtype, device=spec.device)
-                if base is not None and batch == 1:  # consecutive blocks: the codes are read as views
-                    store.decode_blocks(idx, half, blocks[0, j0 - first: j1 - first], buf[:, 0], base + j0)
-                else:
-                    store.decode_blocks(idx, half, blocks[:, j0 - first: j1 - first], buf)
-                out.append(buf.view(H, batch, nb * B, dim))
-            yield j0 * B, out[0], out[1], masked_below
+            yield j0 * B, k, v

@@ -155,7 +155,7 @@ def test_other_caches_and_prefill_are_plain_sdpa(counted):
     for impl in ("sdpa", "hf_pagedkv"):
         model.set_attn_implementation(impl)
         with torch.no_grad():
-            outs.append(model.generate(x, past_key_values=DynamicCache(config=model.config), max_new_tokens=6,
+            outs.append(model.generate(x, **cache_kwargs(DynamicCache(config=model.config)), max_new_tokens=6,
                                        do_sample=False, output_logits=True, return_dict_in_generate=True))
     model.set_attn_implementation("sdpa")
     assert torch.equal(outs[0].sequences, outs[1].sequences)
@@ -216,3 +216,18 @@ def test_placeholders_hold_no_history_and_fall_back_when_asked():
         got = paged_attention_forward(module, query, k1, v1, None, dropout=0.5, scaling=0.3)[0]
         assert torch.equal(ref, got)
     cache.release()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("quant", [None, "k4v4"])
+def test_cuda_reads_in_place_as_sdpa_does(quant, counted):
+    """The same contract on CUDA tensors (the torch path is device-correct; the CPU run above is the reference)."""
+    import copy
+
+    model = copy.deepcopy(tiny_model("gemma3")).cuda()
+    x = torch.randint(3, VOCAB, (2, 21), generator=torch.Generator().manual_seed(8)).cuda()
+    ref, got = run(model, "sdpa", quant, x), run(model, "hf_pagedkv", quant, x)
+    assert torch.equal(ref[0], got[0])
+    assert (ref[1] - got[1]).abs().max().item() <= PAGED_LOGIT_ATOL
+    assert counted

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from hf_pagedkv.attention.paged_view import PagedView
 
@@ -17,7 +18,8 @@ def paged_attention(query: torch.Tensor, view: PagedView, scaling: float, mask: 
     Each chunk (a tile of pages, decoded when quantized, or a small full-precision segment) gives its partial
     softmax statistics: the running maximum `m`, the sum of ``exp(s - m)`` and the unnormalized output; the chunks
     are then combined exactly (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"; Dao et al.
-    2023, Flash-Decoding). The query heads are grouped by their key/value head (GQA), so no key or value is
+    2023, Flash-Decoding); a read that is a single chunk (one row in consecutive full-precision blocks, or at most
+    one tile) goes to torch's fused `scaled_dot_product_attention` on that chunk. The query heads are grouped by their key/value head (GQA), so no key or value is
     repeated. Only the reduction order differs from `sdpa` over the materialized K/V (fp32: about 1e-7 relative).
 
     Args:
@@ -38,6 +40,10 @@ def paged_attention(query: torch.Tensor, view: PagedView, scaling: float, mask: 
     # [batch, H, G, q, D] -> [H, batch, G * q, D]: a query row per (query head of the group, query token)
     qh = (query * scaling).view(batch, H, G, q, dim).transpose(0, 1).reshape(H, batch, G * q, dim)
     bias = _mask_bias(mask, batch, G, q, query.dtype)  # [1, batch, G*q | 1, end - lo] or None
+    if view.num_chunks(tile_tokens) == 1:  # one view or one tile: a single softmax, by torch's fused kernel
+        (pos0, k, v), = view.chunks(tile_tokens)
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=bias, scale=1.0)  # [H, batch, G*q, Dv]
+        return _unpack(out, batch, H, G, q, num_heads)
     stats = []
     for pos0, k, v in view.chunks(tile_tokens):
         s = torch.matmul(qh, k.transpose(-1, -2))  # [H, batch, G*q, n]
@@ -54,8 +60,12 @@ def paged_attention(query: torch.Tensor, view: PagedView, scaling: float, mask: 
         w = torch.exp(ms - ms.amax(0))  # rescale every chunk to the common maximum
         l = (w * torch.stack([l for _, l, _ in stats])).sum(0)
         out = (w * torch.stack([a for _, _, a in stats])).sum(0).div_(l)
+    return _unpack(out, batch, H, G, q, num_heads)
+
+
+def _unpack(out: torch.Tensor, batch: int, H: int, G: int, q: int, num_heads: int) -> torch.Tensor:
+    """`[H, batch, G*q, Dv]` -> `[batch, q, H * G, Dv]`."""
     dv = out.shape[-1]
-    # [H, batch, G*q, Dv] -> [batch, q, H * G, Dv]
     return out.view(H, batch, G, q, dv).permute(1, 3, 0, 2, 4).reshape(batch, q, num_heads, dv)
 
 

@@ -83,6 +83,15 @@ class PagedView:
         return key.dim() == 4 and key.shape[2] > 1 and key.stride(2) == 0
 
     # -- chunks ----------------------------------------------------------------------------------------------
+    def num_chunks(self, tile_tokens: int) -> int:
+        """How many chunks `chunks(tile_tokens)` yields (without reading any)."""
+        B, first = self.block_size, self.lo // self.block_size
+        step = max(1, tile_tokens // B)
+        if not self.store.is_quantized:
+            return 1 if self.base is not None else -(-(-(-self.end // B) - first) // step)
+        enc = (self.new[0] if self.new is not None else self.end) // B
+        return 1 if enc <= first else -(-(enc - first) // step)
+
     def chunks(self, tile_tokens: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """The tokens ``lo .. end - 1`` as `(pos0, keys, values)` chunks (see the class docstring);
         page chunks hold at most `tile_tokens` tokens (at least one block) and are decoded only when reached. Each

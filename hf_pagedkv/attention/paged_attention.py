@@ -54,6 +54,7 @@ def paged_attention(query: torch.Tensor, view: PagedView, scaling: float, mask: 
         m = s.amax(-1, keepdim=True).clamp_(min=torch.finfo(s.dtype).min)  # [H, batch, G*q, 1]; finite
         p = s.sub_(m).exp_()  # in place: the scores are not needed again
         stats.append((m, p.sum(-1, keepdim=True), torch.matmul(p, v)))  # [.., 1], [.., 1], [.., value_dim]
+        del s, p, k, v  # this tile goes before the next one is read: one tile at a time
     if len(stats) == 1:
         _, l, acc = stats[0]
         out = acc.div_(l)

@@ -53,6 +53,7 @@ class PagedView:
         self.confirm = confirm  # () -> None: this step's attention reads in place
         self.spec = store.specs[layer_idx]  # shape, dtype, device of the layer's K/V
         self.block_size = store.block_size
+        self._placeholder: torch.Tensor | None = None  # the keys `placeholders` handed out, if any
 
     # -- the hook between cache and attention ------------------------------------------------------------------
     @staticmethod
@@ -76,11 +77,12 @@ class PagedView:
         k = one.expand(batch, spec.num_kv_heads, n, spec.key_dim)
         v = one.expand(batch, spec.num_kv_heads, n, spec.value_dim)
         setattr(k, _ATTR, self)
+        self._placeholder = k
         return k, v
 
     def is_placeholder(self, key: torch.Tensor) -> bool:
-        """Whether `key` is a placeholder (holds no history) rather than materialized keys."""
-        return key.dim() == 4 and key.shape[2] > 1 and key.stride(2) == 0
+        """Whether `key` is this view's placeholder (holds no history) rather than materialized keys."""
+        return key is self._placeholder
 
     # -- chunks ----------------------------------------------------------------------------------------------
     def num_chunks(self, tile_tokens: int) -> int:

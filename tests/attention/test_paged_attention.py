@@ -161,6 +161,14 @@ def test_forks_read_their_own_blocks(quant, counted):
     assert counted
 
 
+def test_one_token_prompt(counted):
+    """A one-token step whose later layers get one-token placeholders (no stride tells them from real keys)."""
+    model = tiny_model("llama")
+    x = torch.tensor([[7]])
+    assert_close(run(model, "sdpa", None, x), run(model, "hf_pagedkv", None, x))
+    assert counted
+
+
 def test_other_caches_and_prefill_are_plain_sdpa(counted):
     model = tiny_model("llama")
     x = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(5))

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 
 from hf_pagedkv.attention.paged_view import PagedView
+from hf_pagedkv.errors import CacheReleasedError
 
 
 class InPlaceReads:
@@ -34,8 +36,18 @@ class InPlaceReads:
         """Whether `step`'s attention said it reads in place."""
         return self._step is step
 
-    def view(self, step, store, layer_idx: int, table: torch.Tensor, lo: int, end: int, base: int | None,
-             new: tuple | None, materialize) -> PagedView:
-        """The `PagedView` of one layer in `step` (see `PagedView` for the arguments)."""
-        return PagedView(store, layer_idx, table, lo, end, base, new, materialize,
+    def view(self, step, store, layer, table: torch.Tensor, lo: int, end: int, base: int | None,
+             new: tuple | None, cache) -> PagedView:
+        """The `PagedView` of `layer` (a `PagedLayer`) in `step` (see `PagedView` for the arguments); it materializes
+        through ``cache.read_layer(layer, lo, new)``, holding the cache weakly (a tensor kept by the caller must not
+        keep the cache, and its blocks, alive)."""
+        return PagedView(store, layer.layer_idx, table, lo, end, base, new,
+                         functools.partial(_materialize, weakref.ref(cache), layer, lo, new),
                          functools.partial(self.confirm, step))
+
+
+def _materialize(cache_ref, layer, lo: int, new):
+    cache = cache_ref()
+    if cache is None:
+        raise CacheReleasedError("The PagedCache behind these keys was garbage collected; keep a reference to it.")
+    return cache.read_layer(layer, lo, new)

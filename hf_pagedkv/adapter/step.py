@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -84,8 +83,8 @@ class StepMixin:
         lo = rt.window_start(step.start)
         # -- issue 15: an attention that reads the pool in place (hf_pagedkv.attention) gets a PagedView ----------
         view = None if grad else self._in_place.view(
-            step, store, layer.layer_idx, rt.table[:, : num_blocks_for(step.end, self.block_size)], lo, step.end,
-            step.view_base[rt.group], new, functools.partial(self.read_layer, layer, lo, new))
+            step, store, layer, rt.table[:, : num_blocks_for(step.end, self.block_size)], lo, step.end,
+            step.view_base[rt.group], new, self)
         if view is not None and self._in_place.confirmed(step):
             return view.placeholders()
         out = self.read_layer(layer, lo, new)

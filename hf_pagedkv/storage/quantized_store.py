@@ -149,18 +149,6 @@ class QuantizedPageStore(QuantizedWriteMixin, QuantizedReadMixin):
         self._num_encodes.extend(bytes(num_blocks - self.num_blocks))
         self.num_blocks = num_blocks
 
-    def decode_blocks(self, layer_idx: int, half: int, blocks: torch.Tensor, out: torch.Tensor,
-                      base: int | None = None) -> torch.Tensor:
-        """De-quantize encoded blocks of one layer's keys (`half` 0) or values (1) into `out`, for an attention that
-        reads the pool in place (`hf_pagedkv.attention`).
-
-        Args:
-            blocks (`torch.LongTensor` of shape `[n]` or `[batch, n]`): block ids (encoded blocks only).
-            out (`torch.Tensor` of shape `[num_kv_heads, (batch,) n, block_size, dim]`): written in place.
-            base (`int`, *optional*): the ids are the `n` consecutive blocks from `base` (codes read as views).
-        """
-        return self._decode_blocks(layer_idx, half, blocks, out, base)
-
     # -- block lifecycle -------------------------------------------------------------------------------------------
     def release(self, blocks: list[int]) -> None:
         """Blocks whose refcount reached 0: return their stages, forget their codes, poison them in debug mode."""

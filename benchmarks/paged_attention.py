@@ -131,6 +131,10 @@ def main(argv=None) -> int:
                     if text:
                         print(f"== profile: {n} tokens, batch {batch}, {m}: {dt * 1e3:.1f} ms/step\n{text}")
                 print(f"{n} tokens, batch {batch}: round {r + 1} done", file=sys.stderr)
+            for m in methods:  # this length and batch so far (the full table follows at the end)
+                dt = statistics.median(times[(n, batch, m)])
+                print(f"partial: {n} tokens, batch {batch}, {m}: {dt * 1e3:.1f} ms/step, "
+                      f"{statistics.median(times[(n, batch, 'dynamic')]) / dt:.2f}x", file=sys.stderr, flush=True)
     print(f"decode tokens/s relative to DynamicCache (CPU time, {args.threads} thread(s), median of "
           f"{1 if args.profile else args.rounds} rounds of {args.steps} steps, SmolLM2-135M fp32)")
     print("| tokens | batch | cache | attention | ms/step | tok/s | vs DynamicCache |")

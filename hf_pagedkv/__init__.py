@@ -1,6 +1,7 @@
 """hf_pagedkv: a paged, refcounted KV cache for Hugging Face transformers."""
 
 from hf_pagedkv._compat import cache_kwargs
+from hf_pagedkv import attention  # noqa: F401  registers the "hf_pagedkv" attention implementation
 from hf_pagedkv.block_pool import BlockPool, PoolStats
 from hf_pagedkv.adapter.paged_cache import PagedCache
 from hf_pagedkv.config import QuantConfig

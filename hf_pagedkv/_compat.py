@@ -13,7 +13,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer, get_lay
 from transformers.utils import logging as hf_logging
 
 __all__ = ["CACHE_KWARG", "CACHE_KWARG_NAMES", "Cache", "CacheLayerMixin", "DummyLayer", "SUPPORTED_LAYER_TYPES",
-           "TRANSFORMERS_VERSION", "cache_kwargs", "layer_plan", "quiet_model_loading"]
+           "TRANSFORMERS_VERSION", "cache_kwargs", "layer_plan", "quiet_model_loading", "register_attention",
+           "sdpa_attention_function"]
 
 #: layer types PagedCache stores; "dummy" layers (KV shared with another layer, or no attention) store nothing.
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "dummy")
@@ -96,3 +97,29 @@ def quiet_model_loading():
             gguf.tqdm = bar
         if was_enabled:
             hf_logging.enable_progress_bar()
+
+
+# -- attention implementations (issue 15: hf_pagedkv.attention) -------------------------------------------------------
+# NOTE: 5.23 and 5.24 agree here: `AttentionInterface` / `AttentionMaskInterface` are `GeneralInterface`s whose
+# `register` adds a name to a class-level mapping shared by every instance; a model calls
+# `ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...)(module, query, key, value, attention_mask,
+# dropout=..., scaling=..., **kwargs)` right after `cache.update(...)` (5.24 also passes `kwargs=` to the update),
+# with `module.layer_idx` set. Without a mask function under the same name, `create_causal_mask` returns None (no
+# padding mask at all), so the name is registered in both.
+
+
+def register_attention(name: str, function) -> None:
+    """Register `function` as attention implementation `name`, with `sdpa`'s mask function for it (so the masks are
+    built exactly as for ``"sdpa"``: bool, `True` = attend, or None for a plain causal step)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, sdpa_mask)
+
+
+def sdpa_attention_function():
+    """transformers' current ``"sdpa"`` attention function (looked up per call, so a user's re-registration wins)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS["sdpa"]

@@ -13,6 +13,7 @@ from hf_pagedkv.block_pool import BlockPool
 from hf_pagedkv.pool.block_table import BlockTable, num_blocks_for
 from hf_pagedkv.config import QuantConfig, check_positive_int
 from hf_pagedkv.errors import CacheOffloadedError, CacheReleasedError, InvariantError
+from hf_pagedkv.adapter.in_place_reads import InPlaceReads
 from hf_pagedkv.adapter.paged_layer import PagedLayer
 from hf_pagedkv.storage.page_store import LayerSpec
 from hf_pagedkv.adapter import prefix_cache
@@ -130,6 +131,7 @@ class PagedCache(Cache):
         self.last_step_tokens = 0  # new tokens per row of the last forward step (a sliding group holds them too)
         self._maybe_dups = False  # rows were just forked, so identical rows may be deduplicated next step
         self._evictor = None if retention is None else Evictor(retention)  # retention policy state, or None
+        self._in_place = InPlaceReads()  # which step's attention reads the pool in place (hf_pagedkv.attention)
         self._released = False
         self._offloaded: list | None = None  # while offloaded: its blocks in the host tier (adapter/offload.py)
         self._owner = pool.register_owner()  # this cache's token in the pool's table registry
@@ -651,7 +653,15 @@ class PagedCache(Cache):
                         value_states.detach())
         layer.num_tokens = plan.end
         lo = rt.window_start(plan.start)
+        # -- an attention that reads the pool in place (hf_pagedkv.attention) gets a PagedView -------------------------
+        view = None if grad else self._in_place.view(
+            plan, store, layer, rt.table[:, : num_blocks_for(plan.end, self.block_size)], lo, plan.end,
+            plan.view_base[rt.group], new, self)
+        if view is not None and self._in_place.confirmed(plan):
+            return view.placeholders()
         out = self.read_layer(layer, lo, new)
+        if view is not None:
+            view.tag(out[0])
         if grad:
             out = attach_step_grad(out, step_kv, plan.start - lo, plan.grad_history)
             self._grad_history = True

@@ -1,0 +1,153 @@
+"""Decode speed of the ``"hf_pagedkv"`` attention (reads blocks and codes in place) against `DynamicCache`, SmolLM2.
+
+    python benchmarks/paged_attention.py --threads 1                       # 2048 and 4096 tokens, batch 1 and 8
+    python benchmarks/paged_attention.py --lengths 2048 --batches 1 --rounds 1 --steps 4     # a smoke run
+    python benchmarks/paged_attention.py --profile --lengths 2048 --batches 1  # where the time goes, per case
+
+Every case runs in one process, side by side: the bundled SmolLM2-135M (fp32) decodes `--steps` greedy steps
+(`model(next_token, cache)`) after one warm-up step, from the K/V of one untimed prefill of random tokens (rows
+beyond the first are that prompt's K/V plus 1% noise; see `prompt_kv`), written into each case's cache layer by
+layer as a prefill step writes them. Cases: `DynamicCache`
+with `sdpa` (the baseline); `PagedCache` fp / k8v8 / k8v4 / k4v4 with `sdpa` (materialized reads) and with
+``"hf_pagedkv"`` (in-place reads); transformers' `QuantizedCache` (quanto int4) when optimum-quanto is installed.
+The order of the cases is shuffled in every round (the machine is shared and noisy); times are this process's CPU
+time (`time.process_time`) per step, the median over the rounds is reported, as tokens/s relative to `DynamicCache`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import importlib.util
+import io
+import pstats
+import random
+import statistics
+import sys
+import time
+
+import torch
+from transformers import DynamicCache
+
+from hf_pagedkv import PagedCache, cache_kwargs
+from hf_pagedkv.tools.models import load_model
+
+QUANTO = importlib.util.find_spec("optimum.quanto") is not None if importlib.util.find_spec("optimum") else False
+
+
+def make_cache(method: str, model):
+    if method == "dynamic":
+        return DynamicCache(config=model.config)
+    if method == "quanto-int4":
+        from transformers import QuantizedCache
+
+        return QuantizedCache(backend="quanto", config=model.config, nbits=4)
+    quant = method.split("/")[0]
+    return PagedCache(config=model.config, quant=None if quant == "fp" else quant)
+
+
+def prefill(model, x: torch.Tensor) -> list:
+    """The prompt's K/V per layer, `[1, num_kv_heads, len, head_dim]` each (one model prefill)."""
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(x, **cache_kwargs(cache))
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def prompt_kv(kv: list, n: int, batch: int, seed: int) -> list:
+    """The first `n` tokens of the prompt's K/V for `batch` rows. NOTE: row 0 is the model's; the other rows add
+    1% noise to it (a shortcut: one prefill instead of `batch`, and decode time does not depend on the values;
+    the rows differ, so PagedCache stores each one, as for distinct prompts)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for k, v in kv:
+        k, v = k[:, :, :n], v[:, :, :n]
+        noise = [torch.randn((batch - 1, *k.shape[1:]), generator=g) for _ in range(2)]
+        out.append((torch.cat([k, k + 0.01 * k.std() * noise[0]]), torch.cat([v, v + 0.01 * v.std() * noise[1]])))
+    return out
+
+
+def run_case(model, method: str, kv: list, tok: torch.Tensor, steps: int, profile: bool = False) -> tuple[float, str]:
+    """CPU seconds per decode step (and a profile text when asked), from the prompt's K/V written into a new cache
+    (one `update` per layer, as a prefill step does)."""
+    model.set_attn_implementation("hf_pagedkv" if method.endswith("/paged") else "sdpa")
+    cache = make_cache(method, model)
+    text = ""
+    with torch.no_grad():
+        for i, (k, v) in enumerate(kv):
+            cache.update(k.clone(), v.clone(), i)
+        tok = model(tok, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)  # warm-up step
+        prof = cProfile.Profile() if profile else None
+        if prof:
+            prof.enable()
+        t0 = time.process_time()
+        for _ in range(steps):
+            tok = model(tok, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
+        dt = (time.process_time() - t0) / steps
+        if prof:
+            prof.disable()
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(12)
+            text = buf.getvalue()
+    if isinstance(cache, PagedCache):
+        cache.release()
+    model.set_attn_implementation("sdpa")
+    return dt, text
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", default="2048,4096", help="prompt lengths, comma-separated")
+    ap.add_argument("--batches", default="1,8", help="batch sizes, comma-separated")
+    ap.add_argument("--methods", default="fp,k8v8,k8v4,k4v4", help="PagedCache presets, each run with sdpa and paged")
+    ap.add_argument("--steps", type=int, default=8, help="timed decode steps per case")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds (shuffled order); the median is reported")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--profile", action="store_true", help="print a cProfile of each case (one round)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model, _ = load_model()
+    methods = ["dynamic"] + [f"{m}/{a}" for m in args.methods.split(",") for a in ("sdpa", "paged")]
+    if QUANTO:
+        methods.append("quanto-int4")
+    else:
+        print("optimum-quanto is not installed: no QuantizedCache (quanto int4) row", file=sys.stderr)
+    rng = random.Random(args.seed)
+    g = torch.Generator().manual_seed(args.seed)
+    times: dict[tuple, list[float]] = {}
+    lengths = [int(n) for n in args.lengths.split(",")]
+    full = prefill(model, torch.randint(100, model.config.vocab_size, (1, max(lengths)), generator=g))
+    for n in lengths:
+        for batch in map(int, args.batches.split(",")):
+            kv = prompt_kv(full, n, batch, args.seed)
+            tok = torch.randint(100, model.config.vocab_size, (batch, 1), generator=g)
+            for r in range(1 if args.profile else args.rounds):
+                order = methods[:]
+                rng.shuffle(order)
+                for m in order:
+                    dt, text = run_case(model, m, kv, tok, args.steps, args.profile)
+                    times.setdefault((n, batch, m), []).append(dt)
+                    if text:
+                        print(f"== profile: {n} tokens, batch {batch}, {m}: {dt * 1e3:.1f} ms/step\n{text}")
+                print(f"{n} tokens, batch {batch}: round {r + 1} done", file=sys.stderr)
+            for m in methods:  # this length and batch so far (the full table follows at the end)
+                dt = statistics.median(times[(n, batch, m)])
+                print(f"partial: {n} tokens, batch {batch}, {m}: {dt * 1e3:.1f} ms/step, "
+                      f"{statistics.median(times[(n, batch, 'dynamic')]) / dt:.2f}x", file=sys.stderr, flush=True)
+    print(f"decode tokens/s relative to DynamicCache (CPU time, {args.threads} thread(s), median of "
+          f"{1 if args.profile else args.rounds} rounds of {args.steps} steps, SmolLM2-135M fp32)")
+    print("| tokens | batch | cache | attention | ms/step | tok/s | vs DynamicCache |")
+    print("| ---: | ---: | --- | --- | ---: | ---: | ---: |")
+    for n in map(int, args.lengths.split(",")):
+        for batch in map(int, args.batches.split(",")):
+            base = statistics.median(times[(n, batch, "dynamic")])
+            for m in methods:
+                dt = statistics.median(times[(n, batch, m)])
+                cache, attn = (m.split("/") + ["sdpa"])[:2]
+                print(f"| {n} | {batch} | {cache} | {attn} | {dt * 1e3:.1f} | {batch / dt:.1f} | {base / dt:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""`paged_attention_forward`: the attention function registered in transformers as ``"hf_pagedkv"``."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from hf_pagedkv._compat import sdpa_attention_function
+from hf_pagedkv.attention.paged_attention import DEFAULT_TILE_TOKENS, paged_attention
+from hf_pagedkv.attention.paged_view import PagedView
+
+logger = logging.getLogger(__name__)
+
+#: the longest query (new tokens per row) read in place; longer steps (prefill) go to `sdpa`, which is faster there
+MAX_QUERY_TOKENS = 16
+
+# keyword arguments the models pass along that do not change the attention read in place (the window is in the
+# view and in the mask already)
+_NEUTRAL_KWARGS = {"position_ids", "use_cache", "cache_position", "sliding_window", "output_attentions",
+                   "position_embeddings", "return_dict", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                   "max_length_k"}
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                            is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract (the signature of `sdpa_attention_forward`), reading a
+    `PagedCache`'s pool in place at decode steps.
+
+    When `key` comes from a `PagedCache` (it carries a `PagedView`) and the step is a decode step (at most
+    `MAX_QUERY_TOKENS` new tokens, no dropout, no extra score terms), attention is computed from the block tables:
+    full-precision pages tile by tile, quantized pages de-quantized tile by tile (`paged_attention`). This also
+    tells the cache that the step's attention reads in place, so the cache hands the step's later layers
+    placeholders instead of gathered or de-quantized copies (the first layer of each step reads a normal copy, with
+    `sdpa`). Everything else (other caches, prefill, unsupported arguments) goes to transformers' `sdpa` with the
+    same arguments, and gives the same result.
+
+    Args:
+        module (`torch.nn.Module`): the attention layer (transformers passes `self`).
+        query (`torch.Tensor` of shape `[batch, num_heads, q, head_dim]`).
+        key, value (`torch.Tensor` of shape `[batch, num_kv_heads, kv_len, head_dim]`): what the cache returned.
+        attention_mask (`torch.Tensor` of shape `[batch, 1, q, kv_len]`, *optional*): from the ``"hf_pagedkv"`` mask
+            function (the `sdpa` mask: bool, `True` = attend), or `None`.
+        dropout, scaling, is_causal: as `sdpa_attention_forward`.
+
+    Returns:
+        `(attn_output, None)`, `attn_output` of shape `[batch, q, num_heads, head_dim]`.
+    """
+    view = PagedView.of(key)
+    if view is None:
+        return sdpa_attention_function()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                         is_causal=is_causal, **kwargs)
+    placeholder = view.is_placeholder(key)
+    reason = _unsupported(query, key, attention_mask, dropout, kwargs)
+    if reason is not None or not placeholder:
+        if reason is None:
+            view.confirm()  # the step's later layers read in place
+        elif placeholder:
+            logger.debug("hf_pagedkv attention: layer %s falls back to sdpa (%s)", getattr(module, "layer_idx", "?"),
+                         reason)
+        if placeholder:
+            key, value = view.materialize()
+        return sdpa_attention_function()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                         is_causal=is_causal, **kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return paged_attention(query, view, scale, attention_mask, tile_tokens=DEFAULT_TILE_TOKENS), None
+
+
+def _unsupported(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, dropout: float,
+                 kwargs: dict) -> str | None:
+    """Why this call cannot be read in place (None when it can)."""
+    batch, num_heads, q, _ = query.shape
+    if q > MAX_QUERY_TOKENS:
+        return f"{q} query tokens (prefill)"
+    if mask is None and q > 1:
+        return "no mask for several query tokens"
+    if mask is not None and (mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[0] != batch
+                             or tuple(mask.shape[2:]) != (q, key.shape[2])):
+        return f"mask of shape {tuple(mask.shape)}"
+    if dropout:
+        return "dropout"
+    if num_heads % key.shape[1]:
+        return "query heads not a multiple of the key/value heads"
+    if torch.is_grad_enabled() and query.requires_grad:
+        return "gradients"
+    extra = [k for k, v in kwargs.items() if k not in _NEUTRAL_KWARGS and v is not None and v is not False]
+    if extra or kwargs.get("output_attentions"):
+        return f"arguments {extra or ['output_attentions']}"
+    return None

@@ -1,0 +1,252 @@
+"""The ``"hf_pagedkv"`` attention reads a PagedCache's blocks in place: same outputs as `sdpa` over the materialized
+K/V (fp32 rounding apart: the reduction order changes), same greedy tokens, and `sdpa` itself everywhere else.
+
+The reference for every comparison is the same model with ``attn_implementation="sdpa"`` and the same kind of
+PagedCache, which hands `sdpa` a gathered copy (fp) or a de-quantized copy (quantized pools): "de-quantize, then
+sdpa". Block size 4 and tiles of 2 blocks make every read cross several tiles, a partial last block and (Gemma3's
+window of 8) a first block half outside the window.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+import hf_pagedkv.attention.attention_function as attention_function
+from hf_pagedkv import PagedCache, cache_kwargs
+from hf_pagedkv.attention import ATTENTION_NAME, PagedView, paged_attention_forward
+from tests.conftest import VOCAB, tiny_model
+
+#: max |difference| allowed between the in-place read and sdpa over the materialized K/V, for one attention call on
+#: the same cache and for the logits of a full-precision pool: the softmax and the products are summed tile by tile
+#: instead of in one pass, so fp32 results differ in the last bits (measured below 5e-7 on these models, |logits| <
+#: 1.1); 1e-5 is the issue's bound.
+PAGED_LOGIT_ATOL = 1e-5
+#: the same for the logits of a quantized pool after several steps: a block encoded from K/V that differ by 1e-7
+#: (the earlier layers' rounding) can round one code the other way, a step of about absmax / 254 (int8) in one
+#: element, which the later layers carry into the logits (measured up to 5.3e-5 here). Each attention call still
+#: meets PAGED_LOGIT_ATOL on the same codes (checked in `counted`).
+QUANTIZED_LOGIT_ATOL = 1e-3
+QUANTS = [None, "k8v8", "k8v4", "k4v4"]
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts the layers read in place (small tiles, so a read spans several) and checks each call against sdpa
+    over the materialized K/V of the very same cache (both computed from the same codes)."""
+    calls = []
+    real = attention_function.paged_attention
+
+    def spy(query, view, scale, mask, tile_tokens):
+        calls.append(view.end - view.lo)
+        out = real(query, view, scale, mask, tile_tokens=8)
+        k, v = view.materialize()
+        module = torch.nn.Module()
+        module.num_key_value_groups = query.shape[1] // k.shape[1]
+        ref = sdpa_attention_forward(module, query, k, v, mask, scaling=scale)[0]
+        assert (out - ref).abs().max().item() <= PAGED_LOGIT_ATOL
+        return out
+
+    monkeypatch.setattr(attention_function, "paged_attention", spy)
+    return calls
+
+
+def run(model, impl, quant, input_ids, mask=None, **gen):
+    """Greedy (or beam) generation with per-step logits, through a fresh PagedCache; checks its invariants."""
+    model.set_attn_implementation(impl)
+    try:
+        cache = PagedCache(config=model.config, quant=quant, block_size=4, debug=True)
+        with torch.no_grad():
+            out = model.generate(input_ids, attention_mask=mask, **cache_kwargs(cache), do_sample=False,
+                                 max_new_tokens=10, output_logits=True, return_dict_in_generate=True, **gen)
+        cache.check_invariants()
+        cache.release()
+    finally:
+        model.set_attn_implementation("sdpa")
+    return out.sequences, torch.stack(out.logits, 1)
+
+
+def assert_close(ref, got, quant=None):
+    assert torch.equal(ref[0], got[0]), "tokens differ"
+    diff = (ref[1] - got[1]).abs().max().item()
+    assert diff <= (PAGED_LOGIT_ATOL if quant is None else QUANTIZED_LOGIT_ATOL), diff
+
+
+def test_registered_under_its_name_without_touching_sdpa():
+    assert ATTENTION_NAME == "hf_pagedkv"
+    assert ALL_ATTENTION_FUNCTIONS["hf_pagedkv"] is paged_attention_forward
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
+    assert ALL_MASK_ATTENTION_FUNCTIONS["hf_pagedkv"] is sdpa_mask
+    model = tiny_model("llama")
+    model.set_attn_implementation("hf_pagedkv")
+    assert model.config._attn_implementation == "hf_pagedkv"
+    model.set_attn_implementation("sdpa")
+    assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_greedy_matches_sdpa_over_materialized_kv(name, quant, counted):
+    model = tiny_model(name)
+    x = torch.randint(3, VOCAB, (1, 21), generator=torch.Generator().manual_seed(1))
+    ref = run(model, "sdpa", quant, x)
+    assert not counted
+    got = run(model, "hf_pagedkv", quant, x)
+    assert_close(ref, got, quant)
+    layers = model.config.num_hidden_layers
+    assert len(counted) == 9 * (layers - 1), counted  # every decode step but the first layer, which probes
+    if name == "gemma3":
+        assert min(counted) == 8  # sliding layers read their window (7 cached + 1 new), full ones everything
+        assert max(counted) == 21 + 9
+
+
+@pytest.mark.parametrize("quant", [None, "k4v4"])
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_left_padded_batch(name, quant, counted):
+    model = tiny_model(name)
+    x = torch.randint(3, VOCAB, (3, 18), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(x)
+    mask[0, :5], mask[2, :11] = 0, 0  # left padding: 5 and 11 tokens
+    x[mask == 0] = 0
+    assert_close(run(model, "sdpa", quant, x, mask), run(model, "hf_pagedkv", quant, x, mask), quant)
+    assert counted
+
+
+@pytest.mark.parametrize("quant", [None, "k8v8"])
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_beam_search(name, quant, counted):
+    model = tiny_model(name)
+    x = torch.randint(3, VOCAB, (1, 15), generator=torch.Generator().manual_seed(3))
+    ref = run(model, "sdpa", quant, x, num_beams=3, num_return_sequences=2)
+    got = run(model, "hf_pagedkv", quant, x, num_beams=3, num_return_sequences=2)
+    assert_close(ref, got, quant)
+    assert counted
+
+
+def decode_forks(model, impl, quant):
+    """A prompt cached once, forked twice; each fork decodes its own tokens (shared blocks, copy-on-write)."""
+    model.set_attn_implementation(impl)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randint(3, VOCAB, (1, 14), generator=g)
+    logits = []
+    with torch.no_grad():
+        root = PagedCache(config=model.config, quant=quant, block_size=4, debug=True)
+        model(x, **cache_kwargs(root))
+        forks = [root.fork(), root.fork()]
+        for i, cache in enumerate(forks):
+            tok = torch.tensor([[5 + i]])
+            for _ in range(6):
+                out = model(tok, **cache_kwargs(cache)).logits
+                logits.append(out)
+                tok = out[:, -1:].argmax(-1)
+            cache.check_invariants()
+        for cache in [root, *forks]:
+            cache.release()
+        root.pool.check_invariants()
+        assert root.pool.stats().blocks_in_use == 0
+    model.set_attn_implementation("sdpa")
+    return torch.cat(logits, 1)
+
+
+@pytest.mark.parametrize("quant", [None, "k8v8", "k4v4"])
+def test_forks_read_their_own_blocks(quant, counted):
+    model = tiny_model("gemma3")
+    ref, got = decode_forks(model, "sdpa", quant), decode_forks(model, "hf_pagedkv", quant)
+    assert (ref - got).abs().max().item() <= (PAGED_LOGIT_ATOL if quant is None else QUANTIZED_LOGIT_ATOL)
+    assert torch.equal(ref.argmax(-1), got.argmax(-1))
+    assert counted
+
+
+def test_one_token_prompt(counted):
+    """A one-token step whose later layers get one-token placeholders (no stride tells them from real keys)."""
+    model = tiny_model("llama")
+    x = torch.tensor([[7]])
+    assert_close(run(model, "sdpa", None, x), run(model, "hf_pagedkv", None, x))
+    assert counted
+
+
+def test_other_caches_and_prefill_are_plain_sdpa(counted):
+    model = tiny_model("llama")
+    x = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(5))
+    outs = []
+    for impl in ("sdpa", "hf_pagedkv"):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            outs.append(model.generate(x, **cache_kwargs(DynamicCache(config=model.config)), max_new_tokens=6,
+                                       do_sample=False, output_logits=True, return_dict_in_generate=True))
+    model.set_attn_implementation("sdpa")
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert torch.equal(torch.stack(outs[0].logits), torch.stack(outs[1].logits))  # the very same sdpa calls
+    assert not counted
+
+
+def test_switching_back_to_sdpa_mid_generation_gets_real_kv(counted):
+    """A confirmation holds for one step: after `set_attn_implementation("sdpa")` no placeholder reaches sdpa."""
+    model = tiny_model("llama")
+    x = torch.randint(3, VOCAB, (1, 10), generator=torch.Generator().manual_seed(6))
+    logits = {}
+    for impls in (["sdpa"] * 6, ["hf_pagedkv"] * 3 + ["sdpa"] * 3):
+        cache = PagedCache(config=model.config, block_size=4)
+        steps = []
+        with torch.no_grad():
+            tok = x
+            for impl in impls:
+                model.set_attn_implementation(impl)
+                out = model(tok, **cache_kwargs(cache)).logits[:, -1:]
+                steps.append(out)
+                tok = out.argmax(-1)
+        model.set_attn_implementation("sdpa")
+        cache.release()
+        logits[impls[0]] = torch.cat(steps, 1)
+    assert (logits["sdpa"] - logits["hf_pagedkv"]).abs().max().item() <= PAGED_LOGIT_ATOL
+    assert len(counted) == 2 * (model.config.num_hidden_layers - 1)  # steps 2 and 3 (step 1 is the prefill)
+
+
+def test_placeholders_hold_no_history_and_fall_back_when_asked():
+    """Unit level: a confirmed step's update returns zero-stride placeholders carrying the view; an unsupported
+    call (dropout) materializes them and gives sdpa's result exactly."""
+    cache = PagedCache(block_size=4)
+    g = torch.Generator().manual_seed(7)
+    kv = lambda q: (torch.randn(2, 2, q, 8, generator=g), torch.randn(2, 2, q, 8, generator=g))  # noqa: E731
+    with torch.no_grad():
+        cache.update(*kv(9), 0)
+        cache.update(*kv(9), 1)
+        k0, _ = cache.update(*kv(1), 0)  # a fresh step: materialized, tagged
+        view = PagedView.of(k0)
+        assert view is not None and not view.is_placeholder(k0)
+        view.confirm()
+        k1, v1 = cache.update(*kv(1), 1)  # the same step's next layer: a placeholder
+        assert PagedView.of(k1) is not None and k1.stride(2) == 0 and k1.shape == (2, 2, 10, 8)
+        real_k, real_v = PagedView.of(k1).materialize()
+        assert real_k.shape == (2, 2, 10, 8) and real_k.abs().sum() > 0
+        query = torch.randn(2, 4, 1, 8, generator=g)
+        module = torch.nn.Module()
+        module.num_key_value_groups = 2
+        module.training = False
+        ref = sdpa_attention_forward(module, query, real_k, real_v, None, scaling=0.3)[0]
+        got = paged_attention_forward(module, query, k1, v1, None, scaling=0.3)[0]
+        assert (ref - got).abs().max().item() <= 1e-6
+        module.training = True  # dropout: not read in place, sdpa over the materialized K/V
+        torch.manual_seed(0)
+        ref = sdpa_attention_forward(module, query, real_k, real_v, None, dropout=0.5, scaling=0.3)[0]
+        torch.manual_seed(0)
+        got = paged_attention_forward(module, query, k1, v1, None, dropout=0.5, scaling=0.3)[0]
+        assert torch.equal(ref, got)
+    cache.release()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("quant", [None, "k4v4"])
+def test_cuda_reads_in_place_as_sdpa_does(quant, counted):
+    """The same contract on CUDA tensors (the torch path is device-correct; the CPU run above is the reference)."""
+    import copy
+
+    model = copy.deepcopy(tiny_model("gemma3")).cuda()
+    x = torch.randint(3, VOCAB, (2, 21), generator=torch.Generator().manual_seed(8)).cuda()
+    assert_close(run(model, "sdpa", quant, x), run(model, "hf_pagedkv", quant, x), quant)
+    assert counted

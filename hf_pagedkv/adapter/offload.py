@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_pagedkv.errors import PoolExhaustedError
+from hf_pagedkv.adapter.row_tables import RowTables
 from hf_pagedkv.pool.block_table import BlockTable
 
 
@@ -33,20 +34,20 @@ class OffloadedGroup:
     fills: dict[int, int]  # host block -> leading slots written (the device allocator's fill, restored on prefetch)
 
 
-def offload_cache(cache) -> list[OffloadedGroup]:
-    """Copy every block of `cache` to the host tier and drop the cache's device references (see the module
-    docstring). Returns what `prefetch_cache` needs.
+def offload_cache(pool, owner: int, groups: list[RowTables]) -> list[OffloadedGroup]:
+    """Copy every block of a cache (its `owner` token in `pool`, its tables `groups`, one per layer group) to the
+    host tier and drop the cache's device references (see the module docstring). Returns what `prefetch_cache`
+    needs.
 
     Raises:
         ValueError: the pool has no host tier.
         PoolExhaustedError: the host tier has too few free blocks (nothing changed).
     """
-    pool = cache.pool
     if pool.host is None:
         raise ValueError("offload() needs a pool with a host tier: BlockPool(..., host_memory=\"8GiB\").")
     with pool.lock:
         plans = []
-        for rt in cache._groups:
+        for rt in groups:
             unique = list(dict.fromkeys(b for row in rt.rows for b in row.blocks))  # each block once, in order
             plans.append((rt, unique))
         if not pool.host.can_hold({rt.group: len(unique) for rt, unique in plans}):
@@ -56,26 +57,27 @@ def offload_cache(cache) -> list[OffloadedGroup]:
         out = []
         for rt, unique in plans:
             alloc = pool.groups[rt.group].allocator
-            host = pool.host.offload(cache._owner, rt.group, unique) if unique else []
+            host = pool.host.offload(owner, rt.group, unique) if unique else []
             to_host = dict(zip(unique, host))
             out.append(OffloadedGroup(
                 group=rt.group, num_dropped=rt.num_dropped, num_tokens=rt.rows[0].num_tokens if rt.rows else 0,
                 rows=tuple(tuple(to_host[b] for b in row.blocks) for row in rt.rows),
                 fills={to_host[b]: alloc.fill(b) for b in unique}))
-        for rt in cache._groups:  # every copy succeeded: drop the device references
+        for rt in groups:  # every copy succeeded: drop the device references
             pool.free([b for row in rt.rows for b in row.blocks], rt.group)
             rt.reset(0)
         return out
 
 
-def prefetch_cache(cache, offloaded: list[OffloadedGroup]) -> None:
-    """Give `cache` new device blocks holding its host copies, rebuild its block tables, free the host blocks.
+def prefetch_cache(pool, owner: int, groups: list[RowTables], offloaded: list[OffloadedGroup]) -> None:
+    """Give a cache (`owner`, `groups` as for `offload_cache`) new device blocks holding its host copies, rebuild
+    its block tables, free the host blocks.
 
     Raises:
         PoolExhaustedError: the device tier has too few free plus cached-idle blocks (nothing changed: the cache
             stays offloaded).
     """
-    pool = cache.pool
+    by_group = {rt.group: rt for rt in groups}
     with pool.lock:
         needs = {og.group: len(og.fills) for og in offloaded}
         short = [g for g, n in needs.items() if not pool.can_reserve(n, g)]
@@ -100,7 +102,7 @@ def prefetch_cache(cache, offloaded: list[OffloadedGroup]) -> None:
                 pool.free(dev, g)
             raise
         for og, (_, dev) in zip(offloaded, held):
-            rt = cache._by_group[og.group]
+            rt = by_group[og.group]
             to_dev = dict(zip(og.fills, dev))
             rows = [[to_dev[h] for h in hosts] for hosts in og.rows]
             seen: set[int] = set()
@@ -118,4 +120,4 @@ def prefetch_cache(cache, offloaded: list[OffloadedGroup]) -> None:
             rt.table = torch.zeros((len(rows), 0), dtype=torch.long)
             for r in range(len(rows)):
                 rt.set_row(r, og.num_dropped)
-        pool.host.release(cache._owner)
+        pool.host.release(owner)

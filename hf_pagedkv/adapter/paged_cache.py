@@ -499,7 +499,7 @@ class PagedCache(Cache):
             raise ValueError(f"offload(layer_idx={layer_idx}): a PagedCache moves whole, with all its layers "
                              "(call cache.offload()).")
         self.check_usable()
-        self._offloaded = offload_cache(self)
+        self._offloaded = offload_cache(self.pool, self._owner, self._groups)
         self._end_step()
 
     def prefetch(self, layer_idx: int | None = None, only_non_sliding: bool = True) -> None:
@@ -516,7 +516,7 @@ class PagedCache(Cache):
             raise CacheReleasedError("This PagedCache was released; create a new one.")
         if self._offloaded is None:
             return
-        prefetch_cache(self, self._offloaded)
+        prefetch_cache(self.pool, self._owner, self._groups, self._offloaded)
         self._offloaded = None
         self._after_change()
 

@@ -137,7 +137,8 @@ class SegmentedTensor:
         if len(views) == 1:
             return views[0].index_select(1, index)
         starts = [s // size for s in self.starts]
-        seg_of = torch.bucketize(index, torch.tensor(starts[1:], dtype=torch.long, device=index.device), right=True)
+        seg_of = torch.bucketize(index.contiguous(), torch.tensor(starts[1:], dtype=torch.long, device=index.device),
+                                right=True)
         present = torch.unique(seg_of).tolist()
         if len(present) == 1:
             s = present[0]

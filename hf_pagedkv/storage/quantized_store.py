@@ -222,14 +222,9 @@ class QuantizedPageStore:
                       num_new: int | None = None) -> WritePlan:
         """The `WritePlan` of a step's tokens for every layer on `device`: which tokens go to stages and which
         blocks they complete (encoded by `write`, once). Updates the block states once per step (call again with
-        ``new_step=False`` for another device or after the step's rows changed).
-
-        Args:
-            slots (`torch.LongTensor` of shape `[rows * num_new_tokens]`, CPU): the slot mapping, row-major.
-            device (`torch.device`): where the plan's index tensors go.
-            new_step (`bool`): the first plan of a forward step (releases the stages of last step's encoded blocks).
-            start (`int`): position of each row's first new token (tokens the rows held before the step).
-            num_new (`int`, *optional*): new tokens per row (defaults to all of `slots`: one row).
+        ``new_step=False`` for another device or after the step's rows changed). The arguments are those of
+        `QuantizedBlockStates.plan` (`slots`: the `[rows * num_new_tokens]` slot mapping, row-major, on the CPU);
+        encoded blocks a crop cut into are decoded into their new stages here.
 
         Raises:
             ValueError: (accelerators, at a new step) the previous step wrote NaN or inf K/V into a quantized half;

@@ -24,7 +24,7 @@ class StagingStore:
     Stage `s` holds slots ``s * block_size .. (s + 1) * block_size - 1``. Invariant: a stage id is either free
     (in `_free`) or owned by exactly one block of the pool (the owner, `QuantizedPageStore`, keeps that map).
     Capacity grows by a quarter of itself (at least one stage) when full, so it follows the number of live
-    sequences (`tests/test_staging_store.py`); it never shrinks. New stages are zero, and new and freed stages are
+    sequences (`tests/storage/test_staging_store.py`); it never shrinks. New stages are zero, and new and freed stages are
     NaN in debug mode only.
     """
 

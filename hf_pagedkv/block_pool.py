@@ -167,7 +167,7 @@ class BlockPool:
         self._prefix_keys: dict[bytes, None] = {}  # keys published blocks were hashed under; note_prefix_key only
         self.last_loaded_blocks = 0  # blocks the last load_prefix_cache published; set by it only
         # the host tier (`cache.offload()`, evicted prefix blocks), or None; fixed
-        self.host = None if host_memory is None else HostTiers(self, parse_bytes(host_memory))
+        self.host = None if host_memory is None else HostTiers(self, parse_bytes(host_memory, name="host_memory"))
         self.group_for(None)
         self.num_moved_blocks = 0  # blocks moved by `compact`, all groups; changed there only
         self.bytes_returned = 0  # storage bytes given back by `shrink`; changed there only

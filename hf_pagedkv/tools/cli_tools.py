@@ -9,7 +9,7 @@ import os
 import sys
 
 from hf_pagedkv.block_pool import device_memory
-from hf_pagedkv.config import parse_bytes
+from hf_pagedkv.config import DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, parse_bytes
 from hf_pagedkv.tools.models import DEFAULT_MODEL
 from hf_pagedkv.tools.planning import (
     _DTYPES,
@@ -140,7 +140,8 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             policy = parse_retention(args.retention)
         except ValueError as e:
             parser.error(str(e))
-        bound = policy.max_held(1, args.block_size or 16)
+        default_block = DEFAULT_BLOCK_SIZE if args.quant in (None, "fp") else DEFAULT_QUANT_BLOCK_SIZE
+        bound = policy.max_held(1, args.block_size or default_block)  # the block size the plan below uses
         ratio = getattr(policy, "compression_ratio", None)
         held = bound if bound is not None else int(args.max_seq_len * (1 - ratio)) + 1
         if held < args.max_seq_len:
@@ -220,7 +221,7 @@ def _host_tier(plan, host_memory: str, parser) -> dict:
     """What a `BlockPool(host_memory=...)` tier holds for this plan: blocks (`host_tiers.py` sizes it as
     ``host_memory // bytes per block``), tokens, and sequences of `max_seq_len`."""
     try:
-        size = parse_bytes(host_memory)
+        size = parse_bytes(host_memory, name="host_memory")
     except ValueError as e:
         parser.error(f"--host-memory: {e}")
     block_bytes = plan.bytes_per_token * plan.block_size

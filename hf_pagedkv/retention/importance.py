@@ -56,7 +56,12 @@ class ImportancePolicy(RetentionPolicy):
                              f"(fraction removed); got budget={self.budget!r}, "
                              f"compression_ratio={self.compression_ratio!r}.")
         if self.budget is not None:
-            check_int("budget", self.budget, self.sink_tokens + self.recent_tokens + 1)
+            low = self.sink_tokens + self.recent_tokens + 1
+            if isinstance(self.budget, int) and not isinstance(self.budget, bool) and self.budget < low:
+                raise ValueError(f"`budget` must be >= {low}: sink_tokens={self.sink_tokens} + recent_tokens="
+                                 f"{self.recent_tokens} are always kept, plus at least one scored token; got "
+                                 f"{self.budget}. Lower sink_tokens/recent_tokens for a smaller budget.")
+            check_int("budget", self.budget, low)
         elif isinstance(self.compression_ratio, bool) or not isinstance(self.compression_ratio, (int, float)) \
                 or not 0 < self.compression_ratio < 1:
             raise ValueError(f"`compression_ratio` must be a float in (0, 1) (the fraction of the prompt removed), "

@@ -28,5 +28,6 @@ def parse_retention(spec: str) -> RetentionPolicy:
             value = float(parts[0])
             return cls(compression_ratio=value) if value < 1 else cls(budget=int(parts[0]))
     except ValueError as e:
-        raise ValueError(f"--retention {spec!r}: {e}") from None
+        detail = str(e) if str(e).startswith("`") else f"expected one of {SPEC_HELP}"  # int('a') says nothing useful
+        raise ValueError(f"--retention {spec!r}: {detail.rstrip('.')}.") from None
     raise ValueError(f"--retention {spec!r}: expected one of {SPEC_HELP}.")

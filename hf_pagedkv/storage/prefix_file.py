@@ -96,8 +96,11 @@ def read_prefix_index(path: str | os.PathLike) -> dict:
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: not a prefix-cache file of this version, or a header too damaged to read.
+        ValueError: not a prefix-cache file of this version, or a header too damaged to read; a directory.
     """
+    if os.path.isdir(path):
+        raise ValueError(f"{path} is a directory; pass the prefix-cache file that pool.save_prefix_cache(path) "
+                         "wrote.")
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}

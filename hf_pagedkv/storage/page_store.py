@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_pagedkv.storage.read_request import ReadRequest
+from hf_pagedkv.storage.segment_split import SegmentSplit
 from hf_pagedkv.storage.segmented_tensor import SegmentedTensor
 
 
@@ -61,6 +62,10 @@ class PageStore:
         self.specs: dict[int, LayerSpec] = {}  # layer_idx -> spec; set once per layer by `add_layer`
         self.keys: dict[int, SegmentedTensor] = {}  # layer_idx -> [num_kv_heads, num_blocks * block_size, key_dim]
         self.values: dict[int, SegmentedTensor] = {}  # layer_idx -> [.., value_dim]
+        # (id(index), chunk size) -> (index, its SegmentSplit): one step's index tensors, split once for every layer
+        # (all layers have the same segments). Cleared by `prepare_write`, `grow` and `shrink`; holding `index`
+        # keeps its id from being reused. The step's index tensors are never changed in place.
+        self._splits: dict[tuple[int, int], tuple[torch.Tensor, SegmentSplit]] = {}
 
     @property
     def bytes_per_block(self) -> int:
@@ -100,9 +105,25 @@ class PageStore:
             for n in self.segment_blocks:
                 t.append_segment(n * self.block_size, self._fill(spec))
 
+    def split(self, t: SegmentedTensor, index: torch.Tensor, size: int = 1,
+              source: torch.Tensor | None = None) -> SegmentSplit:
+        """`t.split(index, size)`, computed once per step for all layers: per index tensor, or per the tensor
+        `source` that `index` was reshaped from (a new view each call)."""
+        source = index if source is None else source
+        key = (id(source), size)
+        hit = self._splits.get(key)
+        if hit is not None and hit[0] is source:
+            return hit[1]
+        if len(self._splits) >= 16:
+            self._splits.clear()
+        split = t.split(index, size)
+        self._splits[key] = (source, split)
+        return split
+
     def grow(self, num_blocks: int) -> None:
         """Extend every layer to `num_blocks` blocks by one new segment; existing blocks are not touched (no copy)."""
         assert num_blocks >= self.num_blocks
+        self._splits.clear()
         if num_blocks == self.num_blocks:
             return
         n = num_blocks - self.num_blocks
@@ -115,6 +136,7 @@ class PageStore:
     def shrink(self, num_blocks: int) -> int:
         """Drop the trailing segments that lie wholly at or past block `num_blocks` (the caller made sure no block
         there is held); return the new `num_blocks` (at least `num_blocks`: a segment is dropped whole or kept)."""
+        self._splits.clear()
         while self.segment_blocks and self.num_blocks - self.segment_blocks[-1] >= num_blocks:
             n = self.segment_blocks.pop()
             for d in (self.keys, self.values):
@@ -133,6 +155,7 @@ class PageStore:
             device (`torch.device`): the layers' device.
             new_step, start, num_new: what the quantized store needs (its block states); unused here.
         """
+        self._splits.clear()
         return slots.to(device)
 
     def write(self, layer_idx: int, target: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -146,7 +169,8 @@ class PageStore:
         for store, new in ((self.keys, key_states), (self.values, value_states)):
             heads, dim = new.shape[1], new.shape[-1]
             src = new.transpose(0, 1).reshape(heads, -1, dim)  # [num_kv_heads, rows * num_new_tokens, dim]
-            store[layer_idx].index_copy_(1, target, src)
+            t = store[layer_idx]
+            t.index_copy_(1, target, src, split=self.split(t, target))
 
     def read(self, layer_idx: int, request: ReadRequest) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens ``request.lo .. request.end - 1`` of every row: views when the single row's blocks are
@@ -212,7 +236,7 @@ class PageStore:
         for store in (self.keys, self.values):
             t = store[layer_idx]  # [num_kv_heads, slots, dim]
             heads, dim = t.shape[0], t.shape[-1]
-            g = t.index_select_chunks(flat, B)  # [num_kv_heads, batch * n, B * dim]
+            g = t.index_select_chunks(flat, B, self.split(t, flat, B, source=blocks))  # [num_kv_heads, batch * n, B * dim]
             g = g.view(heads, batch, n * B, dim).narrow(2, offset, length)
             out.append(g.transpose(0, 1))  # [batch, num_kv_heads, length, dim]
         return out[0], out[1]

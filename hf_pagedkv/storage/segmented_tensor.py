@@ -6,6 +6,8 @@ import bisect
 
 import torch
 
+from hf_pagedkv.storage.segment_split import SegmentSplit
+
 
 class SegmentedTensor:
     """A tensor of shape `[d0, length, d2]` stored as segments `[d0, n_i, d2]` that together cover ``0 .. length``
@@ -76,25 +78,48 @@ class SegmentedTensor:
     def _segment_of(self, i: int) -> int:
         return bisect.bisect_right(self.starts, i) - 1
 
-    def _split(self, index: torch.Tensor):
-        """Yield `(segment, positions, local)`: the entries of 1-D `index` that fall in `segment` (`positions` into
-        `index`, or None for all of them, in order) and their indices inside it."""
+    def split(self, index: torch.Tensor, size: int = 1) -> SegmentSplit:
+        """Where the entries of 1-D `index` (`[n]` int64) lie among the segments; pass it to the operations below
+        to reuse it for every tensor with the same segments (one host sync per split when there are several).
+
+        `size` > 1: `index` names chunks of `size` consecutive entries (every segment's length a multiple of it).
+        """
         if len(self.segments) == 1:
-            yield self.segments[0], None, index
-            return
-        bounds = self._bounds.get(index.device)
+            return SegmentSplit(0, index, (), size)
+        starts = self.starts if size == 1 else [start // size for start in self.starts]
+        bounds = self._bounds.get((index.device, size))
         if bounds is None:
-            bounds = self._bounds[index.device] = torch.tensor(self.starts[1:], dtype=torch.long,
-                                                               device=index.device)
-        seg = torch.bucketize(index, bounds, right=True)  # [n] segment of each index
-        present = torch.unique(seg).tolist()
-        if len(present) == 1:
-            s = present[0]
-            yield self.segments[s], None, index - self.starts[s]
-            return
-        for s in present:
-            pos = (seg == s).nonzero().squeeze(1)  # [n_s] entries of `index` in segment s
-            yield self.segments[s], pos, index.index_select(0, pos) - self.starts[s]
+            bounds = self._bounds[(index.device, size)] = torch.tensor(starts[1:], dtype=torch.long,
+                                                                       device=index.device)
+        seg = torch.bucketize(index.contiguous(), bounds, right=True)  # [n] segment of each entry
+        counts = torch.bincount(seg, minlength=len(starts)).tolist()
+        base = max(range(len(counts)), key=counts.__getitem__)
+        if counts[base] == len(index):
+            return SegmentSplit(base, index - starts[base] if starts[base] else index, (), size)
+        last = self.segments[base].shape[1] // size - 1
+        base_local = (index - starts[base]).clamp_(0, last)  # [n]; entries elsewhere are patched
+        parts = []
+        for s, count in enumerate(counts):
+            if count:
+                pos = (seg == s).nonzero().squeeze(1)  # [n_s] entries of `index` in segment s
+                parts.append((s, pos, index.index_select(0, pos) - starts[s]))
+        return SegmentSplit(base, base_local, tuple(parts), size)
+
+    def _view(self, s: int, size: int) -> torch.Tensor:
+        seg = self.segments[s]
+        return seg if size == 1 else seg.view(self.d0, -1, size * self.d2)  # [d0, n_s / size, size * d2]
+
+    def _gather(self, split: SegmentSplit, out: torch.Tensor | None) -> torch.Tensor:
+        """One `index_select` from the base segment for every entry, then the entries of other segments copied
+        over theirs: a single pass over the output when all lie in one segment."""
+        base = self._view(split.base, split.size)
+        if out is None:
+            out = base.index_select(1, split.base_local)
+        else:
+            torch.index_select(base, 1, split.base_local, out=out)
+        for s, pos, local in split.patches:
+            out.index_copy_(1, pos, self._view(s, split.size).index_select(1, local))
+        return out
 
     # -- the tensor operations a store uses (dim 1 only) -------------------------------------------------------------
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
@@ -114,53 +139,40 @@ class SegmentedTensor:
             start += take
         return torch.cat(parts, 1)  # [d0, length, d2]
 
-    def index_select(self, dim: int, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Entries `index` (`[n]` int64), `[d0, n, d2]`, into `out` when given."""
+    def index_select(self, dim: int, index: torch.Tensor, out: torch.Tensor | None = None,
+                     split: SegmentSplit | None = None) -> torch.Tensor:
+        """Entries `index` (`[n]` int64), `[d0, n, d2]`, into `out` when given; `split`: `self.split(index)`."""
         assert dim == 1
-        if len(self.segments) == 1:
-            return torch.index_select(self.segments[0], 1, index, out=out) if out is not None \
-                else self.segments[0].index_select(1, index)
-        if out is None:
-            out = torch.empty((self.d0, len(index), self.d2), dtype=self.dtype, device=self.device)
-        for seg, pos, local in self._split(index):
-            if pos is None:
-                torch.index_select(seg, 1, local, out=out)
-            else:
-                out.index_copy_(1, pos, seg.index_select(1, local))  # [d0, n_s, d2] into its positions
-        return out
+        return self._gather(split if split is not None else self.split(index), out)
 
-    def index_select_chunks(self, index: torch.Tensor, size: int) -> torch.Tensor:
+    def index_select_chunks(self, index: torch.Tensor, size: int, split: SegmentSplit | None = None) -> torch.Tensor:
         """Whole chunks of `size` consecutive entries (chunk `c` = entries ``c * size .. (c + 1) * size - 1``, e.g.
-        the slots of block `c`), `[d0, len(index), size * d2]`: one `index_select` of `size * d2`-element rows per
-        segment touched. Every segment's length must be a multiple of `size` (segments of whole blocks)."""
-        views = [seg.view(self.d0, -1, size * self.d2) for seg in self.segments]
-        if len(views) == 1:
-            return views[0].index_select(1, index)
-        starts = [s // size for s in self.starts]
-        seg_of = torch.bucketize(index.contiguous(), torch.tensor(starts[1:], dtype=torch.long, device=index.device),
-                                right=True)
-        present = torch.unique(seg_of).tolist()
-        if len(present) == 1:
-            s = present[0]
-            return views[s].index_select(1, index - starts[s])
-        out = torch.empty((self.d0, len(index), size * self.d2), dtype=self.dtype, device=self.device)
-        for s in present:
-            pos = (seg_of == s).nonzero().squeeze(1)  # [n_s] entries of `index` in segment s
-            out.index_copy_(1, pos, views[s].index_select(1, index.index_select(0, pos) - starts[s]))
-        return out
+        the slots of block `c`), `[d0, len(index), size * d2]`: one `index_select` of `size * d2`-element rows from
+        the segment holding most of them, plus one per other segment touched. Every segment's length must be a
+        multiple of `size` (segments of whole blocks). `split`: `self.split(index, size)`."""
+        split = split if split is not None else self.split(index, size)
+        assert split.size == size, "the split was made for another chunk size"
+        return self._gather(split, None)
 
-    def index_copy_(self, dim: int, index: torch.Tensor, source: torch.Tensor) -> SegmentedTensor:
-        """Write `source` `[d0, n, d2]` into entries `index` `[n]`."""
+    def index_copy_(self, dim: int, index: torch.Tensor, source: torch.Tensor,
+                    split: SegmentSplit | None = None) -> SegmentedTensor:
+        """Write `source` `[d0, n, d2]` into entries `index` `[n]`; `split`: `self.split(index)`."""
         assert dim == 1
-        for seg, pos, local in self._split(index):
-            seg.index_copy_(1, local, source if pos is None else source.index_select(1, pos))
+        split = split if split is not None else self.split(index)
+        if split.single:
+            self.segments[split.base].index_copy_(1, split.base_local, source)
+        for s, pos, local in split.parts:
+            self.segments[s].index_copy_(1, local, source.index_select(1, pos))
         return self
 
     def index_fill_(self, dim: int, index: torch.Tensor, value: float | int) -> SegmentedTensor:
         """Fill entries `index` `[n]` with `value`."""
         assert dim == 1
-        for seg, _, local in self._split(index):
-            seg.index_fill_(1, local, value)
+        split = self.split(index)
+        if split.single:
+            self.segments[split.base].index_fill_(1, split.base_local, value)
+        for s, _, local in split.parts:
+            self.segments[s].index_fill_(1, local, value)
         return self
 
     def __repr__(self) -> str:

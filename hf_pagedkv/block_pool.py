@@ -19,6 +19,7 @@ from hf_pagedkv.storage.device_budget import blocks_for_budget, check_device_sha
 from hf_pagedkv.errors import PoolExhaustedError
 from hf_pagedkv.observe.events import EventLog
 from hf_pagedkv.host_tiers import HostTiers
+from hf_pagedkv.idle_shrink import IdleShrink
 from hf_pagedkv.pool.invariants import check_group_invariants
 from hf_pagedkv.observe.alerts import Health
 from hf_pagedkv.observe.metrics import PoolMetrics
@@ -88,6 +89,9 @@ class BlockPool:
             the pool's blocks (`PrefixCacheBudget`). Defaults to 1 GiB for a growable pool, which grows rather than
             evicting within it, and to the whole pool for a fixed one. `stats().bytes_cached` and
             `stats().prefix_cache_budget` report it.
+        shrink_after (`float`, *optional*): a growable pool gives its free trailing storage segments back by itself
+            (`shrink()`, from a daemon timer, `idle_shrink.py`) once this many seconds pass without an allocation;
+            None (default): only when `shrink()` is called. Not for tensor-parallel ranks (block ids may differ).
 
     With neither `num_blocks` nor `max_memory`, the pool grows on demand by chunks: what is needed plus a headroom
     of a quarter of its size (at least 16 blocks), so growth is amortised O(1) and the storage stays close to what
@@ -113,7 +117,8 @@ class BlockPool:
     Raises:
         ValueError: `block_size` or `num_blocks` not a positive int; both `num_blocks` and `max_memory`
             given; `max_memory` not a size; an invalid `quant`; `prefix_cache_memory` without `prefix_caching`,
-            or neither a size nor a fraction in (0, 1].
+            or neither a size nor a fraction in (0, 1]; `shrink_after` not a number of seconds > 0, or given for a
+            fixed pool.
 
     Example:
 
@@ -137,6 +142,7 @@ class BlockPool:
         quant: QuantConfig | str | None = None,
         host_memory: int | str | None = None,
         prefix_cache_memory: int | str | float | None = None,
+        shrink_after: float | None = None,
     ) -> None:
         self.quant = QuantConfig.resolve(quant)  # storage format; fixed
         if prefix_cache_memory is not None and not prefix_caching:
@@ -152,6 +158,15 @@ class BlockPool:
         self.block_size = block_size  # tokens per block; fixed
         self.max_memory = None if max_memory is None else parse_bytes(max_memory)  # byte budget, or None
         self.growable = num_blocks is None and max_memory is None  # grow on demand instead of raising
+        if shrink_after is not None:
+            if isinstance(shrink_after, bool) or not isinstance(shrink_after, (int, float)) or not shrink_after > 0:
+                raise ValueError(f"shrink_after={shrink_after!r}: give the idle time in seconds, a number > 0 "
+                                 "(or None to shrink only when pool.shrink() is called).")
+            if not self.growable:
+                raise ValueError("shrink_after= is for a growable pool (num_blocks=None and max_memory=None): a fixed "
+                                 "pool keeps its preallocation.")
+        # gives free segments back after `shrink_after` idle seconds (idle_shrink.py), or None; fixed
+        self.idle_shrink = None if shrink_after is None else IdleShrink(self, float(shrink_after))
         self.lock = threading.RLock()  # guards all bookkeeping; held by a cache for a whole step's extension
         self._fixed_blocks = num_blocks  # blocks each layer group gets when it is created, or None
         self._budget_blocks: int | None = None  # with max_memory: the blocks per group, once the first layer sized it
@@ -298,6 +313,8 @@ class BlockPool:
         """
         with self.lock:
             self._drain()
+            if self.idle_shrink is not None:
+                self.idle_shrink.touch()
             g = self.groups[group]
             free = g.allocator.num_free_blocks
             if n <= free:
@@ -354,6 +371,8 @@ class BlockPool:
             g.store.release(freed)
             if g.prefix_index is not None:
                 self._trim_prefix_cache(g)
+            if freed and self.idle_shrink is not None:
+                self.idle_shrink.arm()
 
     def max_idle_blocks(self, group: int = 0) -> int | None:
         """Cached-idle blocks `group` keeps at most (`prefix_cache_memory`); None without prefix caching, or before
@@ -438,10 +457,11 @@ class BlockPool:
 
     # -- compaction and shrinking ------------------------------------------------------------------------------------
     def compact(self, max_blocks: int = 64) -> int:
-        """Move up to `max_blocks` live blocks (in use or cached-idle) of each layer group to the lowest free ids below
-        them (`pool/compaction.py`), so the free blocks gather at the end, where `shrink` can return their
-        segments, and the packed rows read more often from one segment. Bounded per call: call it again (e.g. once
-        per step) until it returns 0.
+        """Move up to `max_blocks` live blocks (in use or cached-idle) of each layer group to free ids below them
+        (`pool/compaction.py`): each row whole to the lowest place where its blocks are consecutive in one storage
+        segment (a single-row cache then reads views, not gathers), then blocks no row names to the lowest free
+        ids, so the free blocks gather at the end, where `shrink` can return their segments. Bounded per call: call
+        it again (e.g. once per step) until it returns 0.
 
         Exact: a moved block's storage is copied whole (K/V, or codes, scales, its stage and sink stage), its
         refcount, fill, prefix hash and LRU place move with it, and every block table naming it is renamed (a
@@ -460,7 +480,7 @@ class BlockPool:
             self._drain()
             moved = 0
             for g in self.groups:
-                moves = plan_moves(g.allocator, max_blocks)
+                moves = plan_moves(g.allocator, max_blocks, [row.blocks for row in g.rows()], g.store.segment_blocks)
                 if not moves:
                     continue
                 src, dst = list(moves), list(moves.values())

@@ -304,9 +304,11 @@ class BlockPool:
             alloc = self.groups[group].allocator
             return self.growable or n <= alloc.num_free_blocks + alloc.num_idle_blocks
 
-    def reserve(self, n: int, group: int = 0) -> None:
+    def reserve(self, n: int, group: int = 0, rows: int = 1) -> None:
         """Make sure `n` blocks of `group` are free: a fixed pool evicts cached-idle blocks (LRU) or raises, a
         growable one grows (its idle blocks stay, within the prefix cache's budget). Changes no refcount.
+        `rows`: how many rows the blocks are for; a growth keeps at least one more free block per row, so that the
+        rows' next blocks come from the same storage segment (a batch gather from one segment copies once).
 
         Raises:
             PoolExhaustedError: a fixed pool has fewer than `n` free plus cached-idle blocks (nothing changed).
@@ -335,7 +337,7 @@ class BlockPool:
             # NOTE: a growable pool grows rather than evicting: its idle blocks are within the prefix cache's
             # budget (`free` trims them to it), and evicting them first would keep no prefix across requests.
             cur = g.allocator.num_blocks
-            self._add_blocks(g, n - free + max(cur // _GROWTH_FRACTION, _MIN_GROWTH_BLOCKS))  # headroom
+            self._add_blocks(g, n - free + max(cur // _GROWTH_FRACTION, _MIN_GROWTH_BLOCKS, rows))  # headroom
             logger.debug("BlockPool %s group grew from %d to %d blocks", g.name, cur, g.allocator.num_blocks)
 
     def allocate(self, n: int, after: int | None = None, group: int = 0) -> list[int]:

@@ -81,7 +81,7 @@ class StepPlanner:
             if not pool.can_reserve(need, rt.group):
                 pool.reserve(need, rt.group)  # raises PoolExhaustedError; nothing changed yet
         for rt, _, need in plans:
-            pool.reserve(need, rt.group)
+            pool.reserve(need, rt.group, rows=len(writers))
         # Apply.
         view_base = {}
         total_src, cow0 = 0, ((), (), ())

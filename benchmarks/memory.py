@@ -150,7 +150,8 @@ def main(argv=None) -> int:
     caches = args.caches.split(",")
     print(f"SmolLM2-135M-Instruct fp32, {args.new} decode steps, {args.threads} thread(s) per process, "
           f"{os.cpu_count()} CPUs; one process per row; padding {'stored' if args.store_padding else 'not stored'}")
-    print("| run | cache | reported MiB | real MiB | peak RSS MiB | peak / DynamicCache | slots / real tokens | tokens |")
+    print("| run | cache | reported MiB | real MiB | peak RSS MiB | peak / DynamicCache | slots / real tokens "
+          "| tokens |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
     ok = True
     for run in runs:
@@ -174,8 +175,8 @@ def main(argv=None) -> int:
             if "peak_cuda" in r:
                 peak += f" (CUDA {r['peak_cuda'] / MiB:.0f})"
             slots = f"{r['slots']:,} / {r['real_tokens']:,}" if r.get("slots") is not None else "-"
-            print(f"| {run} | {cache_type} | {reported} | {r['real'] / MiB:.1f} | {peak} | {ratio} | {slots} | {same} |",
-                  flush=True)
+            real = f"{r['real'] / MiB:.1f}"
+            print(f"| {run} | {cache_type} | {reported} | {real} | {peak} | {ratio} | {slots} | {same} |", flush=True)
             if r.get("reserved") is not None and r["reserved"] != r["real"]:
                 print(f"  bytes_reserved {r['reserved']} != real {r['real']}", file=sys.stderr)
                 ok = False

@@ -345,7 +345,7 @@ class BlockPool:
         never written (a step drops the writes of padding tokens that fall in it, and copies it before writing a
         real token into it after a crop), never published, never moved to the host tier, and holds no token (fill
         0). Reads gather it like any block: attention masks its positions, and zeros keep the masked softmax exact.
-        Counted once in `stats().blocks_in_use` and `bytes_in_use`. Invariant 9 (`pool/invariants.py`).
+        Counted once in `stats().blocks_in_use` and `bytes_in_use`. Invariant 10 (`pool/invariants.py`).
 
         Raises:
             PoolExhaustedError: a fixed pool has no free (or cached-idle) block for it (nothing changed).
@@ -650,7 +650,7 @@ class BlockPool:
         """Check the pool invariants in every layer group; raise `InvariantError` naming the broken one (by its
         number), the group and the blocks. The list, with what each checks, is in `pool/invariants.py`: 1 block
         states, 2 refcounts, 3 blocks per table, 4 encode-once, 5 the free queue, 6 quantized stages, 8 the
-        written-slot counter, 9 the pad block (7, a cache's tables against their mirror, is
+        written-slot counter, 9 the host tier, 10 the pad block (7, a cache's tables against their mirror, is
         `PagedCache.check_invariants()`'s)."""
         with self.lock:
             self._drain()

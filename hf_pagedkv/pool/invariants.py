@@ -15,7 +15,8 @@ step; a `debug=True` cache after every change). Each error names its number:
 6. quantized pools: every stage and sink stage is owned by exactly one live block, and none is lost;
 7. a cache's block tables equal their tensor mirror (checked by `PagedCache.check_invariants`);
 8. the written-slot counter agrees with the tables;
-9. the pad block (`BlockGroup.pad_block`, once reserved): in use (held by the pool), never published or free,
+9. (the host tier's, checked by `HostTiers.check`);
+10. the pad block (`BlockGroup.pad_block`, once reserved): in use (held by the pool), never published or free,
    holding no token (fill 0), and never written: its storage still holds the zeros it was reserved with, in every
    layer (`store.check_zero_blocks`; a quantized store keeps it encoded, without stage or sink stage).
 """
@@ -107,7 +108,7 @@ def check_group_invariants(group: BlockGroup) -> None:
                 problems.append(f"pad block {pad} counts {alloc.fill(pad)} written slots, it holds none")
             problems += group.store.check_zero_blocks([pad])
         if problems:
-            raise InvariantError(f"invariant 9 (the pad block: held by the pool, never written or published) "
+            raise InvariantError(f"invariant 10 (the pad block: held by the pool, never written or published) "
                                  f"broken{where}: {'; '.join(problems)}")
     if group.store.is_quantized:
         live = {b for b in range(alloc.num_blocks) if rc[b] > 0} | idle

@@ -79,7 +79,7 @@ def test_the_pad_block_is_never_written_and_a_write_into_it_is_caught():
     pad = pool.pad_block()
     assert not pool.store.keys[0].index_select(1, pool.store.block_slots([pad], torch.device("cpu"))).any()
     pool.store.keys[0].index_fill_(1, torch.tensor([pad * B + 1]), 1.0)  # a stray write
-    with pytest.raises(InvariantError, match="invariant 9"):
+    with pytest.raises(InvariantError, match="invariant 10"):
         pool.check_invariants()
 
 

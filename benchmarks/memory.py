@@ -2,6 +2,7 @@
 
     python benchmarks/memory.py                 # both runs, every cache type; ~10-15 min on 2 CPU cores
     python benchmarks/memory.py --quick         # a 1024-token batch-1 run only (a smoke run)
+    python benchmarks/memory.py --store-padding # PagedCache stores left padding (no `cache.set_padding`), as before
 
 Each (run, cache type) is measured in its own process, so allocator state and peaks do not leak between them:
 the model (the bundled SmolLM2-135M-Instruct, fp32) is loaded and warmed up, the peak is reset, then one
@@ -11,7 +12,12 @@ the model (the bundled SmolLM2-135M-Instruct, fp32) is loaded and warmed up, the
 - real: the bytes of every storage tensor the pool owns (PagedCache: each store's `tensors()`, which
   `bytes_reserved` must equal; DynamicCache: its key/value tensors);
 - peak: the growth of the process's peak RSS over its RSS before `generate` (Linux `VmHWM`, reset through
-  `/proc/self/clear_refs`), and `torch.cuda.max_memory_allocated` growth where the model runs on CUDA.
+  `/proc/self/clear_refs`), and `torch.cuda.max_memory_allocated` growth where the model runs on CUDA;
+- slots / real tokens: token slots of the blocks in use (`blocks_in_use * block_size`, the pad block counted once)
+  and the real tokens the cache holds (the prompts without padding plus the generated tokens but the last).
+
+A PagedCache is told the batch's padding (`cache.set_padding(attention_mask)`), so whole blocks of left padding
+name the pool's one pad block; `--store-padding` leaves that out (padding stored as tokens).
 
 Runs: batch 1 with a 4096-token prompt, and a left-padded batch 8 of prompts of 300-1000 tokens (seeded random
 token ids). Tokens must be identical to DynamicCache's (fp) or the script exits 1.
@@ -76,7 +82,7 @@ def pool_real_bytes(pool) -> int:
     return sum(t.untyped_storage().nbytes() for g in pool.groups for t in g.store.tensors())
 
 
-def measure(run: str, cache_type: str, new: int, threads: int) -> dict:
+def measure(run: str, cache_type: str, new: int, threads: int, store_padding: bool = False) -> dict:
     """One measurement, in this process."""
     from hf_pagedkv.tools.models import load_model
     from transformers import DynamicCache
@@ -91,6 +97,8 @@ def measure(run: str, cache_type: str, new: int, threads: int) -> dict:
         return DynamicCache() if cache_type == "dynamic" else PagedCache(quant=cache_type)
 
     def generate(cache, inputs, attention):
+        if isinstance(cache, PagedCache) and not store_padding:
+            cache.set_padding(attention)  # whole blocks of left padding cost nothing
         with torch.no_grad():
             return model.generate(inputs, attention_mask=attention, **cache_kwargs(cache), max_new_tokens=new,
                                   min_new_tokens=new, do_sample=False)
@@ -111,7 +119,8 @@ def measure(run: str, cache_type: str, new: int, threads: int) -> dict:
     out = generate(cache, x, mask)
     result = {"run": run, "cache": cache_type, "tokens": out[:, x.shape[1]:].tolist(),
               "peak_rss": (_peak_rss() if exact_peak else proc.memory_info().rss) - before,
-              "peak_exact": exact_peak, "device": str(device)}
+              "peak_exact": exact_peak, "device": str(device),
+              "real_tokens": int(mask.sum()) + x.shape[0] * (new - 1)}
     if device.type == "cuda":
         result["peak_cuda"] = torch.cuda.max_memory_allocated() - cuda_before
     if isinstance(cache, PagedCache):
@@ -130,23 +139,26 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=64, help="decode steps after the prefill")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process")
     ap.add_argument("--caches", default=",".join(CACHES), help="comma-separated: dynamic, fp, k8v8, k8v4, k4v4")
+    ap.add_argument("--store-padding", action="store_true", help="do not call cache.set_padding (store padding)")
+    ap.add_argument("--runs", help="comma-separated runs (default: b1-4096,b8-padded; --quick: b1-1024)")
     ap.add_argument("--one", nargs=2, metavar=("RUN", "CACHE"), help=argparse.SUPPRESS)  # the child process
     args = ap.parse_args(argv)
     if args.one:
-        print(json.dumps(measure(*args.one, new=args.new, threads=args.threads)))
+        print(json.dumps(measure(*args.one, new=args.new, threads=args.threads, store_padding=args.store_padding)))
         return 0
-    runs = ["b1-1024"] if args.quick else ["b1-4096", "b8-padded"]
+    runs = args.runs.split(",") if args.runs else ["b1-1024"] if args.quick else ["b1-4096", "b8-padded"]
     caches = args.caches.split(",")
     print(f"SmolLM2-135M-Instruct fp32, {args.new} decode steps, {args.threads} thread(s) per process, "
-          f"{os.cpu_count()} CPUs; one process per row")
-    print("| run | cache | reported MiB | real MiB | peak RSS MiB | peak / DynamicCache | tokens |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | --- |")
+          f"{os.cpu_count()} CPUs; one process per row; padding {'stored' if args.store_padding else 'not stored'}")
+    print("| run | cache | reported MiB | real MiB | peak RSS MiB | peak / DynamicCache | slots / real tokens "
+          "| tokens |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
     ok = True
     for run in runs:
         ref = None
         for cache_type in caches:
             cmd = [sys.executable, __file__, "--one", run, cache_type, "--new", str(args.new), "--threads",
-                   str(args.threads)]
+                   str(args.threads)] + (["--store-padding"] if args.store_padding else [])
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode:
                 print(proc.stderr[-3000:], file=sys.stderr)
@@ -162,8 +174,9 @@ def main(argv=None) -> int:
             peak = f"{r['peak_rss'] / MiB:.0f}" + ("" if r["peak_exact"] else " (RSS at end)")
             if "peak_cuda" in r:
                 peak += f" (CUDA {r['peak_cuda'] / MiB:.0f})"
-            print(f"| {run} | {cache_type} | {reported} | {r['real'] / MiB:.1f} | {peak} | {ratio} | {same} |",
-                  flush=True)
+            slots = f"{r['slots']:,} / {r['real_tokens']:,}" if r.get("slots") is not None else "-"
+            real = f"{r['real'] / MiB:.1f}"
+            print(f"| {run} | {cache_type} | {reported} | {real} | {peak} | {ratio} | {slots} | {same} |", flush=True)
             if r.get("reserved") is not None and r["reserved"] != r["real"]:
                 print(f"  bytes_reserved {r['reserved']} != real {r['real']}", file=sys.stderr)
                 ok = False

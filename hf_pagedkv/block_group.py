@@ -24,6 +24,11 @@ class BlockGroup:
     `refcount[b]` equals the live table entries naming `b` among the tables registered here; a table holding `n`
     tokens covers ``ceil(n / block_size)`` block positions, of which a full-attention table holds all and a
     sliding table drops only positions wholly before its window.
+
+    The pad block (`pad_block`, once reserved by `BlockPool.ensure_pad_block`): one block of zeros that every whole
+    block of left padding names (as vLLM's null block). The pool holds one reference to it, so it is never freed
+    (its refcount is the table entries naming it plus one); it is never written, never published and holds no
+    token (fill 0).
     """
 
     def __init__(self, index: int, window: int | None, block_size: int, quant: QuantConfig, debug: bool,
@@ -39,6 +44,9 @@ class BlockGroup:
         # owner token -> callback(group, {old: new}) renaming moved blocks in its tables (a weak method), if any
         self.movers: dict[int, Callable[[], Callable[[int, dict[int, int]], None] | None]] = {}
         self.num_cow_copies = 0  # blocks copied before a write; changed by `BlockPool.copy_on_write` only
+        # the pad block (zeros, never written or freed), or None until first needed; set by
+        # `BlockPool.ensure_pad_block`, renamed by `BlockPool.compact` only
+        self.pad_block: int | None = None
 
     @property
     def layers(self) -> list[int]:
@@ -50,12 +58,14 @@ class BlockGroup:
         return "full" if self.window is None else f"sliding{self.window}"
 
     def num_filled_slots(self) -> int:
-        """Token slots in use: each block in use counted once with the most tokens any table holds in it."""
+        """Token slots in use: each block in use counted once with the most tokens any table holds in it (the pad
+        block holds none)."""
         B, fill = self.block_size, {}
         for rows in self.tables.values():
             for row in rows:
                 for j, b in enumerate(row.blocks, row.num_dropped):
-                    fill[b] = max(fill.get(b, 0), min(B, row.num_tokens - j * B))
+                    if b != self.pad_block:
+                        fill[b] = max(fill.get(b, 0), min(B, row.num_tokens - j * B))
         return sum(fill.values())
 
     def num_rows(self) -> int:

@@ -296,6 +296,8 @@ class BlockPool:
                         if g.allocator.num_blocks == 0:
                             self._add_blocks(g, n)
             target.store.add_layer(layer_idx, spec)
+            if target.pad_block is not None:  # the new layer's storage of the pad block holds zeros too
+                target.store.zero_blocks([target.pad_block], layer_idx)
 
     # -- allocation --------------------------------------------------------------------------------------------------
     def can_reserve(self, n: int, group: int = 0) -> bool:
@@ -349,6 +351,32 @@ class BlockPool:
             self.metrics.count_allocation(n, self.num_used_blocks)
             self.events.emit("allocate", blocks, **_group_field(group))
             return blocks
+
+    def pad_block(self, group: int = 0) -> int | None:
+        """The pad block of `group`, or None if none was reserved yet (see `ensure_pad_block`). No side effects."""
+        return self.groups[group].pad_block
+
+    def ensure_pad_block(self, group: int = 0) -> int:
+        """The pad block of `group`, reserved on first use: one block of zeros (finite, in every layer of the group)
+        that every whole block of a row's left padding names instead of a block of its own, as vLLM's null block.
+
+        The pool holds one reference to it, so it is never freed (refcount = table entries naming it + 1); it is
+        never written (a step drops the writes of padding tokens that fall in it, and copies it before writing a
+        real token into it after a crop), never published, never moved to the host tier, and holds no token (fill
+        0). Reads gather it like any block: attention masks its positions, and zeros keep the masked softmax exact.
+        Counted once in `stats().blocks_in_use` and `bytes_in_use`. Invariant 10 (`pool/invariants.py`).
+
+        Raises:
+            PoolExhaustedError: a fixed pool has no free (or cached-idle) block for it (nothing changed).
+        """
+        with self.lock:
+            g = self.groups[group]
+            if g.pad_block is None:
+                block = self.allocate(1, group=group)[0]  # the pool's own reference: never dropped
+                g.store.zero_blocks([block])
+                g.pad_block = block
+                logger.debug("BlockPool: block %d is the pad block of its %s group", block, g.name)
+            return g.pad_block
 
     @property
     def num_used_blocks(self) -> int:
@@ -446,6 +474,7 @@ class BlockPool:
         with self.lock:
             g = self.groups[group]
             assert all(g.allocator.refcount(b) > 0 for b in blocks), "publish of a block the caller does not hold"
+            assert g.pad_block is None or g.pad_block not in blocks, "publish of the pad block (padding)"
             self.events.emit("publish", blocks, **_group_field(group))
             return sum(g.prefix_index.publish(h, b) for h, b in zip(hashes, blocks))
 
@@ -491,6 +520,8 @@ class BlockPool:
                     g.allocator.move(s, d)
                 if g.prefix_index is not None:
                     g.prefix_index.rename(moves)
+                if g.pad_block in moves:  # its zeros were copied with it
+                    g.pad_block = moves[g.pad_block]
                 for token, rows in g.tables.items():
                     mover = g.movers.get(token)
                     rename = mover() if mover is not None else None
@@ -641,7 +672,8 @@ class BlockPool:
         """Check the pool invariants in every layer group; raise `InvariantError` naming the broken one (by its
         number), the group and the blocks. The list, with what each checks, is in `pool/invariants.py`: 1 block
         states, 2 refcounts, 3 blocks per table, 4 encode-once, 5 the free queue, 6 quantized stages, 8 the
-        written-slot counter (7, a cache's tables against their mirror, is `PagedCache.check_invariants()`'s)."""
+        written-slot counter, 9 the host tier, 10 the pad block (7, a cache's tables against their mirror, is
+        `PagedCache.check_invariants()`'s)."""
         with self.lock:
             self._drain()
             for group in self.groups:

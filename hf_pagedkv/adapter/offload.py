@@ -8,7 +8,9 @@ What moves is decided by refcounts. Every block the cache names is copied to the
 its references: a block only this cache held is freed on the device, a block other caches share stays on the
 device for them, and a published prefix block held by nobody else becomes cached-idle (still a prefix hit for
 other requests). On `prefetch` the cache gets new device blocks holding the copies; blocks it shared before are its
-own copies afterwards (the device tier holds them twice while the other holders live).
+own copies afterwards (the device tier holds them twice while the other holders live). The pad block (whole blocks
+of left padding, `BlockPool.ensure_pad_block`) never moves: an offloaded row records its positions as `PAD` and
+names the device's pad block again on `prefetch`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from hf_pagedkv.errors import PoolExhaustedError
 from hf_pagedkv.adapter.row_tables import RowTables
 from hf_pagedkv.pool.block_table import BlockTable
 
+PAD = -1  # an offloaded row's position that names the device's pad block (left padding): not copied to the host
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,7 @@ class OffloadedGroup:
     group: int  # the pool's layer group
     num_dropped: int  # leading block positions no row holds (sliding window); the same in every row
     num_tokens: int  # tokens of every row
-    rows: tuple[tuple[int, ...], ...]  # per row, the host block of each held position
+    rows: tuple[tuple[int, ...], ...]  # per row, the host block of each held position (`PAD`: the pad block)
     fills: dict[int, int]  # host block -> leading slots written (the device allocator's fill, restored on prefetch)
 
 
@@ -48,7 +51,8 @@ def offload_cache(pool, owner: int, groups: list[RowTables]) -> list[OffloadedGr
     with pool.lock:
         plans = []
         for rt in groups:
-            unique = list(dict.fromkeys(b for row in rt.rows for b in row.blocks))  # each block once, in order
+            pad = pool.pad_block(rt.group)  # stays on the device
+            unique = list(dict.fromkeys(b for row in rt.rows for b in row.blocks if b != pad))  # each once, in order
             plans.append((rt, unique))
         if not pool.host.can_hold({rt.group: len(unique) for rt, unique in plans}):
             need = {rt.group: len(unique) for rt, unique in plans}
@@ -59,6 +63,8 @@ def offload_cache(pool, owner: int, groups: list[RowTables]) -> list[OffloadedGr
             alloc = pool.groups[rt.group].allocator
             host = pool.host.offload(owner, rt.group, unique) if unique else []
             to_host = dict(zip(unique, host))
+            if pool.pad_block(rt.group) is not None:
+                to_host[pool.pad_block(rt.group)] = PAD
             out.append(OffloadedGroup(
                 group=rt.group, num_dropped=rt.num_dropped, num_tokens=rt.rows[0].num_tokens if rt.rows else 0,
                 rows=tuple(tuple(to_host[b] for b in row.blocks) for row in rt.rows),
@@ -79,7 +85,8 @@ def prefetch_cache(pool, owner: int, groups: list[RowTables], offloaded: list[Of
     """
     by_group = {rt.group: rt for rt in groups}
     with pool.lock:
-        needs = {og.group: len(og.fills) for og in offloaded}
+        needs = {og.group: len(og.fills) + (pool.pad_block(og.group) is None and any(PAD in r for r in og.rows))
+                 for og in offloaded}
         short = [g for g, n in needs.items() if not pool.can_reserve(n, g)]
         if short:
             g = short[0]
@@ -103,11 +110,14 @@ def prefetch_cache(pool, owner: int, groups: list[RowTables], offloaded: list[Of
             raise
         for og, (_, dev) in zip(offloaded, held):
             rt = by_group[og.group]
-            to_dev = dict(zip(og.fills, dev))
+            to_dev, pad = dict(zip(og.fills, dev)), None
+            if any(PAD in hosts for hosts in og.rows):  # one reference per entry naming the pad block
+                to_dev[PAD] = pad = pool.ensure_pad_block(og.group)
+                pool.incref([pad] * sum(hosts.count(PAD) for hosts in og.rows), og.group)
             rows = [[to_dev[h] for h in hosts] for hosts in og.rows]
             seen: set[int] = set()
             for blocks in rows:  # the allocation holds one reference per block; a block named again gets one more
-                again = [b for b in blocks if b in seen]
+                again = [b for b in blocks if b in seen and b != pad]
                 seen.update(blocks)
                 if again:
                     pool.incref(again, og.group)

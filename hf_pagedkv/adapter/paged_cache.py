@@ -14,6 +14,7 @@ from hf_pagedkv.pool.block_table import BlockTable, num_blocks_for
 from hf_pagedkv.config import QuantConfig, check_positive_int
 from hf_pagedkv.errors import CacheOffloadedError, CacheReleasedError, InvariantError
 from hf_pagedkv.adapter.in_place_reads import InPlaceReads
+from hf_pagedkv.adapter.left_padding import LeftPadding
 from hf_pagedkv.adapter.paged_layer import PagedLayer
 from hf_pagedkv.storage.page_store import LayerSpec
 from hf_pagedkv.adapter import prefix_cache
@@ -42,6 +43,8 @@ class PagedCache(Cache):
     K/V, checked layer by layer, and stored once. A cache pre-filled with `b` rows that is then given `k * b`
     rows (for example `generate(num_beams=k)` after a prompt was cached) expands itself by forking its rows.
     With a `BlockPool(prefix_caching=True)`, `from_prefix` and `publish` share prompt prefixes across requests.
+    `set_padding(attention_mask)` before a left-padded prefill makes whole blocks of padding name the pool's one pad
+    block instead of blocks of their own.
 
     A forward step: the first layer to see tokens past the cache's length asks the `StepPlanner` to extend every
     row's table in every layer group (the only part that can fail, all or nothing); the planner returns an
@@ -130,6 +133,8 @@ class PagedCache(Cache):
         self._publish_at_next_step: list[int] | None = None  # a prompt to publish before sliding groups free it
         self.last_step_tokens = 0  # new tokens per row of the last forward step (a sliding group holds them too)
         self._maybe_dups = False  # rows were just forked, so identical rows may be deduplicated next step
+        # leading padding tokens per row of the coming prefill (`set_padding`), until its steps planned them; or None
+        self._padding: LeftPadding | None = None
         self._evictor = None if retention is None else Evictor(retention)  # retention policy state, or None
         self._in_place = InPlaceReads()  # which step's attention reads the pool in place (hf_pagedkv.attention)
         self._released = False
@@ -169,6 +174,50 @@ class PagedCache(Cache):
         """Tokens seen per row (layer `layer_idx`): cached ones, plus those a retention policy evicted."""
         return super().get_seq_length(layer_idx)
 
+    def set_padding(self, attention_mask: torch.Tensor) -> None:
+        """Declare the left padding of the prompt this (empty) cache is about to store, so that padding costs
+        nothing: each whole block of a row's leading padding names the pool's one shared pad block (zeros, never
+        written; `BlockPool.ensure_pad_block`) instead of a block of its own. A left-padded batch then stores its
+        real tokens plus at most one block per row (the block of a row's first real token, which also holds some
+        padding, is stored normally).
+
+        `generate()` gives the attention mask to the model, not to the cache, so pass it here first. Outputs are
+        unchanged (bit-identical to `DynamicCache` in fp32: attention masks padding, and zeros keep the masked
+        softmax exact; `layers[i].keys` read zeros at those positions where `DynamicCache` holds the model's pad
+        K/V; with ``attn_implementation="eager"``, whose mask is a finite minimum, only the logits at padding
+        positions, which nothing reads, may differ); `get_seq_length()` still counts padding, as `DynamicCache` does; padding is never published to the
+        prefix index (`publish` skips rows that hold it). Rows expanded by `generate` (`num_return_sequences`,
+        `num_beams`) take the padding of the row they copy. It applies to the coming forward steps until they
+        covered the padding, and is forgotten by `reset()`, `crop()` and row selections. With a `retention` policy
+        it has no effect (padding is stored, as before: policies pick kept tokens from what is stored).
+
+        Args:
+            attention_mask (`torch.Tensor` of shape `[batch, seq_len]`): the mask given to `generate`, 1 (or True)
+                for real tokens, 0 for left padding.
+
+        Raises:
+            ValueError: the mask is not 2-D, not left padding (0s then 1s in each row), or has a row without a
+                real token; the cache already holds tokens (nothing changed then).
+            CacheReleasedError: the cache was released.
+
+        Example:
+
+        ```python
+        >>> cache = PagedCache(config=model.config)
+        >>> cache.set_padding(attention_mask)
+        >>> out = model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, max_new_tokens=20)
+        ```
+        """
+        self.check_usable()
+        padding = LeftPadding.from_mask(attention_mask)  # raises ValueError
+        if self._num_tokens:
+            raise ValueError(f"set_padding: this PagedCache already holds {self._num_tokens} tokens per row; declare "
+                             "the padding of a prompt before its prefill, on an empty cache (or reset() it first).")
+        if self._evictor is not None:
+            logger.debug("PagedCache.set_padding: ignored with a retention policy (padding is stored)")
+            return
+        self._padding = padding if padding.num_tokens else None
+
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         """`(kv_length, kv_offset)` of layer `layer_idx` for a step of `query_length` tokens (see
         `PagedLayer.get_mask_sizes`). With a retention policy, the step's eviction happens here, between steps:
@@ -197,6 +246,7 @@ class PagedCache(Cache):
             )
         if tokens_to_remove == 0 or self._num_tokens == 0:
             return
+        self._padding = None
         new_len = max(0, self._num_tokens + tokens_to_remove)
         if self._evictor is not None:  # retention: evicted tokens cannot come back
             self._evictor.check_crop(new_len)
@@ -275,6 +325,7 @@ class PagedCache(Cache):
                 self.pool.free([b for row in rt.rows for b in row.blocks], rt.group)
                 rt.reset()
         self._num_tokens = 0
+        self._padding = None
         self._end_step()
         self._grad_history = False
         for layer in self._paged_layers():
@@ -648,6 +699,9 @@ class PagedCache(Cache):
         if len(plan.writers) < self.num_rows:
             rows = tensors.writer_rows(device)
             key_states, value_states = key_states.index_select(0, rows), value_states.index_select(0, rows)
+        stored = tensors.stored_tokens(device)  # None, or the tokens not in whole blocks of padding (pad block)
+        if stored is not None:
+            key_states, value_states = (_select_tokens(x, stored) for x in (key_states, value_states))
         with self.pool.lock:  # a growing pool replaces its tensors; no write may land in the old ones
             store.write(layer.layer_idx, tensors.write_target(rt, store, device), key_states.detach(),
                         value_states.detach())
@@ -689,6 +743,8 @@ class PagedCache(Cache):
         if prompt is not None and self._num_tokens >= len(prompt):  # every layer wrote the prompt: publish it
             self._publish_at_next_step = None
             self.publish(prompt)
+        # may raise ValueError before anything changed
+        padding = None if self._padding is None else self._padding.for_batch(key_states.shape[0])
         with self.pool.lock:
             num_rows = self.num_rows
             self._match_batch(key_states.shape[0])
@@ -696,7 +752,8 @@ class PagedCache(Cache):
                 self._evictor.before_step(self, key_states.shape[2])
             try:
                 plan = self._planner.begin(self._groups, key_states, value_states, self._num_tokens,
-                                           maybe_dups=self._maybe_dups, grad_history=self._grad_history)
+                                           maybe_dups=self._maybe_dups, grad_history=self._grad_history,
+                                           padding=padding)
             except BaseException:  # a full pool: undo the row expansion too, so the pool is exactly as it was
                 if self.num_rows != num_rows and self._num_tokens:
                     self._select(list(range(0, self.num_rows, self.num_rows // num_rows)))
@@ -704,6 +761,8 @@ class PagedCache(Cache):
                 raise
         self._plan, self._step_tensors = plan, StepTensors(plan)
         self._num_tokens = plan.end
+        if padding is not None and plan.end >= self._padding.num_tokens:  # every position of the padding is planned
+            self._padding = None
         self.last_step_tokens = plan.num_new
         self._maybe_dups = False
         self.pool.events.on_step(self.seq_id, plan, self._rows)
@@ -744,6 +803,7 @@ class PagedCache(Cache):
         self.check_usable()
         if any(not 0 <= i < self.num_rows for i in idx):
             raise ValueError(f"row indices {idx} out of range for a cache of {self.num_rows} rows.")
+        self._padding = None
         with self.pool.lock:
             for rt in self._groups:
                 c = rt.common_prefix(self._num_tokens) if common else 0
@@ -761,7 +821,9 @@ class PagedCache(Cache):
         if batch == self.num_rows:
             return
         if self._num_tokens == 0:
+            padding = self._padding  # declared for the prefill this batch is for
             self.reset()
+            self._padding = padding
             for rt in self._groups:
                 rt.reset(batch)
         elif self.num_rows and batch % self.num_rows == 0:
@@ -772,3 +834,11 @@ class PagedCache(Cache):
                 f"This PagedCache holds {self.num_rows} rows of {self._num_tokens} tokens but got a batch of "
                 f"{batch}; the batch must equal the rows, or be a multiple of them (rows are then forked)."
             )
+
+
+def _select_tokens(states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Tokens `tokens` (`[n]`, indices into the row-major `[rows * q]` tokens) of `states` `[rows, num_kv_heads, q,
+    dim]`, as one row `[1, num_kv_heads, n, dim]` (what the stores write with an `[n]` slot mapping)."""
+    heads, dim = states.shape[1], states.shape[-1]
+    flat = states.transpose(0, 1).reshape(heads, -1, dim)  # [num_kv_heads, rows * q, dim]
+    return flat.index_select(1, tokens).unsqueeze(0)  # [1, num_kv_heads, n, dim]

@@ -141,13 +141,18 @@ def publish_rows(pool, groups: list[RowTables], rows: list[list[int]], written: 
                  max_blocks: int | None = None) -> int:
     """Publish the full blocks of each row (row `r` holds the K/V of ``rows[r][:written]``) in every layer group
     (a sliding group publishes the full blocks it still holds), at most the first `max_blocks` held blocks of a row
-    (a retention policy's intact blocks: later ones hold other tokens). Returns the blocks newly published.
+    (a retention policy's intact blocks: later ones hold other tokens). A row that names the pad block holds left
+    padding (`PagedCache.set_padding`): its blocks are aligned to the padding, not to its tokens, so it publishes
+    nothing. Returns the blocks newly published.
 
     Raises:
         ValueError: a block already published for other tokens.
     """
     published = 0
+    pads = {rt.group: pool.pad_block(rt.group) for rt in groups}
     for r, ids in enumerate(rows):
+        if any(pads[rt.group] is not None and pads[rt.group] in rt.rows[r].blocks for rt in groups):
+            continue
         n = min(len(ids), written)
         hashes = hash_blocks(ids[:n], pool.block_size, key)
         for rt in groups:

@@ -27,6 +27,9 @@ class StepPlan:
     cow_dst: tuple[int, ...] = ()
     num_cow_copies: int = 0  # blocks copied in all groups
     num_rows: int = field(default=0)  # batch rows of the step
+    # per batch row, the `[lo, hi)` range of the step's new tokens (indices 0 .. num_new - 1) that lie in whole
+    # blocks of left padding naming the pad block, and are not stored; () when the step names no pad block
+    pad_skip: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dup_of", MappingProxyType(dict(self.dup_of)))
@@ -36,6 +39,11 @@ class StepPlan:
     def num_new(self) -> int:
         """New tokens per row."""
         return self.end - self.start
+
+    @property
+    def stores_every_token(self) -> bool:
+        """Whether every new token of the writers is stored (no whole block of padding names the pad block)."""
+        return not any(self.pad_skip[r][1] > self.pad_skip[r][0] for r in self.writers) if self.pad_skip else True
 
     def covers(self, start: int, num_new: int, batch: int) -> bool:
         """Whether a layer holding `start` tokens that gets `num_new` tokens for `batch` rows is in this step."""

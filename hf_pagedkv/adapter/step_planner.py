@@ -33,7 +33,7 @@ class StepPlanner:
         self.block_size = pool.block_size  # fixed
 
     def begin(self, groups: list[RowTables], key_states: torch.Tensor, value_states: torch.Tensor, start: int,
-              maybe_dups: bool = False, grad_history: bool = False) -> StepPlan:
+              maybe_dups: bool = False, grad_history: bool = False, padding: list[int] | None = None) -> StepPlan:
         """Extend every row of every group from `start` by this step's tokens.
 
         Args:
@@ -43,6 +43,13 @@ class StepPlanner:
             start (`int`): tokens each row holds.
             maybe_dups (`bool`): rows were just forked, so a one-token step may have duplicate rows too.
             grad_history (`bool`): some cached tokens were written from K/V that required grad.
+            padding (`list[int]`, *optional*): leading padding tokens of each row (`PagedCache.set_padding`). A new
+                block position wholly inside a row's padding and wholly written by this step names the group's pad
+                block (`BlockPool.ensure_pad_block`) instead of a block of its own; the plan's `pad_skip` says which
+                tokens are then not stored::
+
+                    padding 9, B = 4:  [ pad | pad | b5: p8 t9 t10 t11 | b6: ... ]   p: padding (masked)
+                                        p0..3  p4..7  stored normally: the block of the row's first real token
 
         Raises:
             PoolExhaustedError: a fixed pool cannot hold the step's blocks (nothing changed).
@@ -58,10 +65,16 @@ class StepPlanner:
                 for row in rt.rows:
                     pool.free(row.drop_front(drop), rt.group)
         find = batch > 1 and (q > 1 or maybe_dups)
-        dup_of = self.find_duplicates(groups, key_states, value_states) if find else {}
+        dup_of = self.find_duplicates(groups, key_states, value_states, padding) if find else {}
         writers = [r for r in range(batch) if r not in dup_of]
         # Plan: new blocks per writer, and which writers must copy a shared partial last block first, per group.
-        n_new = num_blocks_for(end, B) - num_blocks_for(start, B)
+        first_new = num_blocks_for(start, B)  # the first new block position
+        n_new = num_blocks_for(end, B) - first_new
+        # new positions of each row that name the pad block: wholly padding, wholly written now, and continuing the
+        # row's leading run of pad entries (a chunked prefill may have stored a block of padding partly written)
+        pads = [0] * batch if padding is None else [
+            max(0, min(p, end) // B - first_new) if self._only_padding(groups, r) else 0 for r, p in enumerate(padding)]
+        padded = any(pads[r] for r in writers)
         plans = []
         for rt in groups:
             rows, cow = rt.rows, []
@@ -76,7 +89,10 @@ class StepPlanner:
                     if holders[last] > 1 or pool.is_published(last, rt.group):
                         cow.append(r)
                         holders[last] -= 1
-            plans.append((rt, cow, n_new * len(writers) + len(cow)))
+            need = sum(n_new - pads[r] for r in writers) + len(cow)
+            if padded and pool.pad_block(rt.group) is None:
+                need += 1  # the pad block itself, reserved once
+            plans.append((rt, cow, need))
         for rt, _, need in plans:  # all groups or none: a group that cannot serve raises before any reservation
             if not pool.can_reserve(need, rt.group):
                 pool.reserve(need, rt.group)  # raises PoolExhaustedError; nothing changed yet
@@ -99,17 +115,24 @@ class StepPlanner:
                 dst.append(new)
             pool.copy_on_write(src, dst, g)
             pool.free(src, g)  # each copied block keeps its other holders (or stays cached if published)
-            written = []  # blocks of the writers' positions from `first` on, row after row
+            written, filled = [], []  # blocks of the writers' positions from `first` on (not the pad block), fills
             copied = set(cow)
+            pad = pool.ensure_pad_block(g) if padded else None
             for r in writers:
                 row = rows[r]
-                if n_new:
-                    row.append(pool.allocate(n_new, after=row.blocks[-1] if row.blocks else None, group=g))
+                if pads[r]:
+                    row.append([pad] * pads[r])
+                    pool.incref([pad] * pads[r], g)
+                if n_new > pads[r]:
+                    row.append(pool.allocate(n_new - pads[r], after=row.blocks[-1] if row.blocks else None, group=g))
                 row.num_tokens = end
                 if n_new or r in copied:  # NOTE: a decode step inside a block leaves the row's block ids as they were
                     rt.set_row(r, first)
-                written += row.after(first)
-            pool.mark_written(written, fills * len(writers), g)
+                for b, f in zip(row.after(first), fills):
+                    if b != pad:
+                        written.append(b)
+                        filled.append(f)
+            pool.mark_written(written, filled, g)
             for r, w in dup_of.items():
                 rows[r] = rows[w].copy()
                 pool.incref(rows[r].blocks, g)
@@ -118,18 +141,27 @@ class StepPlanner:
             total_src += len(src)
             if rt is groups[0]:
                 cow0 = (tuple(cow), tuple(src), tuple(dst))
+        lo = first_new * B - start  # the step's first token of a new block position
+        pad_skip = tuple((lo, lo + n * B) for n in pads) if any(pads) else ()
         return StepPlan(start, end, tuple(writers), dup_of, view_base, grad_history=grad_history and start > 0,
-                        cow_rows=cow0[0], cow_src=cow0[1], cow_dst=cow0[2], num_cow_copies=total_src, num_rows=batch)
+                        cow_rows=cow0[0], cow_src=cow0[1], cow_dst=cow0[2], num_cow_copies=total_src, num_rows=batch,
+                        pad_skip=pad_skip)
 
-    def find_duplicates(self, groups: list[RowTables], key_states: torch.Tensor,
-                        value_states: torch.Tensor) -> dict[int, int]:
-        """Rows with identical block tables and bit-identical new K/V in this layer -> the first such row."""
+    def _only_padding(self, groups: list[RowTables], r: int) -> bool:
+        """Whether every block row `r` holds, in every group, is the group's pad block (or it holds none)."""
+        return all(b == self.pool.pad_block(rt.group) for rt in groups for b in rt.rows[r].blocks)
+
+    def find_duplicates(self, groups: list[RowTables], key_states: torch.Tensor, value_states: torch.Tensor,
+                        padding: list[int] | None = None) -> dict[int, int]:
+        """Rows with identical block tables, padding and bit-identical new K/V in this layer -> the first such
+        row."""
         # A cheap fingerprint first (bit-identical rows have equal sums), so distinct rows are not compared pairwise.
         sums = torch.stack([key_states.flatten(1).sum(1), value_states.flatten(1).sum(1)], 1).tolist()
         candidates: dict[tuple, list[int]] = {}
         for r in range(key_states.shape[0]):
             tables = tuple(tuple(rt.rows[r].blocks) for rt in groups)
-            candidates.setdefault((tables, *sums[r]), []).append(r)
+            pad = None if padding is None else padding[r]
+            candidates.setdefault((tables, pad, *sums[r]), []).append(r)
         dup_of = {}
         for members in candidates.values():
             firsts: list[int] = []
@@ -151,16 +183,25 @@ class StepPlanner:
             PoolExhaustedError: a fixed pool cannot hold the copies (nothing changed).
         """
         pool, first = self.pool, plan.start // self.block_size
+
+        def own(rt: RowTables) -> list[int]:  # the step's blocks of row r that it copies (the pad block it shares)
+            pad = pool.pad_block(rt.group)
+            return [b for b in rt.rows[r].after(first) if b != pad]
+
         for rt in groups:  # all groups or none
-            if not pool.can_reserve(len(rt.rows[r].after(first)), rt.group):
-                pool.reserve(len(rt.rows[r].after(first)), rt.group)  # raises
+            if not pool.can_reserve(len(own(rt)), rt.group):
+                pool.reserve(len(own(rt)), rt.group)  # raises
         for rt in groups:
-            pool.reserve(len(rt.rows[r].after(first)), rt.group)
+            pool.reserve(len(own(rt)), rt.group)
         for rt in groups:
-            row = rt.rows[r]
+            row, copied = rt.rows[r], own(rt)
             old = row.truncate(first)
-            row.append(pool.allocate(len(old), after=row.blocks[-1] if row.blocks else None, group=rt.group))
-            pool.copy_on_write(old, row.after(first), rt.group)  # earlier layers were identical: exact
+            pads = old[: len(old) - len(copied)]  # leading entries naming the pad block: shared, not copied
+            row.append(pads)
+            pool.incref(pads, rt.group)
+            new = pool.allocate(len(copied), after=row.blocks[-1] if row.blocks else None, group=rt.group)
+            row.append(new)
+            pool.copy_on_write(copied, new, rt.group)  # earlier layers were identical: exact
             pool.free(old, rt.group)  # still held by the writer row
             rt.set_row(r, first)
         return plan.with_writer(r)

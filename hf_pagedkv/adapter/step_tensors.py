@@ -31,16 +31,35 @@ class StepTensors:
             self._tensors[key] = torch.tensor(self.plan.writers, dtype=torch.long, device=device)
         return self._tensors[key]
 
+    def stored_tokens(self, device: torch.device) -> torch.Tensor | None:
+        """`[n]` int64: which of the writers' row-major `[len(writers) * num_new]` new tokens are stored, when some
+        are not (they lie in whole blocks of left padding, which name the pad block: `StepPlan.pad_skip`); None when
+        every one is."""
+        plan = self.plan
+        if plan.stores_every_token:
+            return None
+        key = (None, "stored", device)
+        if key not in self._tensors:
+            keep = torch.ones((len(plan.writers), plan.num_new), dtype=torch.bool)  # [writers, num_new]
+            for i, r in enumerate(plan.writers):
+                lo, hi = plan.pad_skip[r]
+                keep[i, lo:hi] = False
+            self._tensors[key] = keep.reshape(-1).nonzero().reshape(-1).to(device)  # [n]
+        return self._tensors[key]
+
     def indices(self, rt: RowTables, kind: str, device: torch.device) -> torch.Tensor:
         """One group's index tensors on `device`: ``"write"``, the slot mapping of the writers' new tokens,
-        row-major `[len(writers) * num_new]`; ``"read"``, the block ids of the positions its layers read (from the
-        window start's block), `[batch, n]`."""
+        row-major `[len(writers) * num_new]` (only the `stored_tokens`, `[n]`, when some are not stored);
+        ``"read"``, the block ids of the positions its layers read (from the window start's block), `[batch, n]`."""
         key = (rt.group, kind, device)
         t = self._tensors.get(key)
         if t is None:
             plan = self.plan
             base = plan.view_base.get(rt.group)
-            if kind == "write" and base is not None:
+            stored = self.stored_tokens(torch.device("cpu")) if kind == "write" else None
+            if stored is not None:  # NOTE: never the consecutive slots of a view base: they include the pad block's
+                t = rt.write_slots(list(plan.writers), plan.start, plan.end)[stored]  # [n]
+            elif kind == "write" and base is not None:
                 t = torch.arange(plan.start, plan.end) + base  # consecutive slots
             elif kind == "write":
                 t = rt.write_slots(list(plan.writers), plan.start, plan.end)
@@ -56,8 +75,11 @@ class StepTensors:
         key = (rt.group, "target", device)
         if key not in self._tensors:
             slots = self.indices(rt, "write", torch.device("cpu"))
+            stored = self.stored_tokens(torch.device("cpu"))  # [n], or None: every token
+            positions = None if stored is None else self.plan.start + stored % self.plan.num_new  # [n]
             self._tensors[key] = store.prepare_write(slots, device, new_step=rt.group not in self.prepared,
-                                                     start=self.plan.start, num_new=self.plan.num_new)
+                                                     start=self.plan.start, num_new=self.plan.num_new,
+                                                     positions=positions)
             self.prepared.add(rt.group)
         return self._tensors[key]
 

@@ -3,16 +3,22 @@ step; a `debug=True` cache after every change). Each error names its number:
 
 1. every block is in exactly one state: free, in use (refcount >= 1) or cached-idle (published, refcount 0); the
    prefix index is consistent (hash <-> block maps inverse) and names no free block;
-2. `refcount[b]` equals the live table entries naming `b` (so with no live table, no block is in use: no leak);
+2. `refcount[b]` equals the live table entries naming `b`, plus one for the pad block (the pool's own reference;
+   so with no live table, no block but the pad block is in use: no leak);
 3. a table holding `n` tokens covers ``ceil(n / block_size)`` block positions (a sliding-window table drops only
-   positions wholly before its window) and names a block once; a budgeted table (a retention policy's,
-   `max_positions`) covers at most the positions of its budget;
+   positions wholly before its window) and names a block once, except the pad block, which it names only at
+   leading positions (whole blocks of left padding); a budgeted table (a retention policy's, `max_positions`)
+   covers at most the positions of its budget;
 4. quantized pools: a full block is encoded once, since it was last freed or reopened by a crop (the one case
    of a second encode);
 5. the free queue names only real blocks;
 6. quantized pools: every stage and sink stage is owned by exactly one live block, and none is lost;
 7. a cache's block tables equal their tensor mirror (checked by `PagedCache.check_invariants`);
-8. the written-slot counter agrees with the tables.
+8. the written-slot counter agrees with the tables;
+9. (the host tier's, checked by `HostTiers.check`);
+10. the pad block (`BlockGroup.pad_block`, once reserved): in use (held by the pool), never published or free,
+   holding no token (fill 0), and never written: its storage still holds the zeros it was reserved with, in every
+   layer (`store.check_zero_blocks`; a quantized store keeps it encoded, without stage or sink stage).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ if TYPE_CHECKING:
 def check_group_invariants(group: BlockGroup) -> None:
     """Raise `InvariantError` naming the first broken invariant of one layer group and the block ids concerned.
     The caller holds the pool's lock and has drained pending releases."""
-    alloc, index, B = group.allocator, group.prefix_index, group.block_size
+    alloc, index, B, pad = group.allocator, group.prefix_index, group.block_size, group.pad_block
     where = "" if group.index == 0 else f" [{group.name} group]"
     free = alloc.free_blocks()
     idle = set(index.idle_blocks()) if index is not None else set()
@@ -70,10 +76,17 @@ def check_group_invariants(group: BlockGroup) -> None:
                     f"invariant 3 (a budgeted table owns at most its budget's blocks) broken{where}: a table of "
                     f"{row.num_tokens} tokens owns {row.num_positions} blocks, its retention budget {row.max_positions}"
                 )
-            if len(set(row.blocks)) != len(row.blocks):
-                dup = [b for b, c in Counter(row.blocks).items() if c > 1]
+            n_pad = next((j for j, b in enumerate(row.blocks) if b != pad), len(row.blocks))  # leading pad entries
+            real = row.blocks[n_pad:]
+            if len(set(real)) != len(real):
+                dup = [b for b, c in Counter(real).items() if c > 1]
                 raise InvariantError(f"invariant 3 (a table names a block once) broken{where} for blocks {dup}")
+            if pad is not None and pad in real:
+                raise InvariantError(f"invariant 3 (a table names the pad block only at leading positions) "
+                                     f"broken{where}: {row.blocks[:8]}")
             entries.update(row.blocks)
+    if pad is not None:
+        entries[pad] += 1  # the pool's own reference
     wrong = [b for b in range(alloc.num_blocks) if rc[b] != entries.get(b, 0)]
     if wrong:
         detail = ", ".join(f"{b}: refcount {rc[b]} vs {entries.get(b, 0)} entries" for b in wrong[:10])
@@ -85,6 +98,18 @@ def check_group_invariants(group: BlockGroup) -> None:
     if not filled <= counted <= alloc.num_used_blocks * B:
         raise InvariantError(f"invariant 8 (counters agree with the tables) broken{where}: {counted} written slots "
                              f"counted, {filled} held by the tables, {alloc.num_used_blocks * B} in blocks in use")
+    if pad is not None:
+        problems = [] if 0 <= pad < alloc.num_blocks else [f"pad block {pad} is not a block of the group"]
+        if not problems:
+            if rc[pad] < 1 or pad in free or pad in idle or (index is not None and pad in index):
+                problems.append(f"pad block {pad} must be in use and unpublished (refcount {rc[pad]}, free "
+                                f"{pad in free}, published {index is not None and pad in index})")
+            if alloc.fill(pad):
+                problems.append(f"pad block {pad} counts {alloc.fill(pad)} written slots, it holds none")
+            problems += group.store.check_zero_blocks([pad])
+        if problems:
+            raise InvariantError(f"invariant 10 (the pad block: held by the pool, never written or published) "
+                                 f"broken{where}: {'; '.join(problems)}")
     if group.store.is_quantized:
         live = {b for b in range(alloc.num_blocks) if rc[b] > 0} | idle
         problems = group.store.check(live)  # [(invariant number, text)]

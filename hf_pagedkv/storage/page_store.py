@@ -147,13 +147,14 @@ class PageStore:
 
     # -- the store interface (shared with QuantizedPageStore) -------------------------------------------------------
     def prepare_write(self, slots: torch.Tensor, device: torch.device, *, new_step: bool = True, start: int = 0,
-                      num_new: int | None = None) -> torch.Tensor:
+                      num_new: int | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
         """The write target of a step's tokens for every layer on `device`: here the slot mapping itself.
 
         Args:
-            slots (`torch.LongTensor` of shape `[rows * num_new_tokens]`, CPU): the slot mapping, row-major.
+            slots (`torch.LongTensor` of shape `[rows * num_new_tokens]`, CPU): the slot mapping, row-major (or of
+                the `[n]` tokens given to `write`, when a step stores only some of its tokens).
             device (`torch.device`): the layers' device.
-            new_step, start, num_new: what the quantized store needs (its block states); unused here.
+            new_step, start, num_new, positions: what the quantized store needs (its block states); unused here.
         """
         self._splits.clear()
         return slots.to(device)
@@ -259,6 +260,23 @@ class PageStore:
                 s = self.block_slots(blocks, spec.device)
                 self.keys[idx].index_fill_(1, s, float("nan"))
                 self.values[idx].index_fill_(1, s, float("nan"))
+
+    def zero_blocks(self, blocks: list[int], layer_idx: int | None = None) -> None:
+        """Fill whole `blocks` with zeros in every layer (or in layer `layer_idx` only): the pool's pad block, which
+        reads as finite keys and values that attention masks."""
+        for idx in self.specs if layer_idx is None else [layer_idx]:
+            s = self.block_slots(blocks, self.keys[idx].device)
+            self.keys[idx].index_fill_(1, s, 0)
+            self.values[idx].index_fill_(1, s, 0)
+
+    def check_zero_blocks(self, blocks: list[int]) -> list[str]:
+        """Problems (empty when fine): `blocks` (the pad block) hold anything but zeros in some layer."""
+        bad = []
+        for idx in self.specs:
+            s = self.block_slots(blocks, self.keys[idx].device)
+            if any(bool(store[idx].index_select(1, s).ne(0).any()) for store in (self.keys, self.values)):
+                bad.append(idx)
+        return [f"blocks {blocks} were written in layers {bad[:10]}"] if bad else []
 
     def poison_slots(self, slots: list[int]) -> None:
         """Fill single slots with NaN in every layer (debug mode; used for the tail of a cropped block)."""

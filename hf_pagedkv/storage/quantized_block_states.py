@@ -65,7 +65,8 @@ class QuantizedBlockStates:
         del self.encoded[num_blocks:], self.num_encodes[num_blocks:]
 
     def plan(self, slots: torch.Tensor, device: torch.device, new_step: bool = True, start: int = 0,
-             num_new: int | None = None) -> tuple[WritePlan, list[tuple[int, int, int]]]:
+             num_new: int | None = None,
+             positions: torch.Tensor | None = None) -> tuple[WritePlan, list[tuple[int, int, int]]]:
         """Route a step's new tokens: to stages, or into the blocks they complete, updating the block states once
         per step (call again with ``new_step=False`` for another device or after the step's rows changed).
 
@@ -75,6 +76,9 @@ class QuantizedBlockStates:
             new_step (`bool`): the first plan of a forward step (releases the stages of last step's encoded blocks).
             start (`int`): position of each row's first new token (tokens the rows held before the step).
             num_new (`int`, *optional*): new tokens per row (defaults to all of `slots`: one row).
+            positions (`torch.LongTensor` of shape `[len(slots)]`, *optional*, CPU): each token's position in its
+                row, when the step stores only some of its tokens (a row's whole blocks of padding name the pad
+                block and are not written); by default ``start + i % num_new`` for token `i`.
 
         Returns:
             The `WritePlan`, and the encoded blocks this write reopens (a crop cut into them): `(block, stage,
@@ -118,7 +122,8 @@ class QuantizedBlockStates:
                 self.pending.discard(b)
             self.encoded[b] = self.num_encodes[b] = 0  # open: written into a stage, encoded when it fills
         n = len(slots)
-        sink_src, sink_dst = self._plan_sinks(slots, start, num_new) if start < self.sink_tokens else ([], [])
+        sink_src, sink_dst = self._plan_sinks(slots, start, num_new, positions) if start < self.sink_tokens \
+            else ([], [])
         tok_done = complete[inv]  # [n] tokens that land in a completed block
         rank = torch.full((len(ublk),), -1, dtype=torch.long)
         rank[complete] = torch.arange(len(done))
@@ -140,11 +145,16 @@ class QuantizedBlockStates:
             sink_src=dev(sink_src), sink_dst=dev(sink_dst))
         return plan, opens
 
-    def _plan_sinks(self, slots: torch.Tensor, start: int, q: int) -> tuple[list[int], list[int]]:
+    def _plan_sinks(self, slots: torch.Tensor, start: int, q: int,
+                    positions: torch.Tensor | None = None) -> tuple[list[int], list[int]]:
         """(token indices, sink slots) of the new tokens at positions < `sink_tokens`, giving each first block that
-        lacks one a sink stage. Token `i` of the row-major slot mapping is at position ``start + i % q``."""
+        lacks one a sink stage. Token `i` of the row-major slot mapping is at position ``start + i % q`` (or
+        ``positions[i]``)."""
         B, S = self.block_size, self.sink_tokens
-        idx = torch.arange(len(slots)).view(-1, q)[:, : S - start].reshape(-1)  # [rows * (S - start)]
+        if positions is None:
+            idx = torch.arange(len(slots)).view(-1, q)[:, : S - start].reshape(-1)  # [rows * (S - start)]
+        else:
+            idx = (positions < S).nonzero().reshape(-1)  # [tokens at positions < S]
         src, dst = idx.tolist(), []
         for slot in slots[idx].tolist():
             block = slot // B
@@ -152,6 +162,12 @@ class QuantizedBlockStates:
                 self.sink_of[block] = self.sinks.allocate()
             dst.append(self.sink_of[block] * S + slot % B)
         return src, dst
+
+    def mark_encoded(self, blocks: list[int]) -> None:
+        """Fresh `blocks` whose codes the store filled directly (the pad block's zeros) count as encoded, once."""
+        for b in blocks:
+            assert b not in self.stage_of and b not in self.sink_of, f"mark_encoded of block {b}, which is open"
+            self.encoded[b] = self.num_encodes[b] = 1
 
     def release(self, blocks: list[int]) -> None:
         """Blocks whose refcount reached 0 become fresh; their stages and sink stages are freed."""

@@ -176,6 +176,31 @@ class QuantizedPageStore:
                 for t in self.codes[layer] + self.scales[layer]:
                     t.index_fill_(1, idx.to(t.device), float("nan") if t.dtype.is_floating_point else _CODE_SENTINEL)
 
+    def zero_blocks(self, blocks: list[int], layer_idx: int | None = None) -> None:
+        """Make whole `blocks` hold zeros in every layer (or in layer `layer_idx` only): the pool's pad block. Zero
+        codes and zero scales decode to zeros with every codec; the blocks count as encoded (once), hold no stage
+        and no sink stage, so a read decodes them even as a last block (after a crop into padding)."""
+        idx = torch.tensor(blocks, dtype=torch.long)
+        for layer in self.specs if layer_idx is None else [layer_idx]:
+            for t in self.codes[layer] + self.scales[layer]:
+                t.index_fill_(1, idx.to(t.device), 0)
+        if layer_idx is None:
+            self.states.mark_encoded(blocks)
+
+    def check_zero_blocks(self, blocks: list[int]) -> list[str]:
+        """Problems (empty when fine): `blocks` (the pad block) not all-zero codes and scales in some layer, not
+        encoded, or holding a stage or sink stage."""
+        idx = torch.tensor(blocks, dtype=torch.long)
+        bad = [layer for layer in self.specs
+               if any(bool(t.index_select(1, idx.to(t.device)).ne(0).any())
+                      for t in self.codes[layer] + self.scales[layer])]
+        problems = [f"blocks {blocks} were written in layers {bad[:10]}"] if bad else []
+        odd = [b for b in blocks if not self.states.encoded[b] or b in self.states.stage_of
+               or b in self.states.sink_of]
+        if odd:
+            problems.append(f"blocks {odd} were opened (staged, or given a sink stage)")
+        return problems
+
     def poison_slots(self, slots: list[int]) -> None:
         """Debug mode: NaN-fill single staged slots (the tail of a cropped open block). Encoded blocks are poisoned
         past the kept tokens when they are reopened."""
@@ -219,7 +244,7 @@ class QuantizedPageStore:
 
     # -- the store interface (shared with PageStore) ------------------------------------------------------------
     def prepare_write(self, slots: torch.Tensor, device: torch.device, *, new_step: bool = True, start: int = 0,
-                      num_new: int | None = None) -> WritePlan:
+                      num_new: int | None = None, positions: torch.Tensor | None = None) -> WritePlan:
         """The `WritePlan` of a step's tokens for every layer on `device`: which tokens go to stages and which
         blocks they complete (encoded by `write`, once). Updates the block states once per step (call again with
         ``new_step=False`` for another device or after the step's rows changed). The arguments are those of
@@ -240,7 +265,8 @@ class QuantizedPageStore:
                                  "step wrote NaN or inf into a quantized pool (its encoded blocks hold NaN). Quantized "
                                  "KV storage needs finite keys/values (check the model's dtype for overflow, or use "
                                  "quant=None); release this cache.")
-        plan, opens = self.states.plan(slots, device, new_step=new_step, start=start, num_new=num_new)
+        plan, opens = self.states.plan(slots, device, new_step=new_step, start=start, num_new=num_new,
+                                       positions=positions)
         if opens:
             self._reopen(opens)
         return plan
@@ -341,7 +367,8 @@ class QuantizedPageStore:
         partial = table[:, start // B].tolist() if rest else None  # each row's partial block
         n_sink = min(self.sink_tokens, start) if first == 0 else 0  # tokens read from the sink, in full precision
         sinks = [self.states.sink_of.get(b) for b in table[:, 0].tolist()] if n_sink else None  # rows' sink stages
-        if sinks is not None and None in sinks:  # retention freed the first block: its successor is read decoded
+        # a row without one is read decoded: retention freed its first block, or it is the pad block (padding)
+        if sinks is not None and all(stage is None for stage in sinks):
             n_sink, sinks = 0, None
         out = []
         for half, dim in enumerate((spec.key_dim, spec.value_dim)):
@@ -361,12 +388,17 @@ class QuantizedPageStore:
             out.append(buf[:, :, lo - first * B:].transpose(0, 1))  # [batch, num_kv_heads, end - lo, dim]
         return out[0], out[1]
 
-    def _read_sinks(self, layer_idx: int, half: int, stages: list[int], n: int, out: torch.Tensor) -> None:
-        """The first `n` tokens of each row from its sink stage (`stages`, one per row) into `out`
-        `[num_kv_heads, batch, >= n, dim]`."""
+    def _read_sinks(self, layer_idx: int, half: int, stages: list[int | None], n: int, out: torch.Tensor) -> None:
+        """The first `n` tokens of each row from its sink stage (`stages`, one per row; None: the row has none and
+        keeps what `out` holds) into `out` `[num_kv_heads, batch, >= n, dim]`."""
         store = (self.sinks.keys, self.sinks.values)[half]
         if len(stages) == 1:
             out[:, 0, :n].copy_(self.sinks.block(store, layer_idx, stages[0])[:, :n])
+            return
+        if None in stages:
+            rows = torch.tensor([r for r, s in enumerate(stages) if s is not None], device=out.device)
+            idx = torch.tensor([s for s in stages if s is not None], device=out.device)
+            out[:, rows, :n] = self.sinks.blocks(store, layer_idx)[:, idx, :n]  # [num_kv_heads, len(rows), n, dim]
             return
         idx = torch.tensor(stages, device=out.device)
         out[:, :, :n] = self.sinks.blocks(store, layer_idx)[:, idx, :n]  # [num_kv_heads, batch, n, dim]

@@ -469,3 +469,33 @@ def test_forks_of_a_prefilled_prompt_continue_independently(arch, note_exact):
     forks[0].release()
     assert_sound(forks[1])  # now the only cache of the pool
     release(forks[1])
+
+
+# -- the real model: a left-padded batch whose padding costs nothing (issue 12) ----------------------------------------
+@pytest.mark.model
+@pytest.mark.parametrize("quant", [None, "k8v4"])
+@pytest.mark.parametrize("kw", [{}, {"num_beams": 2}, {"do_sample": True, "num_return_sequences": 2}],
+                         ids=["greedy", "beam2", "samples2"])
+def test_smollm_left_padded_batch_with_a_pad_block(smollm, quant, kw):
+    """SmolLM2 fp32, a batch of 3 prompts left-padded to 70 tokens (padding 0, 37, 58): with `set_padding`, whole
+    blocks of padding name the pad block and the output is bit-identical to `DynamicCache` (fp) or to the same
+    quantized cache storing its padding (k8v4)."""
+    model, _ = smollm
+    x, mask = left_padded([70, 33, 12], seed=21)
+    x = x * 37 % model.config.vocab_size  # token ids over the real vocabulary
+    x[mask == 0] = 0
+    ref_cache = DynamicCache(config=model.config) if quant is None else PagedCache(config=model.config, quant=quant)
+    ref = gen(model, x, ref_cache, seed=3, attention_mask=mask, max_new_tokens=6, **kw)
+    cache = PagedCache(config=model.config, quant=quant, debug=True)
+    cache.set_padding(mask)
+    out = gen(model, x, cache, seed=3, attention_mask=mask, max_new_tokens=6, **kw)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits))
+    cache.check_invariants()
+    pad, B = cache.pool.pad_block(), cache.block_size
+    padding = (1 - mask).sum(1).repeat_interleave(cache.num_rows // 3).tolist()
+    assert [row.count(pad) for row in cache.block_tables()] == [p // B for p in padding]
+    if isinstance(ref_cache, PagedCache):
+        assert cache.pool.stats().blocks_in_use < ref_cache.pool.stats().blocks_in_use
+        ref_cache.release()
+    cache.release()

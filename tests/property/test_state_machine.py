@@ -3,7 +3,8 @@
 Random sequences of: new cache + prefill, decode steps of 1..5 tokens (distinct rows, identical rows that the cache
 may store once, identical rows that differ only in the second layer, or a batch k times larger that makes the cache
 fork its rows), fork, beam-like reorders with repeats, batch_select_indices, batch_repeat_interleave, crop and
-release. The K/V are fake (2 layers, 1 KV head, head_dim 2, `tests/fake_kv.py`): every token's key is
+release. A new cache may declare left padding first (`set_padding`): its whole blocks of padding name the pool's pad
+block and read back as zeros. The K/V are fake (2 layers, 1 KV head, head_dim 2, `tests/fake_kv.py`): every token's key is
 ``(label, position)``, so a row's read-back names the writes it came from.
 
 The reference model is a list of labels per row and layer. After every step: `pool.check_invariants()`, every row of
@@ -26,11 +27,13 @@ LAYERS = 2
 MAX_ROWS = 6
 
 
-def expected(rows: list[list[int]]) -> torch.Tensor:
-    """Keys `[batch, 1, n, 2]` of rows (of n >= 1 tokens each) whose tokens carry these labels."""
-    labels = torch.tensor(rows, dtype=torch.float32)  # [batch, n]
+def expected(rows: list[list[int | None]]) -> torch.Tensor:
+    """Keys `[batch, 1, n, 2]` of rows (of n >= 1 tokens each) whose tokens carry these labels (None: a token in
+    the pad block, which reads as zeros)."""
+    labels = torch.tensor([[0 if lab is None else lab for lab in r] for r in rows], dtype=torch.float32)  # [batch, n]
     pos = torch.arange(labels.shape[1], dtype=torch.float32).expand_as(labels)  # [batch, n]
-    return torch.stack([labels, pos], -1)[:, None]  # [batch, 1, n, 2]
+    pad = torch.tensor([[lab is None for lab in r] for r in rows], dtype=torch.bool)  # [batch, n]
+    return torch.stack([labels, pos.masked_fill(pad, 0)], -1)[:, None]  # [batch, 1, n, 2]
 
 
 class Ref:
@@ -73,9 +76,10 @@ class PagedCacheMachine(RuleBasedStateMachine):
     def _pick(self, data) -> int:
         return data.draw(st.sampled_from(sorted(self.caches)), label="cache")
 
-    def _step(self, cache: PagedCache, ref: Ref, layer_labels: list[list[int]], q: int) -> None:
+    def _step(self, cache: PagedCache, ref: Ref, layer_labels: list[list[int]], q: int,
+              pad_tokens: list[int] | None = None) -> None:
         """Write `q` tokens per row (row labels per layer) through `update`, layer by layer; on a full pool check
-        nothing changed. Updates `ref` on success."""
+        nothing changed. Updates `ref` on success. `pad_tokens`: a prefill's tokens per row in the pad block."""
         batch = len(layer_labels[0])
         start = ref.num_tokens
         new_ref = Ref()
@@ -86,6 +90,9 @@ class PagedCacheMachine(RuleBasedStateMachine):
             base = [[list(layer[r // k]) for r in range(batch)] for layer in ref.rows]
         new_ref.rows = [[base[layer][r] + [layer_labels[layer][r]] * q for r in range(batch)]
                         for layer in range(LAYERS)]
+        for layer in new_ref.rows:
+            for row, n in zip(layer, pad_tokens or []):
+                row[:n] = [None] * n
         for layer in range(LAYERS):
             k, v = kv_labels(layer_labels[layer], start, q)
             try:
@@ -94,6 +101,9 @@ class PagedCacheMachine(RuleBasedStateMachine):
                 if layer == 0:  # nothing was changed: the reference stays as it was
                     if start == 0:  # (an empty cache takes the batch size it is given, still holding nothing)
                         ref.rows = [[[] for _ in range(cache.num_rows)] for _ in range(LAYERS)]
+                        if pad_tokens is not None:  # forget the declared padding too (and the rows)
+                            cache.reset()
+                            ref.rows = [[] for _ in range(LAYERS)]
                     return
                 # A duplicate row turned out different in a later layer and its copy did not fit: the forward
                 # step is broken off, so the cache must be released (as a model's caller would after the error).
@@ -111,14 +121,25 @@ class PagedCacheMachine(RuleBasedStateMachine):
         self.pool = BlockPool(block_size=block_size, num_blocks=num_blocks, debug=True)
 
     @precondition(lambda self: len(self.caches) < 5)
-    @rule(batch=st.integers(1, 3), n=st.integers(1, 12), debug=st.booleans(), identical=st.booleans())
-    def new_cache(self, batch, n, debug, identical):
+    @rule(batch=st.integers(1, 3), n=st.integers(1, 12), debug=st.booleans(), identical=st.booleans(),
+          data=st.data())
+    def new_cache(self, batch, n, debug, identical, data):
         cache = PagedCache(pool=self.pool, debug=debug)
         ref = Ref()
         labels = self._labels(1) * batch if identical else self._labels(batch)
         self.caches[self.next_id] = (cache, ref)
         self.next_id += 1
-        self._step(cache, ref, [labels] * LAYERS, n)
+        padding = data.draw(st.none() | st.lists(st.integers(0, n - 1), min_size=batch, max_size=batch),
+                            label="left padding")
+        pad_tokens = None
+        if padding is not None:
+            mask = torch.ones((batch, n), dtype=torch.long)
+            for r, p in enumerate(padding):
+                mask[r, :p] = 0
+            cache.set_padding(mask)
+            B = self.pool.block_size
+            pad_tokens = [p // B * B for p in padding]  # whole blocks of padding: in the pad block
+        self._step(cache, ref, [labels] * LAYERS, n, pad_tokens)
 
     @precondition(lambda self: self.caches)
     @rule(data=st.data(), q=st.integers(1, 5), kind=st.sampled_from(["distinct", "identical", "split", "expand"]))
@@ -216,14 +237,15 @@ class PagedCacheMachine(RuleBasedStateMachine):
             else:
                 assert all(t == [] for t in tables)
             live.update(b for t in tables for b in t)
-        assert self.pool.stats().blocks_in_use == len(live)
+        pads = {g.pad_block for g in self.pool.groups if g.pad_block is not None}  # held by the pool, named or not
+        assert self.pool.stats().blocks_in_use == len(live | pads)
 
     def teardown(self):
         for cache, _ in self.caches.values():
             cache.release()
         if self.pool is not None:
             self.pool.check_invariants()
-            assert self.pool.stats().blocks_in_use == 0
+            assert self.pool.stats().blocks_in_use == sum(g.pad_block is not None for g in self.pool.groups)
 
 
 PagedCacheMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None,

@@ -511,7 +511,9 @@ class BlockPool:
             self._drain()
             moved = 0
             for g in self.groups:
-                moves = plan_moves(g.allocator, max_blocks, [row.blocks for row in g.rows()], g.store.segment_blocks)
+                # the pad block is shared by every padded row: not part of any row's run (it may pack down loose)
+                rows = [[b for b in row.blocks if b != g.pad_block] for row in g.rows()]
+                moves = plan_moves(g.allocator, max_blocks, rows, g.store.segment_blocks)
                 if not moves:
                     continue
                 src, dst = list(moves), list(moves.values())

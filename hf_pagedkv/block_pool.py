@@ -81,8 +81,9 @@ class BlockPool:
             ``"k8v4"``); `None` or ``"fp"`` for full precision. Fixed for the pool's lifetime.
         host_memory (`int` or `str`, *optional*): a host-memory (CPU, pinned under CUDA) tier of this many bytes
             (``"8GiB"``), where `PagedCache.offload()` moves a cache and `prefetch()` brings it back
-            (`host_tiers.py`); sized at the first offload, when the layers are known. `pool.host.stats()` tells
-            its occupancy.
+            (`host_tiers.py`); sized at the first offload, when the layers are known. `pool.stats()` (its
+            ``host_*`` fields, `blocks_to_host`, `bytes_to_host`, ...) and `pool.host.stats()` tell its occupancy
+            and the copies made.
         prefix_cache_memory (`int`, `str` or `float`, *optional*): with `prefix_caching`, the budget of cached-idle
             blocks: a size (``"1GiB"``, bytes as an int; all layers, keys + values) or a fraction in ``(0, 1]`` of
             the pool's blocks (`PrefixCacheBudget`). Defaults to 1 GiB for a growable pool, which grows rather than
@@ -578,6 +579,7 @@ class BlockPool:
                 for g in self.groups
             )
             indexes = [g.prefix_index for g in self.groups if g.prefix_index is not None]
+            host = self.host.stats() if self.host is not None else None
             return PoolStats(
                 block_size=self.block_size,
                 num_blocks=self.num_blocks,
@@ -602,6 +604,12 @@ class BlockPool:
                 evictions=sum(i.num_evictions for i in indexes),
                 cow_copies=self.num_cow_copies,
                 groups=per_group,
+                **({} if host is None else dict(
+                    host_memory=host.host_memory, host_blocks=host.num_blocks,
+                    host_blocks_in_use=host.blocks_in_use, host_blocks_cached=host.blocks_cached,
+                    host_blocks_free=host.blocks_free, host_bytes_reserved=host.bytes_reserved,
+                    blocks_to_host=host.blocks_to_host, blocks_from_host=host.blocks_from_host,
+                    bytes_to_host=host.bytes_to_host, bytes_from_host=host.bytes_from_host)),
             )
 
     def _prefix_budget_bytes(self) -> int | None:

@@ -22,6 +22,19 @@ class HostStats:
     blocks_prefetched: int  # host blocks copied back so far (`prefetch`)
     blocks_demoted: int  # evicted device prefix blocks copied here so far
     blocks_promoted: int  # cached host blocks copied back for a prefix hit so far
+    bytes_to_host: int = 0  # bytes copied device -> host so far (offloads, demotions and loaded overflow)
+    bytes_from_host: int = 0  # bytes copied host -> device so far (prefetches and promotions)
+    host_memory: int = 0  # the byte budget (`BlockPool(host_memory=...)`)
+
+    @property
+    def blocks_to_host(self) -> int:
+        """Device blocks copied to the host tier so far (offloaded + demoted)."""
+        return self.blocks_offloaded + self.blocks_demoted
+
+    @property
+    def blocks_from_host(self) -> int:
+        """Host blocks copied back to the device so far (prefetched + promoted)."""
+        return self.blocks_prefetched + self.blocks_promoted
 
 
 class HostTiers:
@@ -43,6 +56,8 @@ class HostTiers:
         self.num_prefetched = 0  # host blocks copied back (counter)
         self.num_demoted = 0  # evicted device prefix blocks copied to the host (counter)
         self.num_promoted = 0  # cached host blocks copied back for a hit (counter)
+        self.num_bytes_to_host = 0  # bytes of the exports copied into the host stores (counter)
+        self.num_bytes_from_host = 0  # bytes of the exports copied back out of them (counter)
 
     def _tier(self, group: int) -> tuple[HostTier, HostStore]:
         """The group's host tier, created on first use.
@@ -82,17 +97,21 @@ class HostTiers:
                 f"{tier.num_blocks} (host_memory={self.host_memory}); raise host_memory or prefetch/release "
                 "offloaded caches.")
         try:
-            store.write(host, self.pool.groups[group].store.export_blocks(blocks))
+            export = self.pool.groups[group].store.export_blocks(blocks)
+            store.write(host, export)
         except BaseException:
             tier.free(owner, host)
             raise
         self.num_offloaded += len(blocks)
+        self.num_bytes_to_host += _nbytes(export)
         return host
 
     def read(self, group: int, host_blocks: list[int]) -> dict:
         """The export of host blocks `host_blocks` of `group` (CPU tensors), for the device store's `import_blocks`."""
+        export = self._tier(group)[1].read(host_blocks)
         self.num_prefetched += len(host_blocks)
-        return self._tier(group)[1].read(host_blocks)
+        self.num_bytes_from_host += _nbytes(export)
+        return export
 
     # -- the host prefix cache: evicted device prefix blocks, and hits on them ------------------------------------
     def demote(self, group: int, blocks: list[int]) -> None:
@@ -109,9 +128,11 @@ class HostTiers:
         host = tier.cache([h for _, h in todo])
         if not host:
             return
-        store.write(host, self.pool.groups[group].store.export_blocks([b for b, _ in todo[: len(host)]]))
+        export = self.pool.groups[group].store.export_blocks([b for b, _ in todo[: len(host)]])
+        store.write(host, export)
         tier.park(host)
         self.num_demoted += len(host)
+        self.num_bytes_to_host += _nbytes(export)
 
     def promote(self, hashes: list, groups: list[int]) -> None:
         """Copy the blocks of the prefix `hashes` that only the host tier holds back to the device, as cached-idle
@@ -149,7 +170,8 @@ class HostTiers:
                 try:
                     dev = pool.allocate(n, group=g)  # may evict (and demote) other idle device blocks
                     try:
-                        pool.groups[g].store.import_blocks(dev, store.read(hosts))
+                        export = store.read(hosts)
+                        pool.groups[g].store.import_blocks(dev, export)
                     except BaseException:
                         pool.free(dev, g)
                         raise
@@ -161,6 +183,7 @@ class HostTiers:
                 pool.publish_blocks([h for h, _ in back[:n]], dev, group=g)
                 pool.free(dev, g)  # cached-idle on the device now
                 self.num_promoted += n
+                self.num_bytes_from_host += _nbytes(export)
             finally:
                 pool.free(pinned, g)
 
@@ -199,6 +222,9 @@ class HostTiers:
             blocks_prefetched=self.num_prefetched,
             blocks_demoted=self.num_demoted,
             blocks_promoted=self.num_promoted,
+            bytes_to_host=self.num_bytes_to_host,
+            bytes_from_host=self.num_bytes_from_host,
+            host_memory=self.host_memory,
         )
 
     def check(self) -> None:
@@ -211,3 +237,8 @@ class HostTiers:
                 problems.append(f"caches {both[:5]} hold blocks in both tiers")
             if problems:
                 raise InvariantError(f"invariant 9 (host tier) broken in group {group}: {'; '.join(problems)}")
+
+
+def _nbytes(export: dict) -> int:
+    """Bytes of the K/V tensors of a block export (its `*_rows` index lists are bookkeeping, not counted)."""
+    return sum(t.numel() * t.element_size() for name, t in export.items() if not name.endswith("_rows"))

@@ -728,7 +728,8 @@ class BlockPool:
     def load_prefix_cache(pool_or_cls, path, model=None, *, config=None, device=None, **pool_kwargs) -> BlockPool:
         """Load a file of `save_prefix_cache` into this pool (``pool.load_prefix_cache(path, model=model)``), or into
         a new pool with the file's block size and quantization (``BlockPool.load_prefix_cache(path, model=model,
-        num_blocks=...)``). Its blocks become cached-idle prefix blocks: `PagedCache.from_prefix` hits them.
+        num_blocks=...)``). Its blocks become cached-idle prefix blocks: `PagedCache.from_prefix` hits them. Those
+        the device tier has no room for go to the host tier when the pool has one (`host_memory`).
 
         Nothing is loaded, and the error says why, when the file is truncated or corrupted (checksums), of another
         format, block size or quantization, for another architecture, or for other weights (model fingerprint).

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from hf_pagedkv.errors import InvariantError, PoolExhaustedError
 from hf_pagedkv.pool.host_tier import HostTier
-from hf_pagedkv.storage.host_store import HostStore
+from hf_pagedkv.storage.host_store import HostStore, select_blocks
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,53 @@ class HostTiers:
         tier.park(host)
         self.num_demoted += len(host)
         self.num_bytes_to_host += _nbytes(export)
+
+    def room_for_cached(self, group: int) -> int:
+        """Host blocks of `group` that cached blocks may take (free, or cached ones to drop). No side effects
+        (beyond sizing the tier).
+
+        Raises:
+            ValueError: `host_memory` holds no block of this model.
+        """
+        tier, _ = self._tier(group)
+        return tier.num_free_blocks + tier.num_cached_blocks
+
+    def load(self, group: int, hashes: list, export: dict) -> list[int]:
+        """Put prefix blocks read from a file (`hashes[i]` names block `i` of `export`, CPU tensors) into `group`'s
+        host tier as cached blocks, dropping older cached ones for room; hashes either tier holds already are
+        skipped. Blocks are dropped later in the order given (the first first). Returns the host ids filled (undo
+        with `unload`).
+
+        Raises:
+            ValueError: `export` is not of this tier's storage format (nothing changed).
+        """
+        tier, store = self._tier(group)
+        index = self.pool.groups[group].prefix_index
+        keep, seen = [], set()
+        for i, h in enumerate(hashes):
+            if h not in seen and index.block_of(h) is None and tier.lookup(h) is None:
+                seen.add(h)
+                keep.append(i)
+        host = tier.cache([hashes[i] for i in keep])
+        if not host:
+            return []
+        try:
+            part = select_blocks(export, keep[: len(host)])
+            store.write(host, part)
+        except BaseException:
+            self.unload(group, host)
+            raise
+        tier.park(host)
+        self.num_bytes_to_host += _nbytes(part)
+        return host
+
+    def unload(self, group: int, host: list[int]) -> None:
+        """Forget host blocks `load` filled (a later step of the load failed)."""
+        tier, _ = self._tier(group)
+        cached = set(tier.prefixes.idle_blocks())
+        tier.park([b for b in host if b not in cached])
+        for b in host:
+            tier.take(b)
 
     def promote(self, hashes: list, groups: list[int]) -> None:
         """Copy the blocks of the prefix `hashes` that only the host tier holds back to the device, as cached-idle

@@ -96,6 +96,23 @@ class HostStore:
         return out
 
 
+def select_blocks(export: dict[str, torch.Tensor], positions: list[int]) -> dict[str, torch.Tensor]:
+    """The export of the blocks at `positions` (indices along dim 1) of a block export, in that order, with its
+    per-block parts (`_PARTS`: ``"<part>_rows"`` and the tensors listing one entry per such block) re-indexed."""
+    pos = torch.tensor(positions, dtype=torch.long)
+    out = {name: t.index_select(1, pos.to(t.device))  # [dim0, len(positions), ...]
+           for name, t in export.items() if _part_of(name) is None}
+    for part in {p for name in export if (p := _part_of(name)) is not None}:
+        where = {r: i for i, r in enumerate(export[f"{part}_rows"].tolist())}  # position -> entry of the part
+        keep = [(j, where[p]) for j, p in enumerate(positions) if p in where]
+        out[f"{part}_rows"] = torch.tensor([j for j, _ in keep], dtype=torch.long)
+        entries = torch.tensor([i for _, i in keep], dtype=torch.long)
+        for name, t in export.items():
+            if _part_of(name) == part and not name.endswith("_rows"):
+                out[name] = t.index_select(1, entries.to(t.device))  # [dim0, len(keep), ...]
+    return out
+
+
 def _part_of(name: str) -> str | None:
     """The part of `_PARTS` an export tensor belongs to (``"sink"`` for ``"sink_rows"`` and ``"3.sink_keys"``)."""
     if name.endswith("_rows"):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from hf_pagedkv.errors import InvariantError, PoolExhaustedError
 from hf_pagedkv.pool.host_tier import HostTier
 from hf_pagedkv.storage.host_store import HostStore, select_blocks
@@ -107,8 +109,10 @@ class HostTiers:
         return host
 
     def read(self, group: int, host_blocks: list[int]) -> dict:
-        """The export of host blocks `host_blocks` of `group` (CPU tensors), for the device store's `import_blocks`."""
-        export = self._tier(group)[1].read(host_blocks)
+        """The export of host blocks `host_blocks` of `group`, for the device store's `import_blocks`: on the
+        group's CUDA device (copied on the host store's copy stream; the current stream waits for it), else CPU
+        tensors."""
+        export = self._tier(group)[1].read(host_blocks, self._copy_device(group))
         self.num_prefetched += len(host_blocks)
         self.num_bytes_from_host += _nbytes(export)
         return export
@@ -217,7 +221,7 @@ class HostTiers:
                 try:
                     dev = pool.allocate(n, group=g)  # may evict (and demote) other idle device blocks
                     try:
-                        export = store.read(hosts)
+                        export = store.read(hosts, self._copy_device(g))
                         pool.groups[g].store.import_blocks(dev, export)
                     except BaseException:
                         pool.free(dev, g)
@@ -233,6 +237,13 @@ class HostTiers:
                 self.num_bytes_from_host += _nbytes(export)
             finally:
                 pool.free(pinned, g)
+
+    def _copy_device(self, group: int) -> torch.device:
+        """Where copies back of `group` land first: its layers' CUDA device when they share one (the host store
+        copies there asynchronously), else the CPU (`import_blocks` then moves each layer's part to its device)."""
+        devices = {spec.device for spec in self.pool.groups[group].store.specs.values()}
+        device = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
+        return device if device.type == "cuda" else torch.device("cpu")
 
     def release(self, owner: int) -> None:
         """Free every host block `owner` holds, in every group."""

@@ -11,13 +11,14 @@ prefix a request needs is always the least recently used one), in one run:
 
 Printed side by side: prefix hits, prompt tokens recomputed, device-tier bytes (the pool's preallocated storage),
 host bytes, blocks and bytes copied between the tiers, wall time, and whether the greedy tokens equal the
-``device 4`` run's. The model is the real SmolLM2-135M-Instruct (fp32, CPU by default); the prefixes are WikiText-2
-test text, the suffixes Tiny Shakespeare lines (see `prefix_cache.py`).
+``device 4`` run's. Each request runs on the three pools in turn (the order rotating), so the load of a shared
+machine falls on all three alike. The model is the real SmolLM2-135M-Instruct (fp32, CPU by default); the prefixes
+are WikiText-2 test text, the suffixes Tiny Shakespeare lines (see `prefix_cache.py`).
 
 Without a GPU the host tier is ordinary CPU memory, so the copies are memory-to-memory and host-to-device bandwidth
 is not measured (the script says so); with CUDA it also times a pinned host-to-device copy.
 
-    python benchmarks/host_tier.py --threads 2       # ~1-2 minutes on 2 CPU cores
+    python benchmarks/host_tier.py --threads 2       # 48 requests of 532 tokens: minutes on 2 CPU cores
 """
 
 from __future__ import annotations
@@ -45,18 +46,27 @@ def requests(tokenizer, args) -> list[torch.Tensor]:
 
 
 @torch.inference_mode()
-def serve(model, prompts: list[torch.Tensor], pool: BlockPool, args) -> dict:
-    """Run every request through `hf_pagedkv.generate` on `pool`; return the row of the table."""
+def serve(model, prompts: list[torch.Tensor], pools: dict[str, BlockPool], args) -> dict[str, dict]:
+    """Run every request through `hf_pagedkv.generate` on each pool, interleaved (request `i` on every pool, in an
+    order that rotates with `i`), so a shared machine's load falls on every pool alike; one table row per pool."""
     gen = {"max_new_tokens": args.new_tokens, "do_sample": False}
-    start = time.perf_counter()
-    outs = [hf_pagedkv.generate(model, x, pool=pool, **gen) for x in prompts]
-    seconds = time.perf_counter() - start
-    pool.check_invariants()
-    st = pool.stats()
-    return {"hit_tokens": st.hit_tokens, "recomputed": st.lookup_tokens - st.hit_tokens,
-            "device_bytes": st.bytes_reserved, "host_bytes": st.host_bytes_reserved,
-            "to_host": (st.blocks_to_host, st.bytes_to_host), "from_host": (st.blocks_from_host, st.bytes_from_host),
-            "seconds": seconds, "outs": outs, "lookup_tokens": st.lookup_tokens}
+    names = list(pools)
+    seconds, outs = dict.fromkeys(names, 0.0), {name: [] for name in names}
+    for i, x in enumerate(prompts):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            start = time.perf_counter()
+            outs[name].append(hf_pagedkv.generate(model, x, pool=pools[name], **gen))
+            seconds[name] += time.perf_counter() - start
+    rows = {}
+    for name, pool in pools.items():
+        pool.check_invariants()
+        st = pool.stats()
+        rows[name] = {"hit_tokens": st.hit_tokens, "recomputed": st.lookup_tokens - st.hit_tokens,
+                      "device_bytes": st.bytes_reserved, "host_bytes": st.host_bytes_reserved,
+                      "to_host": (st.blocks_to_host, st.bytes_to_host),
+                      "from_host": (st.blocks_from_host, st.bytes_from_host),
+                      "seconds": seconds[name], "outs": outs[name], "lookup_tokens": st.lookup_tokens}
+    return rows
 
 
 def bandwidth_line() -> str:
@@ -103,22 +113,22 @@ def main() -> None:
     own = -(-(args.prefix_tokens + args.suffix_tokens + args.new_tokens) // bs) - prefix_blocks
     small = args.device_prefixes * (prefix_blocks + own)
     large = args.prefixes * (prefix_blocks + own)
-    # warm-up: kernels and the model fingerprint (computed once per model), not timed in any row
-    hf_pagedkv.generate(model, prompts[0][:, :32], pool=BlockPool(block_size=bs, prefix_caching=True),
-                        max_new_tokens=1, do_sample=False)
-    block_bytes = None  # bytes of one block, all layers: known once the first pool (no host tier) has run
-    rows = {}
-    for name, num_blocks, host in (("device 2", small, False), ("device 2 + host", small, True),
-                                   ("device 4", large, False)):
-        host_memory = (args.prefixes * (prefix_blocks + own) * block_bytes) if host else None
-        pool = BlockPool(block_size=bs, num_blocks=num_blocks, prefix_caching=True, host_memory=host_memory)
-        rows[name] = serve(model, prompts, pool, args)
-        block_bytes = pool.stats().bytes_per_block
+    # warm-up (kernels and the model fingerprint, computed once per model: not timed in any row) and the bytes of
+    # one block, all layers
+    sizer = BlockPool(block_size=bs, prefix_caching=True)
+    hf_pagedkv.generate(model, prompts[0][:, :32], pool=sizer, max_new_tokens=1, do_sample=False)
+    block_bytes = sizer.stats().bytes_per_block
+    host_memory = args.prefixes * (prefix_blocks + own) * block_bytes  # room for every prefix
+    pools = {"device 2": BlockPool(block_size=bs, num_blocks=small, prefix_caching=True),
+             "device 2 + host": BlockPool(block_size=bs, num_blocks=small, prefix_caching=True,
+                                          host_memory=host_memory),
+             "device 4": BlockPool(block_size=bs, num_blocks=large, prefix_caching=True)}
+    rows = serve(model, prompts, pools, args)
     ref = rows["device 4"]["outs"]
     print(f"# {args.requests} requests over {args.prefixes} prefixes of {args.prefix_tokens} tokens "
           f"(+{args.suffix_tokens}-token suffix, {args.new_tokens} new tokens, greedy), block_size {bs}: "
-          f"device tiers of {small} blocks ({args.device_prefixes} x (prefix {prefix_blocks} + a request's own {own})) "
-          f"and {large} blocks ({args.prefixes} x); "
+          f"device tiers of {small} blocks ({args.device_prefixes} x (prefix {prefix_blocks} + a request's own "
+          f"{own})) and {large} blocks ({args.prefixes} x); requests interleaved over the pools; "
           f"{platform.machine()} {args.device}, {args.threads} threads, torch {torch.__version__}")
     print("| pool | prefix hit tokens | prompt tokens recomputed | device-tier bytes | host-tier bytes | "
           "to host (blocks, MiB) | from host (blocks, MiB) | time (s) | tokens = device 4 |")
@@ -127,8 +137,9 @@ def main() -> None:
         same = all(torch.equal(a, b) for a, b in zip(r["outs"], ref))
         print(f"| {name} | {r['hit_tokens']:,} of {r['lookup_tokens']:,} | {r['recomputed']:,} | "
               f"{r['device_bytes'] / MiB:.1f} MiB | {r['host_bytes'] / MiB:.1f} MiB | "
-              f"{r['to_host'][0]:,}, {r['to_host'][1] / MiB:.1f} | {r['from_host'][0]:,}, {r['from_host'][1] / MiB:.1f} "
-              f"| {r['seconds']:.1f} | {'yes' if same else 'NO'} |")
+              f"{r['to_host'][0]:,}, {r['to_host'][1] / MiB:.1f} | "
+              f"{r['from_host'][0]:,}, {r['from_host'][1] / MiB:.1f} | {r['seconds']:.1f} | "
+              f"{'yes' if same else 'NO'} |")
     a, b, c = rows["device 2"], rows["device 2 + host"], rows["device 4"]
     print(f"device 2 + host vs device 2: recomputed tokens {b['recomputed'] / max(a['recomputed'], 1):.3f}x, "
           f"time {b['seconds'] / a['seconds']:.3f}x, device bytes {b['device_bytes'] / a['device_bytes']:.3f}x")

@@ -15,7 +15,8 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
 def export(n: int, with_sinks: bool = False, device: str = "cpu") -> dict[str, torch.Tensor]:
     """A block export of `n` blocks of two layers (full precision; with sink parts on blocks 0 and 2)."""
     g = torch.Generator().manual_seed(n)
-    out = {f"{i}.{kind}": torch.randn(2, n, 4, 8, generator=g).to(device) for i in (0, 1) for kind in ("keys", "values")}
+    out = {f"{i}.{kind}": torch.randn(2, n, 4, 8, generator=g).to(device)  # [heads, n, block_size, dim]
+           for i in (0, 1) for kind in ("keys", "values")}
     if with_sinks:
         out["sink_rows"] = torch.tensor([0, 2])
         out.update({f"{i}.sink_keys": torch.randn(2, 2, 1, 8, generator=g).to(device) for i in (0, 1)})

@@ -170,16 +170,17 @@ def _swap_out(pool: BlockPool, need: int) -> list[int]:
     """Offload idle caches of `pool`, least recently used first, until `need` blocks of the full-attention group
     could be reserved (at least one cache when any frees a block). Returns their tokens."""
     swapped = []
-    for idle in pool.idle_owners():
-        if swapped and pool.can_reserve(need):
-            break
-        if idle.num_exclusive_blocks == 0:  # every block is shared with another cache: swapping frees nothing
-            continue
-        try:
-            idle.offload()
-        except PoolExhaustedError:  # the host tier has no room for this one; a smaller one may fit
-            continue
-        swapped.append(idle.token)
+    with pool.lock:  # no other thread marks a listed cache busy (and starts running it) before it is swapped
+        for idle in pool.idle_owners():
+            if swapped and pool.can_reserve(need):
+                break
+            if idle.num_exclusive_blocks == 0:  # every block is shared with another cache: swapping frees nothing
+                continue
+            try:
+                idle.offload()
+            except PoolExhaustedError:  # the host tier has no room for this one; a smaller one may fit
+                continue
+            swapped.append(idle.token)
     return swapped
 
 

@@ -18,7 +18,7 @@ are WikiText-2 test text, the suffixes Tiny Shakespeare lines (see `prefix_cache
 Without a GPU the host tier is ordinary CPU memory, so the copies are memory-to-memory and host-to-device bandwidth
 is not measured (the script says so); with CUDA it also times a pinned host-to-device copy.
 
-    python benchmarks/host_tier.py --threads 2       # 48 requests of 532 tokens: minutes on 2 CPU cores
+    python benchmarks/host_tier.py --threads 2       # 48 requests of 532 tokens: 25 minutes on 2 shared CPU cores
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ publish, release), and optionally swapping idle caches out to the host tier when
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -118,15 +119,17 @@ def _unpadded_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None)
 
 
 def _generate_row(model, ids: torch.Tensor, pool: BlockPool, kwargs: dict):
-    if pool.prefix_caching:
-        cache = PagedCache.from_prefix(pool, ids, model=model)
-    else:
-        cache = PagedCache(pool=pool, config=model.config)
-    try:
-        with pool.owner_busy(cache.seq_id):  # not offered for swapping out while it runs
-            return _run_and_publish(model, ids, cache, pool, kwargs)
-    finally:
-        cache.release()
+    with contextlib.ExitStack() as stack:  # on the way out: unmark, then release the cache
+        # NOTE: created and marked busy under the pool lock, so another thread's swap_on_exhaustion never sees it
+        # idle (and swaps it out) before it runs
+        with pool.lock:
+            if pool.prefix_caching:
+                cache = PagedCache.from_prefix(pool, ids, model=model)
+            else:
+                cache = PagedCache(pool=pool, config=model.config)
+            stack.callback(cache.release)
+            stack.enter_context(pool.owner_busy(cache.seq_id))  # not offered for swapping out while it runs
+        return _run_and_publish(model, ids, cache, pool, kwargs)
 
 
 def _run_and_publish(model, ids: torch.Tensor, cache: PagedCache, pool: BlockPool, kwargs: dict):

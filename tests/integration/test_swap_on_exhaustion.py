@@ -135,3 +135,48 @@ def test_no_room_anywhere_raises_the_original_error_and_changes_nothing():
     # the flag needs a host tier
     with pytest.raises(ValueError, match="host_memory"):
         hf_pagedkv.generate(model, x, pool=BlockPool(block_size=B, num_blocks=8), swap_on_exhaustion=True, **GEN)
+
+
+def test_four_threads_swapping_idle_caches_out_of_one_pool():
+    import threading
+
+    model = tiny_model("llama")
+    pool = BlockPool(block_size=B, num_blocks=12, host_memory="1MiB")
+    idle_prompts = [ids(1, 11, seed=10 + k) for k in range(3)]  # 3 idle caches of 3 blocks: 3 of 12 blocks free
+    refs = []
+    for x in idle_prompts:
+        ref = DynamicCache()
+        refs.append(decode(model, ref, start(model, ref, x), 2))
+    idle = [PagedCache(pool=pool, config=model.config) for _ in idle_prompts]
+    firsts = [start(model, cache, x) for cache, x in zip(idle, idle_prompts)]
+    # 4 threads x 2 requests of 5 + 6 - 1 = 10 tokens = 3 blocks: the 4 running at once fit only when every idle
+    # cache is swapped out, and always fit then (12 blocks)
+    prompts = [[ids(1, 5, seed=20 + 2 * t + j) for j in range(2)] for t in range(4)]
+    want = [[fresh_generate(model, x) for x in row] for row in prompts]
+    results, errors = {}, []
+
+    def worker(t):
+        try:
+            for j, x in enumerate(prompts[t]):
+                results[t, j] = hf_pagedkv.generate(model, x, pool=pool, swap_on_exhaustion=True, **GEN)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    pool.check_invariants()
+    for t in range(4):
+        for j in range(2):
+            assert_same_output(want[t][j], results[t, j])
+    assert any(cache.is_offloaded for cache in idle)
+    for cache, first, (ref_toks, ref_logits) in zip(idle, firsts, refs):
+        cache.prefetch()  # a no-op for one never swapped
+        toks, logits = decode(model, cache, first, 2)
+        assert toks == ref_toks and all(torch.equal(a, b) for a, b in zip(logits, ref_logits))
+        cache.release()
+    pool.check_invariants()
+    assert pool.stats().blocks_in_use == 0 and pool.stats().host_blocks_in_use == 0

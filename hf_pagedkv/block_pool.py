@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import itertools
 import logging
 import os
 import threading
-from collections import deque
+from collections import Counter, deque
 
 import torch
 
@@ -16,11 +16,12 @@ from hf_pagedkv.block_group import BlockGroup
 from hf_pagedkv.pool.block_table import BlockTable
 from hf_pagedkv.config import DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, QuantConfig, check_positive_int, parse_bytes
 from hf_pagedkv.storage.device_budget import blocks_for_budget, check_device_share
-from hf_pagedkv.errors import PoolExhaustedError
+from hf_pagedkv.errors import InvariantError, PoolExhaustedError
 from hf_pagedkv.observe.events import EventLog
 from hf_pagedkv.host_tiers import HostTiers
 from hf_pagedkv.idle_shrink import IdleShrink
 from hf_pagedkv.pool.invariants import check_group_invariants
+from hf_pagedkv.pool.owner_registry import IdleOwner, OwnerRegistry
 from hf_pagedkv.observe.alerts import Health
 from hf_pagedkv.observe.metrics import PoolMetrics
 from hf_pagedkv.storage.page_store import LayerSpec
@@ -82,8 +83,9 @@ class BlockPool:
             ``"k8v4"``); `None` or ``"fp"`` for full precision. Fixed for the pool's lifetime.
         host_memory (`int` or `str`, *optional*): a host-memory (CPU, pinned under CUDA) tier of this many bytes
             (``"8GiB"``), where `PagedCache.offload()` moves a cache and `prefetch()` brings it back
-            (`host_tiers.py`); sized at the first offload, when the layers are known. `pool.host.stats()` tells
-            its occupancy.
+            (`host_tiers.py`); sized at the first offload, when the layers are known. `pool.stats()` (its
+            ``host_*`` fields, `blocks_to_host`, `bytes_to_host`, ...) and `pool.host.stats()` tell its occupancy
+            and the copies made.
         prefix_cache_memory (`int`, `str` or `float`, *optional*): with `prefix_caching`, the budget of cached-idle
             blocks: a size (``"1GiB"``, bytes as an int; all layers, keys + values) or a fraction in ``(0, 1]`` of
             the pool's blocks (`PrefixCacheBudget`). Defaults to 1 GiB for a growable pool, which grows rather than
@@ -176,8 +178,7 @@ class BlockPool:
         self._debug = debug  # poison freed blocks; applied to every group's store
         self.groups: list[BlockGroup] = []  # layer groups; group 0 is full attention; appended by group_for only
         self._group_of: dict[int | None, int] = {}  # sliding window (None: full attention) -> group index
-        self._tokens = itertools.count()  # owner tokens
-        self._owners: set[int] = set()  # live owner tokens (caches not yet released or collected)
+        self.owners = OwnerRegistry()  # live owner tokens, their last use, busy marks, swap hooks; the methods below
         self._pending_release: deque[int] = deque()  # owners garbage-collected without release(); freed by _drain
         self._prefix_keys: dict[bytes, None] = {}  # keys published blocks were hashed under; note_prefix_key only
         self.last_loaded_blocks = 0  # blocks the last load_prefix_cache published; set by it only
@@ -566,8 +567,7 @@ class BlockPool:
         """A new owner token; `rows` (a list object the owner keeps filling) are its tables in `group`."""
         with self.lock:
             self._drain()
-            token = next(self._tokens)
-            self._owners.add(token)
+            token = self.owners.new()
             if rows is not None:
                 self.groups[group].tables[token] = rows
             return token
@@ -576,7 +576,7 @@ class BlockPool:
         """Register an owner's tables in another layer group; `mover` (a `weakref.WeakMethod`, optional) is called
         as ``mover()(group, {old: new})`` when `compact` moves blocks they name (it renames them and any mirror)."""
         with self.lock:
-            assert token in self._owners and token not in self.groups[group].tables
+            assert token in self.owners.live and token not in self.groups[group].tables
             self.groups[group].tables[token] = rows
             if mover is not None:
                 self.groups[group].movers[token] = mover
@@ -584,7 +584,7 @@ class BlockPool:
     def unregister_owner(self, token: int) -> None:
         """Forget an owner whose rows are already empty (an explicit `PagedCache.release()`)."""
         with self.lock:
-            self._owners.discard(token)
+            self.owners.forget(token)
             for group in self.groups:
                 rows = group.tables.pop(token, None)
                 group.movers.pop(token, None)
@@ -599,11 +599,53 @@ class BlockPool:
         """
         self._pending_release.append(token)  # deque.append is atomic
 
+    def touch_owner(self, token: int) -> None:
+        """Record a use of owner `token` now (`PagedCache` calls it at each forward step, attach and prefetch); the
+        order of uses is what `idle_owners` sorts by."""
+        with self.lock:
+            self.owners.touch(token)
+
+    def set_owner_swapper(self, token: int, hook) -> None:
+        """Let `idle_owners` offer owner `token` for swapping out: `hook()` returns a function that moves it to the
+        host tier (``weakref.WeakMethod(cache.offload)``), or None once the owner is gone."""
+        with self.lock:
+            self.owners.set_swapper(token, hook)
+
+    @contextlib.contextmanager
+    def owner_busy(self, token: int):
+        """``with pool.owner_busy(cache.seq_id):`` marks the cache busy (a request is running it), so
+        `idle_owners` does not offer it for swapping out meanwhile. Marks nest."""
+        with self.lock:
+            self.owners.mark(token)
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.owners.unmark(token)
+
+    def idle_owners(self, exclude=()) -> list[IdleOwner]:
+        """The caches of this pool that could be swapped out to the host tier now, least recently used first: live,
+        not busy (`owner_busy`), not offloaded, holding device blocks, and not in `exclude` (owner tokens).
+
+        Returns:
+            `list[IdleOwner]`: each with its token, last use (a logical clock, and `time.monotonic()` seconds), the
+            device blocks it names (and how many of them no other owner names) and its `offload` function.
+        """
+        with self.lock:
+            self._drain()
+            out = []
+            for token, tick, seconds, offload in self.owners.idle(set(exclude)):
+                held = Counter((g.index, b) for g in self.groups for row in g.tables.get(token, ()) for b in row.blocks)
+                if held:  # a block is exclusive when every reference to it is one of this owner's table entries
+                    mine = sum(self.groups[gi].allocator.refcount(b) == n for (gi, b), n in held.items())
+                    out.append(IdleOwner(token, tick, seconds, len(held), mine, offload))
+            return out
+
     def _drain(self) -> None:
         """Free the blocks of owners queued by `release_owner`. Called with `lock` held."""
         while self._pending_release:
             token = self._pending_release.popleft()
-            self._owners.discard(token)
+            self.owners.forget(token)
             for group in self.groups:
                 rows = group.tables.pop(token, None)
                 group.movers.pop(token, None)
@@ -633,6 +675,7 @@ class BlockPool:
                 for g in self.groups
             )
             indexes = [g.prefix_index for g in self.groups if g.prefix_index is not None]
+            host = self.host.stats() if self.host is not None else None
             return PoolStats(
                 block_size=self.block_size,
                 num_blocks=self.num_blocks,
@@ -657,6 +700,12 @@ class BlockPool:
                 evictions=sum(i.num_evictions for i in indexes),
                 cow_copies=self.num_cow_copies,
                 groups=per_group,
+                **({} if host is None else dict(
+                    host_memory=host.host_memory, host_blocks=host.num_blocks,
+                    host_blocks_in_use=host.blocks_in_use, host_blocks_cached=host.blocks_cached,
+                    host_blocks_free=host.blocks_free, host_bytes_reserved=host.bytes_reserved,
+                    blocks_to_host=host.blocks_to_host, blocks_from_host=host.blocks_from_host,
+                    bytes_to_host=host.bytes_to_host, bytes_from_host=host.bytes_from_host)),
             )
 
     def _prefix_budget_bytes(self) -> int | None:
@@ -674,14 +723,17 @@ class BlockPool:
         """Check the pool invariants in every layer group; raise `InvariantError` naming the broken one (by its
         number), the group and the blocks. The list, with what each checks, is in `pool/invariants.py`: 1 block
         states, 2 refcounts, 3 blocks per table, 4 encode-once, 5 the free queue, 6 quantized stages, 8 the
-        written-slot counter, 9 the host tier, 10 the pad block (7, a cache's tables against their mirror, is
-        `PagedCache.check_invariants()`'s)."""
+        written-slot counter, 9 the host tier, 10 the pad block, 11 the owner registry (7, a cache's tables against
+        their mirror, is `PagedCache.check_invariants()`'s)."""
         with self.lock:
             self._drain()
             for group in self.groups:
                 check_group_invariants(group)
             if self.host is not None:
                 self.host.check()
+            problems = self.owners.check()
+            if problems:
+                raise InvariantError(f"invariant 11 (owner registry) broken: {'; '.join(problems)}")
 
     # -- prefix cache on disk (prefix_persistence.py, storage/prefix_file.py) -------------------------------------
     def note_prefix_key(self, key: bytes) -> None:
@@ -731,7 +783,8 @@ class BlockPool:
     def load_prefix_cache(pool_or_cls, path, model=None, *, config=None, device=None, **pool_kwargs) -> BlockPool:
         """Load a file of `save_prefix_cache` into this pool (``pool.load_prefix_cache(path, model=model)``), or into
         a new pool with the file's block size and quantization (``BlockPool.load_prefix_cache(path, model=model,
-        num_blocks=...)``). Its blocks become cached-idle prefix blocks: `PagedCache.from_prefix` hits them.
+        num_blocks=...)``). Its blocks become cached-idle prefix blocks: `PagedCache.from_prefix` hits them. Those
+        the device tier has no room for go to the host tier when the pool has one (`host_memory`).
 
         Nothing is loaded, and the error says why, when the file is truncated or corrupted (checksums), of another
         format, block size or quantization, for another architecture, or for other weights (model fingerprint).

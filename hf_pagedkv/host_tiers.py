@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from hf_pagedkv.errors import InvariantError, PoolExhaustedError
 from hf_pagedkv.pool.host_tier import HostTier
-from hf_pagedkv.storage.host_store import HostStore
+from hf_pagedkv.storage.host_store import HostStore, select_blocks
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,19 @@ class HostStats:
     blocks_prefetched: int  # host blocks copied back so far (`prefetch`)
     blocks_demoted: int  # evicted device prefix blocks copied here so far
     blocks_promoted: int  # cached host blocks copied back for a prefix hit so far
+    bytes_to_host: int = 0  # bytes copied device -> host so far (offloads, demotions and loaded overflow)
+    bytes_from_host: int = 0  # bytes copied host -> device so far (prefetches and promotions)
+    host_memory: int = 0  # the byte budget (`BlockPool(host_memory=...)`)
+
+    @property
+    def blocks_to_host(self) -> int:
+        """Device blocks copied to the host tier so far (offloaded + demoted)."""
+        return self.blocks_offloaded + self.blocks_demoted
+
+    @property
+    def blocks_from_host(self) -> int:
+        """Host blocks copied back to the device so far (prefetched + promoted)."""
+        return self.blocks_prefetched + self.blocks_promoted
 
 
 class HostTiers:
@@ -43,6 +58,8 @@ class HostTiers:
         self.num_prefetched = 0  # host blocks copied back (counter)
         self.num_demoted = 0  # evicted device prefix blocks copied to the host (counter)
         self.num_promoted = 0  # cached host blocks copied back for a hit (counter)
+        self.num_bytes_to_host = 0  # bytes of the exports copied into the host stores (counter)
+        self.num_bytes_from_host = 0  # bytes of the exports copied back out of them (counter)
 
     def _tier(self, group: int) -> tuple[HostTier, HostStore]:
         """The group's host tier, created on first use.
@@ -82,17 +99,23 @@ class HostTiers:
                 f"{tier.num_blocks} (host_memory={self.host_memory}); raise host_memory or prefetch/release "
                 "offloaded caches.")
         try:
-            store.write(host, self.pool.groups[group].store.export_blocks(blocks))
+            export = self.pool.groups[group].store.export_blocks(blocks)
+            store.write(host, export)
         except BaseException:
             tier.free(owner, host)
             raise
         self.num_offloaded += len(blocks)
+        self.num_bytes_to_host += _nbytes(export)
         return host
 
     def read(self, group: int, host_blocks: list[int]) -> dict:
-        """The export of host blocks `host_blocks` of `group` (CPU tensors), for the device store's `import_blocks`."""
+        """The export of host blocks `host_blocks` of `group`, for the device store's `import_blocks`: on the
+        group's CUDA device (copied on the host store's copy stream; the current stream waits for it), else CPU
+        tensors."""
+        export = self._tier(group)[1].read(host_blocks, self._copy_device(group))
         self.num_prefetched += len(host_blocks)
-        return self._tier(group)[1].read(host_blocks)
+        self.num_bytes_from_host += _nbytes(export)
+        return export
 
     # -- the host prefix cache: evicted device prefix blocks, and hits on them ------------------------------------
     def demote(self, group: int, blocks: list[int]) -> None:
@@ -109,9 +132,58 @@ class HostTiers:
         host = tier.cache([h for _, h in todo])
         if not host:
             return
-        store.write(host, self.pool.groups[group].store.export_blocks([b for b, _ in todo[: len(host)]]))
+        export = self.pool.groups[group].store.export_blocks([b for b, _ in todo[: len(host)]])
+        store.write(host, export)
         tier.park(host)
         self.num_demoted += len(host)
+        self.num_bytes_to_host += _nbytes(export)
+
+    def room_for_cached(self, group: int) -> int:
+        """Host blocks of `group` that cached blocks may take (free, or cached ones to drop). No side effects
+        (beyond sizing the tier).
+
+        Raises:
+            ValueError: `host_memory` holds no block of this model.
+        """
+        tier, _ = self._tier(group)
+        return tier.num_free_blocks + tier.num_cached_blocks
+
+    def load(self, group: int, hashes: list, export: dict) -> list[int]:
+        """Put prefix blocks read from a file (`hashes[i]` names block `i` of `export`, CPU tensors) into `group`'s
+        host tier as cached blocks, dropping older cached ones for room; hashes either tier holds already are
+        skipped. Blocks are dropped later in the order given (the first first). Returns the host ids filled (undo
+        with `unload`).
+
+        Raises:
+            ValueError: `export` is not of this tier's storage format (nothing changed).
+        """
+        tier, store = self._tier(group)
+        index = self.pool.groups[group].prefix_index
+        keep, seen = [], set()
+        for i, h in enumerate(hashes):
+            if h not in seen and index.block_of(h) is None and tier.lookup(h) is None:
+                seen.add(h)
+                keep.append(i)
+        host = tier.cache([hashes[i] for i in keep])
+        if not host:
+            return []
+        try:
+            part = select_blocks(export, keep[: len(host)])
+            store.write(host, part)
+        except BaseException:
+            self.unload(group, host)
+            raise
+        tier.park(host)
+        self.num_bytes_to_host += _nbytes(part)
+        return host
+
+    def unload(self, group: int, host: list[int]) -> None:
+        """Forget host blocks `load` filled (a later step of the load failed)."""
+        tier, _ = self._tier(group)
+        cached = set(tier.prefixes.idle_blocks())
+        tier.park([b for b in host if b not in cached])
+        for b in host:
+            tier.take(b)
 
     def promote(self, hashes: list, groups: list[int]) -> None:
         """Copy the blocks of the prefix `hashes` that only the host tier holds back to the device, as cached-idle
@@ -149,7 +221,8 @@ class HostTiers:
                 try:
                     dev = pool.allocate(n, group=g)  # may evict (and demote) other idle device blocks
                     try:
-                        pool.groups[g].store.import_blocks(dev, store.read(hosts))
+                        export = store.read(hosts, self._copy_device(g))
+                        pool.groups[g].store.import_blocks(dev, export)
                     except BaseException:
                         pool.free(dev, g)
                         raise
@@ -161,8 +234,16 @@ class HostTiers:
                 pool.publish_blocks([h for h, _ in back[:n]], dev, group=g)
                 pool.free(dev, g)  # cached-idle on the device now
                 self.num_promoted += n
+                self.num_bytes_from_host += _nbytes(export)
             finally:
                 pool.free(pinned, g)
+
+    def _copy_device(self, group: int) -> torch.device:
+        """Where copies back of `group` land first: its layers' CUDA device when they share one (the host store
+        copies there asynchronously), else the CPU (`import_blocks` then moves each layer's part to its device)."""
+        devices = {spec.device for spec in self.pool.groups[group].store.specs.values()}
+        device = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
+        return device if device.type == "cuda" else torch.device("cpu")
 
     def release(self, owner: int) -> None:
         """Free every host block `owner` holds, in every group."""
@@ -199,6 +280,9 @@ class HostTiers:
             blocks_prefetched=self.num_prefetched,
             blocks_demoted=self.num_demoted,
             blocks_promoted=self.num_promoted,
+            bytes_to_host=self.num_bytes_to_host,
+            bytes_from_host=self.num_bytes_from_host,
+            host_memory=self.host_memory,
         )
 
     def check(self) -> None:
@@ -211,3 +295,8 @@ class HostTiers:
                 problems.append(f"caches {both[:5]} hold blocks in both tiers")
             if problems:
                 raise InvariantError(f"invariant 9 (host tier) broken in group {group}: {'; '.join(problems)}")
+
+
+def _nbytes(export: dict) -> int:
+    """Bytes of the K/V tensors of a block export (its `*_rows` index lists are bookkeeping, not counted)."""
+    return sum(t.numel() * t.element_size() for name, t in export.items() if not name.endswith("_rows"))

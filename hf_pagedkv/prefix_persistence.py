@@ -21,6 +21,7 @@ from hf_pagedkv.adapter.prefix_cache import prefix_key
 from hf_pagedkv.errors import PoolExhaustedError
 from hf_pagedkv.pool.prefix_index import BlockHash
 from hf_pagedkv.storage.page_store import LayerSpec
+from hf_pagedkv.storage.host_store import select_blocks
 from hf_pagedkv.storage.prefix_file import read_prefix_file, write_prefix_file
 
 _SPEC_FIELDS = ("num_kv_heads", "key_dim", "value_dim")  # per-layer shape fields of the index
@@ -79,7 +80,10 @@ def load_prefix_cache(pool, path: str | os.PathLike, model=None, config=None, de
     Everything is checked before the pool changes: the file (checksums), its format against the pool's (block
     size, quantization, layer groups and their windows, per-layer shapes and dtype), and its model key against
     `model`'s. Layers the pool does not hold yet get their storage here (on `device`, by default the model's), as a
-    first forward pass would. Blocks whose chain hash the pool already holds are skipped.
+    first forward pass would. Blocks whose chain hash the pool already holds are skipped. When the device tier
+    cannot take every block of a layer group, the blocks of the shortest prefixes go there and the rest into the
+    pool's host tier (`BlockPool(host_memory=...)`) as cached blocks, which a hit copies back like any block the
+    device evicted.
 
     Returns:
         `int`: blocks newly published in the pool, summed over layer groups.
@@ -90,7 +94,8 @@ def load_prefix_cache(pool, path: str | os.PathLike, model=None, config=None, de
             corrupted, of another format, block size or quantization, of another model's layers, or for other
             weights (nothing loaded in each case); the model is spread over several devices (`device_map`) and
             the pool does not hold its layers yet.
-        PoolExhaustedError: a fixed pool has too few free plus cached-idle blocks for the file (nothing loaded).
+        PoolExhaustedError: a fixed pool has too few free plus cached-idle blocks for the file, and no host tier
+            to take the rest, or too little room there (nothing loaded).
     """
     if not pool.prefix_caching:
         raise ValueError("load_prefix_cache needs a pool created with BlockPool(prefix_caching=True).")
@@ -123,43 +128,64 @@ def load_prefix_cache(pool, path: str | os.PathLike, model=None, config=None, de
             gi = pool.group_for(window)
             for layer_idx, spec in layer_specs.items():
                 pool.register_layer(layer_idx, spec, len(plan), group=gi)
-        targets = [(pool.group_for(window), n, fi) for fi, (window, n, _) in enumerate(groups) if n]
-        short = [(gi, n) for gi, n, _ in targets if not pool.can_reserve(n, gi)]
-        if short:
-            gi, n = short[0]
+        targets = []  # (pool group, file group, blocks for the device tier, blocks for the host tier)
+        for fi, (window, n, _) in enumerate(groups):
+            if not n:
+                continue
+            gi = pool.group_for(window)
             alloc = pool.groups[gi].allocator
-            raise PoolExhaustedError(
-                f"load_prefix_cache: {path} needs {n} blocks in the {pool.groups[gi].name} layer group, the pool has "
-                f"{alloc.num_free_blocks} free and {alloc.num_idle_blocks} cached-idle of {alloc.num_blocks}; raise "
-                "num_blocks / max_memory or release caches (nothing loaded).")
+            on_device = n if pool.can_reserve(n, gi) else alloc.num_free_blocks + alloc.num_idle_blocks
+            room = pool.host.room_for_cached(gi) if pool.host is not None and on_device < n else 0
+            if n - on_device > room:
+                host = (f" and its host tier room for {room}" if pool.host is not None
+                        else "; a host tier (BlockPool(host_memory=...)) would take the rest")
+                raise PoolExhaustedError(
+                    f"load_prefix_cache: {path} needs {n} blocks in the {pool.groups[gi].name} layer group, the pool "
+                    f"has {alloc.num_free_blocks} free and {alloc.num_idle_blocks} cached-idle of "
+                    f"{alloc.num_blocks}{host}; raise num_blocks / max_memory / host_memory or release caches "
+                    "(nothing loaded).")
+            targets.append((gi, fi, on_device, n - on_device))
         loaded = _import(pool, f.tensors, targets)
         pool.note_prefix_key(key)
         return loaded
 
 
-def _import(pool, tensors: dict[str, torch.Tensor], targets: list[tuple[int, int, int]]) -> int:
-    """Allocate, write, publish and park the blocks of each `(pool group, num_blocks, file group)`; on any error
-    free what was allocated (nothing is published before every group is written). Called with `pool.lock` held."""
-    held: list[tuple[int, list[int]]] = []
+def _import(pool, tensors: dict[str, torch.Tensor], targets: list[tuple[int, int, int, int]]) -> int:
+    """Allocate, write, publish and park the blocks of each `(pool group, file group, device blocks, host blocks)`:
+    the blocks of the shortest prefixes go to the device tier, the rest to the host tier as cached blocks (its
+    least recently used end: the longest prefixes' tails are dropped first). On any error undo what was done
+    (nothing is published on the device before every group is written). Called with `pool.lock` held."""
+    held: list[tuple[int, list[int], list[BlockHash]]] = []  # per target: device blocks and their hashes
+    parked: list[tuple[int, list[int]]] = []  # per target: host blocks loaded
     try:
-        for gi, n, fi in targets:
-            blocks = pool.allocate(n, group=gi)
-            held.append((gi, blocks))
-            p = f"g{fi}."
+        for gi, fi, n_dev, n_host in targets:
+            n, p = n_dev + n_host, f"g{fi}."
             mine = {name[len(p):]: t for name, t in tensors.items() if name.startswith(p)}
             digests, num_tokens = mine.pop("digests"), mine.pop("num_tokens")
             if tuple(digests.shape) != (n, 16) or tuple(num_tokens.shape) != (n,):
                 raise ValueError(f"the file's hashes of group {fi} do not match its {n} blocks (nothing loaded).")
-            pool.groups[gi].store.import_blocks(blocks, mine)
-            pool.mark_written(blocks, [pool.block_size] * n, group=gi)
+            counts = num_tokens.tolist()
+            hashes = [BlockHash(bytes(digests[j].tolist()), counts[j]) for j in range(n)]
+            order = sorted(range(n), key=lambda j: counts[j])  # a saved file lists device blocks before host ones
+            dev, rest = order[:n_dev], order[n_dev:]
+            blocks = pool.allocate(n_dev, group=gi) if n_dev else []
+            held.append((gi, blocks, [hashes[j] for j in dev]))
+            if n_dev:
+                export = mine if dev == list(range(n)) else select_blocks(mine, dev)
+                pool.groups[gi].store.import_blocks(blocks, export)
+                pool.mark_written(blocks, [pool.block_size] * n_dev, group=gi)
+            if rest:
+                rest.reverse()  # the longest prefixes first: dropped first
+                host_export = {k: t.cpu() for k, t in select_blocks(mine, rest).items()}
+                parked.append((gi, pool.host.load(gi, [hashes[j] for j in rest], host_export)))
     except BaseException:
-        for gi, blocks in held:
+        for gi, host in parked:
+            pool.host.unload(gi, host)
+        for gi, blocks, _ in held:
             pool.free(blocks, gi)
         raise
-    published = 0
-    for (gi, n, fi), (_, blocks) in zip(targets, held):
-        raw, counts = tensors[f"g{fi}.digests"], tensors[f"g{fi}.num_tokens"].tolist()
-        hashes = [BlockHash(bytes(raw[j].tolist()), counts[j]) for j in range(n)]
+    published = sum(len(host) for _, host in parked)
+    for gi, blocks, hashes in held:
         published += pool.publish_blocks(hashes, blocks, group=gi)  # a hash the pool holds already is skipped
         pool.free(blocks, gi)  # published: cached-idle; skipped ones: free again
     return published

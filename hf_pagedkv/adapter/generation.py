@@ -1,8 +1,9 @@
 """`generate`: `model.generate` on a shared `BlockPool`, with prefix caching when the pool has it (attach, generate,
-publish, release)."""
+publish, release), and optionally swapping idle caches out to the host tier when the pool is full."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -10,13 +11,13 @@ import torch
 from hf_pagedkv._compat import CACHE_KWARG_NAMES, cache_kwargs
 from hf_pagedkv.block_pool import BlockPool
 from hf_pagedkv.adapter.paged_cache import PagedCache
-from hf_pagedkv.errors import EMPTY_PROMPT
+from hf_pagedkv.errors import EMPTY_PROMPT, PoolExhaustedError
 
 logger = logging.getLogger(__name__)
 
 
 def generate(model, input_ids: torch.LongTensor, pool: BlockPool, attention_mask: torch.Tensor | None = None,
-             **generate_kwargs):
+             *, swap_on_exhaustion: bool = False, **generate_kwargs):
     """Run `model.generate` on `input_ids` with caches from `pool`, reusing the blocks of any prefix already cached
     there when the pool has prefix caching.
 
@@ -35,6 +36,13 @@ def generate(model, input_ids: torch.LongTensor, pool: BlockPool, attention_mask
             (`prefix_caching=True` to share prompt prefixes between requests).
         attention_mask (`torch.Tensor` of shape `[batch, seq_len]`, *optional*): 1 for real tokens, 0 for left
             padding.
+        swap_on_exhaustion (`bool`, *optional*, defaults to `False`): when a fixed pool runs out of blocks
+            (`PoolExhaustedError`), swap the least recently used idle caches of `pool` (other `PagedCache`s on it
+            that no running request holds, see `BlockPool.idle_owners`) out to its host tier with
+            `PagedCache.offload()` and run the row again, until it fits; when no idle cache is left to swap (or
+            the host tier is full), raise the original error, with a note of what was swapped. A swapped cache
+            stays offloaded until its owner calls `cache.prefetch()`, and then continues exactly. Needs
+            `BlockPool(host_memory=...)`.
         generate_kwargs: passed to `model.generate` (`max_new_tokens`, `do_sample`, `num_beams`,
             `return_dict_in_generate`, ...); not the cache (`past_key_values`, or `cache` from 5.24).
 
@@ -46,7 +54,10 @@ def generate(model, input_ids: torch.LongTensor, pool: BlockPool, attention_mask
 
     Raises:
         ValueError: `pool` not a `BlockPool`; a cache given (`past_key_values` or `cache`); an empty prompt (a row
-            without tokens); `attention_mask` not a left-padding mask of the same shape as `input_ids`.
+            without tokens); `attention_mask` not a left-padding mask of the same shape as `input_ids`;
+            `swap_on_exhaustion` without a host tier.
+        PoolExhaustedError: a fixed pool has too few blocks for a row (with `swap_on_exhaustion`, even after
+            swapping every idle cache out). The pool is left as before that row (and the swapped caches offloaded).
 
     Example:
 
@@ -59,6 +70,9 @@ def generate(model, input_ids: torch.LongTensor, pool: BlockPool, attention_mask
     """
     if not isinstance(pool, BlockPool):
         raise ValueError(f"hf_pagedkv.generate needs `pool=` a hf_pagedkv.BlockPool, got {type(pool).__name__}.")
+    if swap_on_exhaustion and pool.host is None:
+        raise ValueError("swap_on_exhaustion=True swaps idle caches out to the pool's host tier, and this pool has "
+                         "none: create it with BlockPool(..., host_memory=\"8GiB\"), or drop swap_on_exhaustion.")
     if given := [name for name in CACHE_KWARG_NAMES if name in generate_kwargs]:
         raise ValueError(f"hf_pagedkv.generate makes its own caches from `pool`; do not pass `{given[0]}`.")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() not in (1, 2):
@@ -71,7 +85,8 @@ def generate(model, input_ids: torch.LongTensor, pool: BlockPool, attention_mask
         where = f" (row {empty[0]} of {input_ids.shape[0]})" if input_ids.shape[0] > 1 else ""
         raise ValueError(f"hf_pagedkv.generate: {EMPTY_PROMPT}{where}.")
     rows = _unpadded_rows(input_ids, attention_mask)
-    outs = [_generate_row(model, row, pool, generate_kwargs) for row in rows]
+    run = _generate_row_swapping if swap_on_exhaustion else _generate_row
+    outs = [run(model, row, pool, generate_kwargs) for row in rows]
     if len(outs) == 1 and (attention_mask is None or bool(attention_mask.all())):
         return outs[0]
     if generate_kwargs.get("return_dict_in_generate"):
@@ -104,27 +119,84 @@ def _unpadded_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None)
 
 
 def _generate_row(model, ids: torch.Tensor, pool: BlockPool, kwargs: dict):
-    if pool.prefix_caching:
-        cache = PagedCache.from_prefix(pool, ids, model=model)
-    else:
-        cache = PagedCache(pool=pool, config=model.config)
-    try:
-        out = model.generate(ids, **cache_kwargs(cache), attention_mask=torch.ones_like(ids), **kwargs)
-        if not pool.prefix_caching:
-            return out
-        sequences = out if isinstance(out, torch.Tensor) else out.sequences
-        config = kwargs.get("generation_config") or model.generation_config
-        plain = (kwargs.get("num_beams", config.num_beams) or 1) == 1 and kwargs.get("assistant_model") is None \
-            and kwargs.get("prompt_lookup_num_tokens", config.prompt_lookup_num_tokens) is None
-        # NOTE: beam search returns the best finished beams, not the cache rows in order, and assisted decoding
-        # crops; there only the prompt (identical in every row) is known to match the cached K/V.
-        if plain and sequences.shape[0] == cache.num_rows:
-            cache.publish(sequences)
-        else:
-            cache.publish(ids)
+    with contextlib.ExitStack() as stack:  # on the way out: unmark, then release the cache
+        # NOTE: created and marked busy under the pool lock, so another thread's swap_on_exhaustion never sees it
+        # idle (and swaps it out) before it runs
+        with pool.lock:
+            if pool.prefix_caching:
+                cache = PagedCache.from_prefix(pool, ids, model=model)
+            else:
+                cache = PagedCache(pool=pool, config=model.config)
+            stack.callback(cache.release)
+            stack.enter_context(pool.owner_busy(cache.seq_id))  # not offered for swapping out while it runs
+        return _run_and_publish(model, ids, cache, pool, kwargs)
+
+
+def _run_and_publish(model, ids: torch.Tensor, cache: PagedCache, pool: BlockPool, kwargs: dict):
+    out = model.generate(ids, **cache_kwargs(cache), attention_mask=torch.ones_like(ids), **kwargs)
+    if not pool.prefix_caching:
         return out
-    finally:
-        cache.release()
+    sequences = out if isinstance(out, torch.Tensor) else out.sequences
+    config = kwargs.get("generation_config") or model.generation_config
+    plain = (kwargs.get("num_beams", config.num_beams) or 1) == 1 and kwargs.get("assistant_model") is None \
+        and kwargs.get("prompt_lookup_num_tokens", config.prompt_lookup_num_tokens) is None
+    # NOTE: beam search returns the best finished beams, not the cache rows in order, and assisted decoding
+    # crops; there only the prompt (identical in every row) is known to match the cached K/V.
+    if plain and sequences.shape[0] == cache.num_rows:
+        cache.publish(sequences)
+    else:
+        cache.publish(ids)
+    return out
+
+
+def _generate_row_swapping(model, ids: torch.Tensor, pool: BlockPool, kwargs: dict):
+    """`_generate_row`, swapping the least recently used idle caches out to the host tier and running the row
+    again while the pool is exhausted (`generate(swap_on_exhaustion=True)`)."""
+    first: PoolExhaustedError | None = None
+    swapped: list[int] = []
+    while True:
+        try:
+            return _generate_row(model, ids, pool, kwargs)  # a failed row released its cache: the pool is as before
+        except PoolExhaustedError as error:
+            first = first or error
+            more = _swap_out(pool, _request_blocks(model, ids, pool, kwargs))
+            if not more:
+                if swapped:
+                    first.add_note(f"swap_on_exhaustion: swapped {len(swapped)} idle caches (seq_id {swapped}) out "
+                                   "to the host tier; no idle cache is left to swap (or the host tier is full).")
+                raise first from None
+            swapped += more
+            logger.info("hf_pagedkv.generate: pool exhausted; swapped idle caches %s out to the host tier", more)
+
+
+def _swap_out(pool: BlockPool, need: int) -> list[int]:
+    """Offload idle caches of `pool`, least recently used first, until `need` blocks of the full-attention group
+    could be reserved (at least one cache when any frees a block). Returns their tokens."""
+    swapped = []
+    with pool.lock:  # no other thread marks a listed cache busy (and starts running it) before it is swapped
+        for idle in pool.idle_owners():
+            if swapped and pool.can_reserve(need):
+                break
+            if idle.num_exclusive_blocks == 0:  # every block is shared with another cache: swapping frees nothing
+                continue
+            try:
+                idle.offload()
+            except PoolExhaustedError:  # the host tier has no room for this one; a smaller one may fit
+                continue
+            swapped.append(idle.token)
+    return swapped
+
+
+def _request_blocks(model, ids: torch.Tensor, pool: BlockPool, kwargs: dict) -> int:
+    """Blocks one row of prompt plus new tokens takes in a full-attention group, without prefix hits or sharing.
+
+    NOTE: a lower bound for beams and several return sequences (they share the prompt and copy only their tails);
+    it only decides how many caches to swap before the next try, which swaps more if it fails again."""
+    config = kwargs.get("generation_config") or model.generation_config
+    new = kwargs.get("max_new_tokens", config.max_new_tokens)
+    if new is None:
+        new = max(0, (kwargs.get("max_length", config.max_length) or 0) - ids.shape[1])
+    return -(-(ids.shape[1] + new) // pool.block_size)
 
 
 def _pad_batch(model, input_ids: torch.Tensor, rows: list[torch.Tensor], outs: list[torch.Tensor], kwargs: dict):

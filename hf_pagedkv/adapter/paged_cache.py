@@ -142,6 +142,8 @@ class PagedCache(Cache):
         self._owner = pool.register_owner()  # this cache's token in the pool's table registry
         self.seq_id = self._owner  # names this cache in the block event log
         self._finalizer = weakref.finalize(self, pool.release_owner, self._owner)  # frees blocks if never released
+        # `hf_pagedkv.generate(..., swap_on_exhaustion=True)` may swap this cache out while it is idle
+        pool.set_owner_swapper(self._owner, weakref.WeakMethod(self.offload))
         layers = []
         if config is not None:
             for idx, (kind, window) in enumerate(layer_plan(config)):
@@ -569,6 +571,7 @@ class PagedCache(Cache):
             return
         prefetch_cache(self.pool, self._owner, self._groups, self._offloaded)
         self._offloaded = None
+        self.pool.touch_owner(self._owner)
         self._after_change()
 
     # -- internals: layers ----------------------------------------------------------------------------------------
@@ -763,6 +766,7 @@ class PagedCache(Cache):
         self._num_tokens = plan.end
         if padding is not None and plan.end >= self._padding.num_tokens:  # every position of the padding is planned
             self._padding = None
+        self.pool.touch_owner(self._owner)  # its last use, for swapping out the least recently used idle caches
         self.last_step_tokens = plan.num_new
         self._maybe_dups = False
         self.pool.events.on_step(self.seq_id, plan, self._rows)

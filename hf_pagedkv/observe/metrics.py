@@ -135,7 +135,8 @@ class PoolMetrics:
         window = self.thresholds.window if window is None else window
         stats = pool.stats()
         now = time.perf_counter()
-        counters = (self.num_requests, self.num_failures, stats.lookups, stats.hit_tokens, stats.lookup_tokens)
+        counters = (self.num_requests, self.num_failures, stats.lookups, stats.hit_tokens, stats.lookup_tokens,
+                    stats.bytes_to_host, stats.bytes_from_host)
         with self._lock:
             self._samples.append((now, counters))
             while len(self._samples) > 2 and self._samples[1][0] <= now - window:
@@ -143,7 +144,7 @@ class PoolMetrics:
             t0, old = self._samples[0]
             n_window, (p50, p90, p99) = self.histogram.percentiles((0.5, 0.9, 0.99), since=now - window)
             steps = self.histogram.count
-        d_req, d_fail, _, d_hit, d_tok = (a - b for a, b in zip(counters, old, strict=True))
+        d_req, d_fail, _, d_hit, d_tok, d_to_host, d_from_host = (a - b for a, b in zip(counters, old, strict=True))
         span = now - t0
         if d_tok > 0:  # the pool counts looked-up tokens: a true windowed hit rate
             hit_rate = d_hit / d_tok
@@ -173,6 +174,13 @@ class PoolMetrics:
             step_p90=p90,
             step_p99=p99,
             step_baseline_p99=self.baseline_p99,
+            host_occupancy=stats.host_usage if stats.host_blocks else None,
+            blocks_to_host=stats.blocks_to_host,
+            blocks_from_host=stats.blocks_from_host,
+            bytes_to_host=stats.bytes_to_host,
+            bytes_from_host=stats.bytes_from_host,
+            bytes_to_host_per_s=d_to_host / span if span > 0 else 0.0,
+            bytes_from_host_per_s=d_from_host / span if span > 0 else 0.0,
             alerts=tuple(r.name for r in self._rules if r.active),
         )
 

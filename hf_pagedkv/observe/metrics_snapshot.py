@@ -38,6 +38,14 @@ class MetricsSnapshot:
     step_p90: float | None
     step_p99: float | None
     step_baseline_p99: float | None  # seconds, P99 of the run's first decode steps
+    # the host tier (all 0 / None without one; `stats` has its occupancy in blocks)
+    host_occupancy: float | None = None  # host blocks in use or cached / host blocks (None: no sized host tier)
+    blocks_to_host: int = 0  # blocks copied device -> host since creation (offloaded + demoted)
+    blocks_from_host: int = 0  # blocks copied host -> device since creation (prefetched + promoted)
+    bytes_to_host: int = 0  # bytes of K/V copied device -> host since creation
+    bytes_from_host: int = 0  # bytes of K/V copied host -> device since creation
+    bytes_to_host_per_s: float = 0.0  # in the window
+    bytes_from_host_per_s: float = 0.0  # in the window
     alerts: tuple[str, ...] = field(default=())  # names of the alerts firing
 
     def to_dict(self) -> dict:

@@ -48,6 +48,18 @@ class PoolStats:
     evictions: int = 0  # cached-idle blocks evicted (hash dropped) to make room
     cow_copies: int = 0  # blocks copied because a shared (or published) block was about to be written
     groups: tuple[GroupStats, ...] = ()  # per layer group (group 0: full attention)
+    # the host tier (`BlockPool(host_memory=...)`), all layer groups; host_memory is None without one, and the
+    # block counts are 0 until the tier is sized (at its first use)
+    host_memory: int | None = None  # byte budget of the host tier
+    host_blocks: int = 0  # host blocks (capacity): free + in use + cached
+    host_blocks_in_use: int = 0  # host blocks held by offloaded caches
+    host_blocks_cached: int = 0  # prefix blocks kept in host memory for a hit (evicted from the device, or loaded)
+    host_blocks_free: int = 0
+    host_bytes_reserved: int = 0  # host memory allocated
+    blocks_to_host: int = 0  # blocks copied device -> host since creation (offloaded + demoted)
+    blocks_from_host: int = 0  # blocks copied host -> device since creation (prefetched + promoted)
+    bytes_to_host: int = 0  # bytes of K/V copied device -> host (offloads, demotions, loaded overflow: host writes)
+    bytes_from_host: int = 0  # bytes of K/V copied host -> device
 
     @property
     def hit_rate(self) -> float:
@@ -64,3 +76,9 @@ class PoolStats:
     def usage(self) -> float:
         """Blocks in use / blocks held, in [0, 1]."""
         return 0.0 if self.num_blocks == 0 else self.blocks_in_use / self.num_blocks
+
+    @property
+    def host_usage(self) -> float:
+        """Host blocks in use or cached / host blocks, in [0, 1] (0 without a sized host tier)."""
+        used = self.host_blocks_in_use + self.host_blocks_cached
+        return 0.0 if self.host_blocks == 0 else used / self.host_blocks

@@ -20,6 +20,13 @@ Each series carries a ``pool`` label. Names follow the Prometheus conventions (b
     hf_pagedkv_prefix_hit_ratio                           gauge (only when the pool reports one)
     hf_pagedkv_decode_step_seconds                        histogram
     hf_pagedkv_alert_active{alert=...}                    gauge, 1 while the alert fires
+
+and, for a pool with a host tier (`BlockPool(host_memory=...)`)::
+
+    hf_pagedkv_host_blocks{state="in_use"|"cached"|"free"}     gauge (their sum is the host tier's capacity)
+    hf_pagedkv_host_bytes{state="reserved"|"budget"}           gauge, host memory allocated / `host_memory`
+    hf_pagedkv_host_blocks_moved_total{direction="to_host"|"from_host"}  counter
+    hf_pagedkv_host_bytes_moved_total{direction="to_host"|"from_host"}   counter, bytes of K/V copied
 """
 
 from __future__ import annotations
@@ -90,6 +97,15 @@ class PoolCollector:
             "hits": counter("hf_pagedkv_prefix_hit_tokens", "Tokens served from the prefix cache.", labels=["pool"]),
             "hit_rate": gauge("hf_pagedkv_prefix_hit_ratio", "Prefix cache hit rate.", labels=["pool"]),
             "alert": gauge("hf_pagedkv_alert_active", "1 while the alert fires.", labels=["pool", "alert"]),
+            "host_blocks": gauge("hf_pagedkv_host_blocks", "Blocks of the host tier by state.",
+                                 labels=["pool", "state"]),
+            "host_bytes": gauge("hf_pagedkv_host_bytes", "Host tier memory: allocated, and its budget.",
+                                labels=["pool", "state"]),
+            "host_moved": counter("hf_pagedkv_host_blocks_moved", "Blocks copied between the device and host tiers.",
+                                  labels=["pool", "direction"]),
+            "host_moved_bytes": counter("hf_pagedkv_host_bytes_moved",
+                                        "Bytes of K/V copied between the device and host tiers.",
+                                        labels=["pool", "direction"]),
         }
         hist = core.HistogramMetricFamily("hf_pagedkv_decode_step_seconds",
                                           "Time between consecutive decode steps of a cache.", labels=["pool"])
@@ -113,6 +129,16 @@ class PoolCollector:
             firing = set(snap.alerts)
             for alert in m.alert_names:
                 fams["alert"].add_metric([name, alert], 1.0 if alert in firing else 0.0)
+            if st.host_memory is not None:
+                for state, value in (("in_use", st.host_blocks_in_use), ("cached", st.host_blocks_cached),
+                                     ("free", st.host_blocks_free)):
+                    fams["host_blocks"].add_metric([name, state], value)
+                fams["host_bytes"].add_metric([name, "reserved"], st.host_bytes_reserved)
+                fams["host_bytes"].add_metric([name, "budget"], st.host_memory)
+                for direction, blocks, nbytes in (("to_host", st.blocks_to_host, st.bytes_to_host),
+                                                  ("from_host", st.blocks_from_host, st.bytes_from_host)):
+                    fams["host_moved"].add_metric([name, direction], blocks)
+                    fams["host_moved_bytes"].add_metric([name, direction], nbytes)
             hist.add_metric([name], *m.histogram_state())
         yield from fams.values()
         yield hist

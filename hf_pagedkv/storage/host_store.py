@@ -20,6 +20,11 @@ class HostStore:
     export; `num_blocks` is fixed at construction. Parts only some blocks have (a quantized pool's full-precision
     stage of an open block, and sink tokens; see `_PARTS`) are kept per host block in `_sparse`: there are about
     one of each per sequence. Holds no bookkeeping: which ids are free is `HostTier`'s.
+
+    Copies back to a CUDA device (`read(..., device="cuda:i")`) run on a copy stream of their own (`copy_stream`),
+    from pinned memory, without blocking the host; the device's current stream then waits on an event recorded
+    after them (`last_copy_event`), so no kernel queued later on it (the import into the page store, attention)
+    reads a block before its copy has landed. On the CPU, `read` copies synchronously.
     """
 
     def __init__(self, num_blocks: int, pin_memory: bool) -> None:
@@ -29,6 +34,8 @@ class HostStore:
         # part -> {export name -> (dim0, shape after dim 1, dtype)}, from the first write; set once
         self.parts: dict[str, dict[str, tuple[int, tuple[int, ...], torch.dtype]]] = {}
         self._sparse: dict[tuple[int, str], dict[str, torch.Tensor]] = {}  # (host block, part) -> name -> [dim0, ...]
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # CUDA device -> its copy stream; made by read
+        self.last_copy_event: torch.cuda.Event | None = None  # recorded after the last copy to CUDA; set by read
 
     @property
     def bytes_reserved(self) -> int:
@@ -76,24 +83,63 @@ class HostStore:
 
     def read(self, host_blocks: list[int], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """The export of host blocks `host_blocks`, as the device store's `import_blocks` takes it, on `device`:
-        ``name -> [dim0, len(host_blocks), ...]``."""
+        ``name -> [dim0, len(host_blocks), ...]``. To a CUDA device the copies are asynchronous, on `copy_stream`,
+        and the current stream waits for them (see the class docstring)."""
+        device = torch.device(device)
+        cuda = device.type == "cuda"
+        stream = self.copy_stream(device) if cuda else None
         idx = torch.tensor(host_blocks, dtype=torch.long)
-        out = {}
+        host: dict[str, torch.Tensor] = {}
         for name, t in self.tensors.items():
             picked = t.index_select(1, idx)  # [dim0, n, ...] on the CPU
-            if self.pin_memory:
-                picked = picked.pin_memory()
-            out[name] = picked.to(device, non_blocking=self.pin_memory)
+            host[name] = picked.pin_memory() if cuda and self.pin_memory else picked
         for part, part_names in self.parts.items():
             rows = [i for i, h in enumerate(host_blocks) if (h, part) in self._sparse]
-            out[f"{part}_rows"] = torch.tensor(rows, dtype=torch.long)
+            host[f"{part}_rows"] = torch.tensor(rows, dtype=torch.long)
             for name, (dim0, tail, dtype) in part_names.items():
                 if rows:  # [dim0, len(rows), ...]
-                    t = torch.stack([self._sparse[(host_blocks[i], part)][name] for i in rows], 1)
+                    host[name] = torch.stack([self._sparse[(host_blocks[i], part)][name] for i in rows], 1)
                 else:
-                    t = torch.empty((dim0, 0, *tail), dtype=dtype)
-                out[name] = t.to(device)
+                    host[name] = torch.empty((dim0, 0, *tail), dtype=dtype)
+        if not cuda:
+            return {name: t.to(device) for name, t in host.items()}
+        out = {}
+        with torch.cuda.stream(stream):
+            for name, t in host.items():
+                # NOTE: a `*_rows` index list stays on the CPU, as `export_blocks` gives it
+                out[name] = t if name.endswith("_rows") else t.to(device, non_blocking=self.pin_memory)
+        event = torch.cuda.Event()
+        event.record(stream)
+        compute = torch.cuda.current_stream(device)
+        compute.wait_event(event)  # what is queued on the compute stream from now on runs after the copies
+        for t in out.values():
+            if t.is_cuda:
+                t.record_stream(compute)  # allocated on the copy stream, used on the compute stream
+        self.last_copy_event = event
         return out
+
+    def copy_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The CUDA stream copies back to `device` run on (one per device, made on first use)."""
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+
+def select_blocks(export: dict[str, torch.Tensor], positions: list[int]) -> dict[str, torch.Tensor]:
+    """The export of the blocks at `positions` (indices along dim 1) of a block export, in that order, with its
+    per-block parts (`_PARTS`: ``"<part>_rows"`` and the tensors listing one entry per such block) re-indexed."""
+    pos = torch.tensor(positions, dtype=torch.long)
+    out = {name: t.index_select(1, pos.to(t.device))  # [dim0, len(positions), ...]
+           for name, t in export.items() if _part_of(name) is None}
+    for part in {p for name in export if (p := _part_of(name)) is not None}:
+        where = {r: i for i, r in enumerate(export[f"{part}_rows"].tolist())}  # position -> entry of the part
+        keep = [(j, where[p]) for j, p in enumerate(positions) if p in where]
+        out[f"{part}_rows"] = torch.tensor([j for j, _ in keep], dtype=torch.long)
+        entries = torch.tensor([i for _, i in keep], dtype=torch.long)
+        for name, t in export.items():
+            if _part_of(name) == part and not name.endswith("_rows"):
+                out[name] = t.index_select(1, entries.to(t.device))  # [dim0, len(keep), ...]
+    return out
 
 
 def _part_of(name: str) -> str | None:

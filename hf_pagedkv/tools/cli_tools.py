@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 
@@ -226,6 +227,11 @@ def _host_tier(plan, host_memory: str, parser) -> dict:
         parser.error(f"--host-memory: {e}")
     block_bytes = plan.bytes_per_token * plan.block_size
     blocks = int(size // block_bytes)
+    if blocks == 0:  # BlockPool(host_memory=...) would refuse it at the first offload
+        parser.error(f"--host-memory {host_memory}: {size:,} bytes holds no block: one block of {plan.block_size} "
+                     f"tokens takes {math.ceil(block_bytes):,} bytes in this format; give at least "
+                     f"{math.ceil(block_bytes):,} bytes ({fmt_bytes(math.ceil(block_bytes))}), or leave it out for no "
+                     "host tier.")
     per_seq = -(-plan.max_seq_len // plan.block_size)
     return {"bytes": size, "blocks": blocks, "tokens": blocks * plan.block_size, "sequences": blocks // per_seq}
 

@@ -264,7 +264,12 @@ def plan_capacity(model: ModelShape, max_seq_len: int, batch: int, quant: str = 
     prefix_bytes = 0
     if prefix_cache_memory is not None:  # whole blocks of the idle prefix cache, on top of the live sequences
         block_bytes = math.ceil(heads * per_head * block_size)
-        prefix_blocks = parse_bytes(prefix_cache_memory, "prefix_cache_memory") // block_bytes
+        prefix_size = parse_bytes(prefix_cache_memory, "prefix_cache_memory")
+        prefix_blocks = prefix_size // block_bytes
+        if prefix_blocks == 0:
+            raise ValueError(f"prefix_cache_memory={prefix_size:,} bytes holds no block: one block of "
+                             f"{block_size} tokens takes {block_bytes:,} bytes in this format; give at least "
+                             f"{block_bytes:,} bytes, or leave it out for no prefix cache room.")
         prefix_bytes = prefix_blocks * block_bytes
         pool_blocks += prefix_blocks
         pool_bytes += prefix_bytes

@@ -36,6 +36,12 @@ def test_fuzz_with_swapping_and_a_small_host_tier():
             assert h.num_blocks == 10
             assert 0 <= h.blocks_in_use <= 10 and 0 <= h.blocks_cached <= 10 and 0 <= h.blocks_free <= 10
             assert h.blocks_in_use + h.blocks_cached + h.blocks_free == h.num_blocks
+            s = pool.stats()  # the same counts in PoolStats, and the bytes of every copy so far
+            assert (s.host_blocks, s.host_blocks_in_use, s.host_blocks_cached, s.host_blocks_free) == (
+                h.num_blocks, h.blocks_in_use, h.blocks_cached, h.blocks_free)
+            assert s.bytes_to_host == s.blocks_to_host * BLOCK_BYTES == (h.blocks_offloaded + h.blocks_demoted) \
+                * BLOCK_BYTES
+            assert s.bytes_from_host == s.blocks_from_host * BLOCK_BYTES
 
     for _ in range(5000):
         if len(finished) == len(prompts):

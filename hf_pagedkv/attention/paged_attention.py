@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from hf_pagedkv.attention.paged_view import PagedView
+from hf_pagedkv.storage.code_read import CodeRead
 
 #: tokens per page tile: what one layer holds decoded in full precision at a time (keys and values, every row).
 #: NOTE: each tile costs a fixed ~0.1-0.2 ms of decode calls (SmolLM2 shapes, one CPU thread): at 2048 tokens, k4v4
 #: read in 512-token tiles took 1.6 ms per layer against 1.0 ms in one tile, so tiles are large.
 DEFAULT_TILE_TOKENS = 2048
+
+#: scores more than this below their row's maximum get probability exactly 0 (``exp(-44.4) = 2**-64``): together
+#: they would change the output by less than ``seq_len * 2**-64`` of it (1e-16 at 2048 tokens), far below fp32
+#: rounding, and they keep the CPU off denormal arithmetic. NOTE: a peaked softmax (most heads attend to the first
+#: token) leaves many probabilities below 1e-38; exp and the products of such denormals run 8-10x slower on CPU
+#: (measured, SmolLM2 shapes, 2048 tokens: softmax 134 against 13 us, probabilities @ values 785 against 91 us).
+NEGLIGIBLE = -64 * math.log(2)
 
 
 def paged_attention(query: torch.Tensor, view: PagedView, scaling: float, mask: torch.Tensor | None = None,
@@ -42,6 +52,9 @@ def paged_attention(query: torch.Tensor, view: PagedView, scaling: float, mask: 
     # [batch, H, G, q, D] -> [H, batch, G * q, D]: a query row per (query head of the group, query token)
     qh = (query * scaling).view(batch, H, G, q, dim).transpose(0, 1).reshape(H, batch, G * q, dim)
     bias = _mask_bias(mask, batch, G, q, query.dtype)  # [1, batch, G*q | 1, end - lo] or None
+    read = view.code_read()  # quantized: codes and scales of the encoded blocks, or None
+    if read is not None:
+        return _unpack(code_attention(qh, read, bias, tile_tokens), batch, H, G, q, num_heads)
     if view.num_chunks(tile_tokens) == 1:  # one view or one tile: a single softmax, by torch's fused kernel
         (pos0, k, v), = view.chunks(tile_tokens)
         out = F.scaled_dot_product_attention(qh, k, v, attn_mask=bias, scale=1.0)  # [H, batch, G*q, Dv]
@@ -52,7 +65,7 @@ def paged_attention(query: torch.Tensor, view: PagedView, scaling: float, mask: 
         if bias is not None:
             s += bias[..., pos0 - view.lo: pos0 - view.lo + k.shape[2]]
         m = s.amax(-1, keepdim=True).clamp_(min=torch.finfo(s.dtype).min)  # [H, batch, G*q, 1]; finite
-        p = s.sub_(m).exp_()  # in place: the scores are not needed again
+        p = F.threshold_(s.sub_(m), NEGLIGIBLE, float("-inf")).exp_()  # in place: the scores are not needed again
         stats.append((m, p.sum(-1, keepdim=True), torch.matmul(p, v)))  # [.., 1], [.., 1], [.., value_dim]
         del s, p, k, v  # this tile goes before the next one is read: one tile at a time
     if len(stats) == 1:
@@ -64,6 +77,105 @@ def paged_attention(query: torch.Tensor, view: PagedView, scaling: float, mask: 
         l = (w * torch.stack([l for _, l, _ in stats])).sum(0)
         out = (w * torch.stack([a for _, _, a in stats])).sum(0).div_(l)
     return _unpack(out, batch, H, G, q, num_heads)
+
+
+def code_attention(qh: torch.Tensor, read: CodeRead, bias: torch.Tensor | None, tile_tokens: int) -> torch.Tensor:
+    """Attention over a quantized read, de-quantizing one tile of codes at a time inside the two products.
+
+    Keys (quantized per channel: a scale and zero per block and channel, KIVI's grouping) are decoded one tile at a
+    time into a reused buffer and multiplied with the query in one product per tile. NOTE: folding the key scales
+    into the query instead (``q . (s * c + z) = (q * s) . c + q . z``) needs one small product per block, because
+    the scales change from block to block; on CPU those `bmm`s of `[rows, head_dim] x [head_dim, block_size]` cost
+    more than the decode pass they save (measured 320 against 266 us for 2048 SmolLM2 tokens, one thread).
+    Values (quantized per token: a scale and zero per token and channel group) are not decoded: the output is
+    ``sum_t p_t (s_t c_t + z_t) = sum_t (p_t s_t) c_t + sum_t p_t z_t``, so the probabilities are scaled and the
+    codes only converted to the compute dtype. The scores of the whole read, `[H, batch, rows, end - pos0]`
+    (`rows / head_dim` of the keys' size), get one softmax, so no online rescaling is needed. Sink tokens and the
+    tail (staged partial block, the step's tokens) enter in full precision. Codecs without an affine form
+    (bitsandbytes' NF4, the reference codec) decode the value tiles too. The value products are reassociated, so
+    the result equals "de-quantize, then softmax" up to fp rounding (fp32: about 1e-7 relative).
+
+    Args:
+        qh (`torch.Tensor` of shape `[H, batch, rows, key_dim]`): the scaled query, rows per key/value head.
+        read (`CodeRead`): the tokens ``lo .. end - 1`` (columns from ``pos0``).
+        bias (`torch.Tensor` of shape `[1, batch, rows | 1, end - lo]`, *optional*): additive mask.
+        tile_tokens (`int`): tokens per tile of codes held in the compute dtype at once (at least one block).
+
+    Returns:
+        `torch.Tensor` of shape `[H, batch, rows, value_dim]`.
+    """
+    H, batch, R, _ = qh.shape
+    B, n, (dk, dv) = read.block_size, read.num_encoded, read.dims
+    width, skip = read.end - read.pos0, read.lo - read.pos0  # columns, and those before `lo` (a window's start)
+    step = min(n, max(1, tile_tokens // B))  # blocks per tile
+    flat = _scratch(H * batch * step * B * max(dk, dv), qh)  # the tile buffer, shared by keys and values
+    kcodec, vcodec = read.codecs
+    fold = vcodec.is_affine and (vcodec.bits is None or vcodec.axis == "token")  # values: scale p, not the codes
+    scores = qh.new_empty((H, batch, R, width))  # [H, batch, rows, columns]
+    for j0 in range(0, n, step):
+        j1 = min(n, j0 + step)
+        T = (j1 - j0) * B
+        buf = flat[: H * batch * T * dk].view(H, batch, j1 - j0, B, dk)
+        k = kcodec.decode(read.codes[0][:, :, j0:j1], read.scales[0][:, :, j0:j1], buf)  # [H, batch, nt, B, dk]
+        scores[..., j0 * B: j1 * B] = torch.matmul(qh, k.view(H, batch, T, dk).transpose(-1, -2))  # [.., rows, T]
+    if read.sink is not None:  # full-precision sink tokens instead of their codes
+        ns = read.sink[0].shape[2]
+        scores[..., :ns] = torch.matmul(qh, read.sink[0].transpose(-1, -2))  # [H, batch, rows, ns]
+    if read.tail is not None:
+        scores[..., n * B:] = torch.matmul(qh, read.tail[0].transpose(-1, -2))  # [H, batch, rows, tail]
+    if skip:
+        scores[..., :skip] = float("-inf")  # before the window: never attended
+    if bias is not None:
+        scores[..., skip:] += bias
+    p, l = _exp_scores(scores)  # [H, batch, rows, columns] unnormalized, and their sums [H, batch, rows, 1]
+    out = torch.matmul(p[..., n * B:], read.tail[1]) if read.tail is not None else qh.new_zeros((H, batch, R, dv))
+    if read.sink is not None:
+        out += torch.matmul(p[..., :ns], read.sink[1])
+        p[..., :ns] = 0  # their codes do not count
+    for j0 in range(0, n, step):
+        j1 = min(n, j0 + step)
+        T = (j1 - j0) * B
+        buf = flat[: H * batch * T * dv].view(H, batch, j1 - j0, B, dv)
+        codes, sc = read.codes[1][:, :, j0:j1], read.scales[1][:, :, j0:j1]
+        pt = p[..., j0 * B: j1 * B]  # [H, batch, rows, T]
+        if not fold:
+            out += torch.matmul(pt, vcodec.decode(codes, sc, buf).view(H, batch, T, dv))
+            continue
+        v = vcodec.unpack(codes, buf).reshape(H, batch, T, dv)  # integer values in token order: [H, batch, T, dv]
+        scale, zero = vcodec.affine(sc, qh.dtype)  # [H, batch, nt, B * groups] each (or None: identity)
+        if scale is None:
+            out += torch.matmul(pt, v)
+            continue
+        groups = scale.shape[-1] // B
+        scale = scale.reshape(H, batch, 1, T, groups)  # [H, batch, 1, T, groups]
+        if groups == 1:
+            out += torch.matmul(pt * scale[..., 0], v)  # sum_t (p_t s_t) c_t
+        else:
+            g = dv // groups
+            for j in range(groups):  # a few channel groups (head_dim / value_group_size), not blocks
+                out[..., j * g: (j + 1) * g] += torch.matmul(pt * scale[..., j], v[..., j * g: (j + 1) * g])
+        if zero is not None:
+            z = torch.matmul(pt, zero.reshape(H, batch, T, groups))  # sum_t p_t z_t: [H, batch, rows, groups]
+            out += z.repeat_interleave(dv // groups, dim=-1) if groups > 1 else z
+    return out.div_(l)
+
+
+def _exp_scores(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``exp(scores - max)`` in place, the terms below ``exp(NEGLIGIBLE)`` set to 0, and the sum of each row."""
+    m = scores.amax(-1, keepdim=True)  # [..., 1]
+    p = F.threshold_(scores.sub_(m), NEGLIGIBLE, float("-inf")).exp_()
+    return p, p.sum(-1, keepdim=True)
+
+
+_SCRATCH: dict = {}
+
+
+def _scratch(numel, like):
+    key = (like.dtype, like.device)
+    t = _SCRATCH.get(key)
+    if t is None or t.numel() < numel:
+        t = _SCRATCH[key] = like.new_empty(numel)
+    return t[:numel]
 
 
 def _unpack(out: torch.Tensor, batch: int, H: int, G: int, q: int, num_heads: int) -> torch.Tensor:

@@ -6,6 +6,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from hf_pagedkv.storage.code_read import CodeRead
 from hf_pagedkv.storage.read_request import ReadRequest
 
 _ATTR = "hf_pagedkv_view"  # the attribute of a tensor returned by `PagedCache.update` that names its view
@@ -85,6 +86,16 @@ class PagedView:
     def is_placeholder(self, key: torch.Tensor) -> bool:
         """Whether `key` is this view's placeholder (holds no history) rather than materialized keys."""
         return key is self._placeholder
+
+    # -- codes ------------------------------------------------------------------------------------------------
+    def code_read(self) -> CodeRead | None:
+        """A quantized store's tokens ``lo .. end - 1`` as codes and scales (`QuantizedPageStore.read_codes`), for
+        an attention that de-quantizes inside its products; None for a full-precision store, or when no encoded
+        block lies in the range (read `chunks` then)."""
+        if not self.store.is_quantized:
+            return None
+        return self.store.read_codes(self.layer_idx, ReadRequest(self.table, self.lo, self.end, self.block_size,
+                                                                 self._first_block(), self.new))
 
     # -- chunks ----------------------------------------------------------------------------------------------
     def num_chunks(self, tile_tokens: int) -> int:

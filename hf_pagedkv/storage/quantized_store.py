@@ -7,6 +7,7 @@ import math
 import torch
 
 from hf_pagedkv.config import QuantConfig
+from hf_pagedkv.storage.code_read import CodeRead
 from hf_pagedkv.storage.codecs import BlockLayout, check_finite, codec_name, make_codec
 from hf_pagedkv.storage.page_store import LayerSpec, check_block_tensors
 from hf_pagedkv.storage.quantized_block_states import QuantizedBlockStates
@@ -313,6 +314,40 @@ class QuantizedPageStore:
     def read(self, layer_idx: int, request: ReadRequest) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens ``request.lo .. request.end - 1`` of every row, de-quantized (see `ReadRequest`)."""
         return self._read(layer_idx, request.table, request.lo, request.end, request.first_block, request.new)
+
+    def read_codes(self, layer_idx: int, request: ReadRequest) -> CodeRead | None:
+        """Tokens ``request.lo .. request.end - 1`` of every row as codes and scales, for an attention that
+        de-quantizes inside its products (`CodeRead`), or None when no encoded block lies in the range (`read`
+        serves it then). The encoded blocks are those before the block of the step's first new token (``new[0]``,
+        or `end` without `new`); the sink tokens (when block position 0 is read and every row's first block holds
+        them) and the tail come in full precision, as `read` gives them."""
+        B, spec = self.block_size, self.specs[layer_idx]
+        start = request.end if request.new is None else request.new[0]
+        first, enc = request.first_position, start // B  # block positions first .. enc - 1 are encoded
+        n = enc - first
+        if n <= 0:
+            return None
+        if request.first_block is not None and request.table.shape[0] == 1:  # one run of consecutive ids: views
+            base = request.first_block + first
+            parts = [t.narrow(1, base, n).unsqueeze(1) for t in self.codes[layer_idx] + self.scales[layer_idx]]
+        else:
+            ids = request.blocks(spec.device)[:, :n]  # [batch, n]
+            flat = ids.reshape(-1)  # [batch * n]
+            parts = [t.index_select(1, flat).unflatten(1, ids.shape) for t in self.codes[layer_idx] + self.scales[
+                layer_idx]]  # [num_kv_heads, batch, n, size] each
+        sink = None
+        n_sink = min(self.sink_tokens, start) if first == 0 else 0
+        stages = [self.states.sink_of.get(b) for b in request.table[:, 0].tolist()] if n_sink else []
+        if n_sink and None not in stages:  # (retention freed a first block: its successor is read decoded)
+            idx = torch.tensor(stages, device=spec.device)
+            sink = tuple(self.sinks.blocks(s, layer_idx)[:, idx, :n_sink]  # [num_kv_heads, batch, n_sink, dim]
+                         for s in (self.sinks.keys, self.sinks.values))
+        tail = None
+        if request.end > enc * B:
+            k, v = self._read(layer_idx, request.table, enc * B, request.end, request.first_block, request.new)
+            tail = k.transpose(0, 1), v.transpose(0, 1)  # [num_kv_heads, batch, end - enc * B, dim]
+        return CodeRead(first * B, request.lo, request.end, B, (spec.key_dim, spec.value_dim), self.codecs,
+                        (parts[0], parts[1]), (parts[2], parts[3]), sink, tail)
 
     def _read(self, layer_idx: int, table: torch.Tensor, lo: int, end: int, base: int | None = None,
               new: tuple[int, torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:

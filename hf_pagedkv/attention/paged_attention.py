@@ -142,36 +142,33 @@ def code_attention(qh: torch.Tensor, read: CodeRead, bias: torch.Tensor | None, 
     H, batch, R, _ = qh.shape
     B, n, (dk, dv) = read.block_size, read.num_encoded, read.dims
     width, skip = read.end - read.pos0, read.lo - read.pos0  # columns, and those before `lo` (a window's start)
+    ns = max(0, read.sink_end - read.lo)  # sink tokens, in full precision after the tail
     step = min(n, max(1, tile_tokens // B))  # blocks per tile
-    flat = _scratch(H * batch * step * B * max(dk, dv), qh)  # the tile buffer, shared by keys and values
+    flat = qh.new_empty(H * batch * step * B * max(dk, dv))  # the tile buffer, shared by keys and values
     kcodec, vcodec = read.codecs
     fold = vcodec.is_affine and (vcodec.bits is None or vcodec.axis == "token")  # values: scale p, not the codes
-    scores = qh.new_empty((H, batch, R, width))  # [H, batch, rows, columns]
+    scores = qh.new_empty((H, batch, R, width + ns))  # [H, batch, rows, columns | sink tokens]
     for j0 in range(0, n, step):
         j1 = min(n, j0 + step)
         T = (j1 - j0) * B
         buf = flat[: H * batch * T * dk].view(H, batch, j1 - j0, B, dk)
-        k = kcodec.decode(read.codes[0][:, :, j0:j1], read.scales[0][:, :, j0:j1], buf)  # [H, batch, nt, B, dk]
+        k = kcodec.decode(*_blocks(read, 0, j0, j1), buf)  # [H, batch, nt, B, dk]
         scores[..., j0 * B: j1 * B] = torch.matmul(qh, k.view(H, batch, T, dk).transpose(-1, -2))  # [.., rows, T]
-    if read.sink is not None:  # full-precision sink tokens instead of their codes
-        ns = read.sink[0].shape[2]
-        scores[..., :ns] = torch.matmul(qh, read.sink[0].transpose(-1, -2))  # [H, batch, rows, ns]
-    if read.tail is not None:
-        scores[..., n * B:] = torch.matmul(qh, read.tail[0].transpose(-1, -2))  # [H, batch, rows, tail]
-    if skip:
-        scores[..., :skip] = float("-inf")  # before the window: never attended
+    scores[..., n * B:] = torch.matmul(qh, read.full[0].transpose(-1, -2))  # the tail, then the sink tokens
+    cut = max(skip, read.sink_end)  # before the window: never attended; sink tokens: read in full precision
+    if cut:
+        scores[..., :cut] = float("-inf")
     if bias is not None:
-        scores[..., skip:] += bias
+        scores[..., skip:width] += bias
+        if read.sink_end:
+            scores[..., width:] += bias[..., : read.sink_end - read.lo]
     p, l = _exp_scores(scores)  # [H, batch, rows, columns] unnormalized, and their sums [H, batch, rows, 1]
-    out = torch.matmul(p[..., n * B:], read.tail[1]) if read.tail is not None else qh.new_zeros((H, batch, R, dv))
-    if read.sink is not None:
-        out += torch.matmul(p[..., :ns], read.sink[1])
-        p[..., :ns] = 0  # their codes do not count
+    out = torch.matmul(p[..., n * B:], read.full[1])  # [H, batch, rows, dv]
     for j0 in range(0, n, step):
         j1 = min(n, j0 + step)
         T = (j1 - j0) * B
         buf = flat[: H * batch * T * dv].view(H, batch, j1 - j0, B, dv)
-        codes, sc = read.codes[1][:, :, j0:j1], read.scales[1][:, :, j0:j1]
+        codes, sc = _blocks(read, 1, j0, j1)
         pt = p[..., j0 * B: j1 * B]  # [H, batch, rows, T]
         if not fold:
             out += torch.matmul(pt, vcodec.decode(codes, sc, buf).view(H, batch, T, dv))
@@ -195,22 +192,19 @@ def code_attention(qh: torch.Tensor, read: CodeRead, bias: torch.Tensor | None, 
     return out.div_(l)
 
 
+def _blocks(read: CodeRead, half: int, j0: int, j1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and scales of encoded blocks ``j0 .. j1 - 1`` (no slicing for the whole read: one op less)."""
+    codes, scales = read.codes[half], read.scales[half]
+    if j0 == 0 and j1 == codes.shape[2]:
+        return codes, scales
+    return codes[:, :, j0:j1], scales[:, :, j0:j1]
+
+
 def _exp_scores(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``exp(scores - max)`` in place, the terms below ``exp(NEGLIGIBLE)`` set to 0, and the sum of each row."""
     m = scores.amax(-1, keepdim=True)  # [..., 1]
     p = F.threshold_(scores.sub_(m), NEGLIGIBLE, float("-inf")).exp_()
     return p, p.sum(-1, keepdim=True)
-
-
-_SCRATCH: dict = {}
-
-
-def _scratch(numel, like):
-    key = (like.dtype, like.device)
-    t = _SCRATCH.get(key)
-    if t is None or t.numel() < numel:
-        t = _SCRATCH[key] = like.new_empty(numel)
-    return t[:numel]
 
 
 def _unpack(out: torch.Tensor, batch: int, H: int, G: int, q: int, num_heads: int) -> torch.Tensor:

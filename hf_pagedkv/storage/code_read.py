@@ -15,7 +15,7 @@ class CodeRead(NamedTuple):
 
         columns:  0 ..                num_encoded * block_size - 1 | .. end - pos0 - 1
                   [ encoded blocks: codes + scales               ] [ tail: full precision ]
-                  [ sink (pos0 == 0): columns 0 .. n - 1 in full precision, instead of their codes ]
+                  the sink (pos0 == 0): tokens lo .. sink_end - 1 in full precision, instead of their codes
                   columns before lo - pos0 lie outside the read (a sliding window's first block) and are not read
 
     Attributes:
@@ -28,11 +28,10 @@ class CodeRead(NamedTuple):
             `[num_kv_heads, batch, num_encoded, code_size]` each (a view of the pool when the row's blocks are
             consecutive, else gathered: codes are 1/4 to 1/16 of the full-precision bytes).
         scales (`tuple[torch.Tensor, torch.Tensor]`): their scales, `[num_kv_heads, batch, num_encoded, scale_size]`.
-        sink (`tuple[torch.Tensor, torch.Tensor]`, *optional*): keys and values of columns ``0 .. n - 1`` in full
-            precision, `[num_kv_heads, batch, n, dim]`, which replace the decoded codes there.
-        tail (`tuple[torch.Tensor, torch.Tensor]`, *optional*): keys and values of columns from
-            ``num_encoded * block_size`` on (the staged partial block and the step's own tokens),
-            `[num_kv_heads, batch, n, dim]`, full precision.
+        full (`tuple[torch.Tensor, torch.Tensor]`): keys and values in full precision, `[num_kv_heads, batch, m,
+            dim]`: first the tail, the tokens from column ``num_encoded * block_size`` on (the staged partial block
+            and the step's own tokens), then the sink tokens ``lo .. sink_end - 1``, which replace their codes.
+        sink_end (`int`): one past the last sink token (0: no sink in this read).
     """
 
     pos0: int
@@ -43,8 +42,8 @@ class CodeRead(NamedTuple):
     codecs: tuple[Codec, Codec]
     codes: tuple[torch.Tensor, torch.Tensor]
     scales: tuple[torch.Tensor, torch.Tensor]
-    sink: tuple[torch.Tensor, torch.Tensor] | None
-    tail: tuple[torch.Tensor, torch.Tensor] | None
+    full: tuple[torch.Tensor, torch.Tensor]
+    sink_end: int
 
     @property
     def num_encoded(self) -> int:

@@ -1,4 +1,5 @@
-"""`paged_attention`: decode attention over the chunks of a `PagedView`, with an online softmax (flash-decoding)."""
+"""`paged_attention`: decode attention over a `PagedView`: codes de-quantized inside the products, strided views of
+full-precision block runs, one softmax per read (or an online softmax over chunks, flash-decoding)."""
 
 from __future__ import annotations
 
@@ -25,14 +26,21 @@ NEGLIGIBLE = -64 * math.log(2)
 
 def paged_attention(query: torch.Tensor, view: PagedView, scaling: float, mask: torch.Tensor | None = None,
                     tile_tokens: int = DEFAULT_TILE_TOKENS) -> torch.Tensor:
-    """Attention of `query` over the tokens `view` names, read where they lie, chunk by chunk.
+    """Attention of `query` over the tokens `view` names, read where they lie.
 
-    Each chunk (a tile of pages, decoded when quantized, or a small full-precision segment) gives its partial
-    softmax statistics: the running maximum `m`, the sum of ``exp(s - m)`` and the unnormalized output; the chunks
-    are then combined exactly (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"; Dao et al.
-    2023, Flash-Decoding); a read that is a single chunk (one row in consecutive full-precision blocks, or at most
-    one tile) goes to torch's fused `scaled_dot_product_attention` on that chunk. The query heads are grouped by their key/value head (GQA), so no key or value is
-    repeated. Only the reduction order differs from `sdpa` over the materialized K/V (fp32: about 1e-7 relative).
+    - Quantized stores (`code_attention`): the encoded blocks' codes and scales, de-quantized inside the products
+      tile by tile, plus the full-precision tail and sink; one softmax over the read.
+    - Full-precision rows in scattered blocks (`fp_attention`): runs of consecutive blocks as strided views of the
+      pool, the rest gathered, one softmax over all parts.
+    - One row in consecutive full-precision blocks, or a quantized read without encoded blocks: torch's fused
+      `scaled_dot_product_attention` on the view (or the store's read).
+    - Otherwise (quantized stores without `read_codes` data): chunks with partial softmax statistics combined
+      exactly (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"; Dao et al. 2023,
+      Flash-Decoding).
+
+    The query heads are grouped by their key/value head (GQA), so no key or value is repeated. Only the reduction
+    order differs from `sdpa` over the materialized K/V (fp32: about 1e-7 relative), and probabilities below
+    ``2**-64`` of a row's largest are dropped (`NEGLIGIBLE`).
 
     Args:
         query (`torch.Tensor` of shape `[batch, num_heads, q, key_dim]`): `num_heads` a multiple of the view's

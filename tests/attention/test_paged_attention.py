@@ -338,3 +338,25 @@ def test_fp_parts_views_and_gathers_cover_the_read_once():
     assert (want - got).abs().max().item() <= 1e-6
     cache.release()
 
+
+
+@pytest.mark.parametrize("name,axis", [("int8", "channel"), ("int8", "token"), ("int4", "channel"), ("int4", "token"),
+                                       ("int2", "token"), ("identity", "channel")])
+def test_codec_affine_parts_rebuild_decode(name, axis):
+    """`unpack` and `affine` (what the attention folds into its products) rebuild `decode` exactly up to the last
+    rounding: ``decode == unpack * scale + zero`` per group."""
+    from hf_pagedkv.storage.codecs import make_codec
+
+    codec = make_codec(name, axis, group_size=4)
+    x = torch.randn(3, 5, 8, 8, generator=torch.Generator().manual_seed(13))  # [heads, blocks, block_size, dim]
+    codes, scales = codec.encode(x)
+    want = codec.decode(codes, scales, torch.empty_like(x))
+    values = codec.unpack(codes, torch.empty_like(x))
+    scale, zero = codec.affine(scales, x.dtype)
+    if scale is None:
+        assert torch.equal(values, want)
+        return
+    assert torch.equal(values, values.round()) and values.abs().max() <= 255  # integer codes
+    g, _ = codec.grouped(values)
+    got = g * codec.stats_view(scale, 8, 8) + (0 if zero is None else codec.stats_view(zero, 8, 8))
+    assert (got.reshape(x.shape) - want).abs().max().item() <= 1e-6

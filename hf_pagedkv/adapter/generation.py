@@ -149,17 +149,25 @@ def _run_and_publish(model, ids: torch.Tensor, cache: PagedCache, pool: BlockPoo
     return out
 
 
+_MAX_RETRIES = 8  # tries of a row without a swap of its own (when other threads freed room), before it gives up
+
+
 def _generate_row_swapping(model, ids: torch.Tensor, pool: BlockPool, kwargs: dict):
     """`_generate_row`, swapping the least recently used idle caches out to the host tier and running the row
     again while the pool is exhausted (`generate(swap_on_exhaustion=True)`)."""
     first: PoolExhaustedError | None = None
     swapped: list[int] = []
+    retries = 0  # tries again without a swap of its own, because other threads made room meanwhile
     while True:
         try:
             return _generate_row(model, ids, pool, kwargs)  # a failed row released its cache: the pool is as before
         except PoolExhaustedError as error:
             first = first or error
-            more = _swap_out(pool, _request_blocks(model, ids, pool, kwargs))
+            need = _request_blocks(model, ids, pool, kwargs)
+            more = _swap_out(pool, need)
+            if not more and retries < _MAX_RETRIES and pool.can_reserve(need):
+                retries += 1  # another thread swapped the idle caches out (or finished) after this row failed
+                continue
             if not more:
                 if swapped:
                     first.add_note(f"swap_on_exhaustion: swapped {len(swapped)} idle caches (seq_id {swapped}) out "

@@ -6,7 +6,14 @@ from typing import Callable, Iterator
 
 import torch
 
+from hf_pagedkv.storage.code_read import CodeRead
 from hf_pagedkv.storage.read_request import ReadRequest
+
+def _one_segment(t, lo: int, hi: int) -> bool:
+    """Whether entries ``lo .. hi - 1`` of the `SegmentedTensor` `t` lie in one of its segments."""
+    s = max(i for i, start in enumerate(t.starts) if start <= lo)
+    return hi <= t.starts[s] + t.segments[s].shape[1]
+
 
 _ATTR = "hf_pagedkv_view"  # the attribute of a tensor returned by `PagedCache.update` that names its view
 _SCALARS: dict[tuple, torch.Tensor] = {}  # (dtype, device) -> the one-element storage placeholders expand
@@ -86,6 +93,16 @@ class PagedView:
         """Whether `key` is this view's placeholder (holds no history) rather than materialized keys."""
         return key is self._placeholder
 
+    # -- codes ------------------------------------------------------------------------------------------------
+    def code_read(self) -> CodeRead | None:
+        """A quantized store's tokens ``lo .. end - 1`` as codes and scales (`QuantizedPageStore.read_codes`), for
+        an attention that de-quantizes inside its products; None for a full-precision store, or when no encoded
+        block lies in the range (read `chunks` then)."""
+        if not self.store.is_quantized:
+            return None
+        return self.store.read_codes(self.layer_idx, ReadRequest(self.table, self.lo, self.end, self.block_size,
+                                                                 self._first_block(), self.new))
+
     # -- chunks ----------------------------------------------------------------------------------------------
     def num_chunks(self, tile_tokens: int) -> int:
         """How many chunks `chunks(tile_tokens)` yields (without reading any)."""
@@ -137,6 +154,59 @@ class PagedView:
             k, v = store.read(self.layer_idx, ReadRequest(self.table, j0 * B, hi, B, first_block,
                                                           self.new if last else None))
             yield j0 * B, k.transpose(0, 1), v.transpose(0, 1)  # [H, batch, n, dim]
+
+    def fp_parts(self, tile_tokens: int, min_view_blocks: int = 4) -> list[tuple[torch.Tensor, torch.Tensor,
+                                                                                    torch.Tensor]]:
+        """A full-precision store's tokens ``lo .. end - 1`` of every row as parts `(keys, values, columns)`: keys
+        `[num_kv_heads, batch, n, key_dim]`, values likewise, and `columns` `[n]` int64 (on the device): each
+        token's position minus `lo`. The parts cover the range once, not in token order.
+
+        A run of at least `min_view_blocks` block positions in which every row's ids are consecutive and the rows
+        start a fixed number of blocks apart (rows prefilled together: ``row r = base + r * stride``; beams that
+        share a prefix: stride 0) is one strided **view** of the pool, copying nothing; the remaining positions
+        (blocks of decode steps, interleaved across rows) are gathered, `tile_tokens` per part::
+
+            row 0:  [ 0  1  2 ... 127 | 1024 | 1032 ]      run 0 .. 127: rows 128 blocks apart -> one view
+            row 1:  [128 129 ... 255 | 1025 | 1033 ]      positions 128, 129: gathered
+        """
+        B, idx, first = self.block_size, self.layer_idx, self.lo // self.block_size
+        last = -(-self.end // B)
+        tbl = self.table[:, first:last]  # [batch, nb] block ids, CPU
+        batch, nb = tbl.shape
+        along = (tbl[:, 1:] - tbl[:, :-1] == 1).all(0)  # [nb - 1]: position c and c + 1 consecutive in every row
+        cuts = [0, *(~along).nonzero().squeeze(1).add(1).tolist(), nb]  # run boundaries
+        stride = tbl[1:] - tbl[:-1] if batch > 1 else None  # [batch - 1, nb] block distance between rows
+        keys, values = self.store.keys[idx], self.store.values[idx]  # SegmentedTensor [H, slots, dim]
+        parts, rest = [], []
+        for c0, c1 in zip(cuts[:-1], cuts[1:]):
+            step = 0 if stride is None else int(stride[0, c0])
+            uniform = stride is None or bool((stride[:, c0] == step).all())
+            lo_slot = int(tbl[0, c0]) * B
+            hi_slot = int(tbl[-1, c0] + c1 - c0) * B  # one past the last slot the run covers
+            if c1 - c0 < min_view_blocks or not uniform or step < 0 or not _one_segment(keys, lo_slot, hi_slot):
+                rest.extend(range(c0, c1))
+                continue
+            p0, p1 = max(self.lo, (first + c0) * B), min(self.end, (first + c1) * B)  # tokens of the run
+            kv = []
+            for t in (keys, values):
+                span = t.narrow(1, lo_slot, hi_slot - lo_slot)  # [H, span, dim]: a view (one segment)
+                kv.append(span.as_strided((t.shape[0], batch, p1 - p0, t.shape[2]),
+                                          (span.stride(0), step * B * span.stride(1), span.stride(1), 1),
+                                          span.storage_offset() + (p0 - (first + c0) * B) * span.stride(1)))
+            parts.append((kv[0], kv[1], torch.arange(p0 - self.lo, p1 - self.lo, device=self.spec.device)))
+        step = max(1, tile_tokens // B)
+        for i in range(0, len(rest), step):  # the other positions, in token order, gathered tile by tile
+            cols = rest[i: i + step]
+            ids = tbl[:, cols].reshape(-1).to(self.spec.device)  # [batch * len(cols)]
+            k, v = (t.index_select_chunks(ids, B).view(t.shape[0], batch, len(cols) * B, t.shape[2])
+                    for t in (keys, values))  # [H, batch, len(cols) * B, dim]
+            pos = (torch.tensor(cols).add_(first).mul_(B).unsqueeze(1) + torch.arange(B)).reshape(-1)  # [n]
+            keep = ((pos >= self.lo) & (pos < self.end)).nonzero().squeeze(1)
+            if len(keep) < len(pos):  # a window's first block, the partial last block: cut to lo .. end - 1
+                a, b = int(keep[0]), int(keep[-1]) + 1  # (the cut tokens are at the two ends of the part)
+                k, v, pos = k[:, :, a:b], v[:, :, a:b], pos[a:b]
+            parts.append((k, v, pos.sub_(self.lo).to(self.spec.device)))
+        return parts
 
     def _first_block(self) -> int | None:
         return None if self.base is None else self.base // self.block_size

@@ -7,6 +7,7 @@ import math
 import torch
 
 from hf_pagedkv.config import QuantConfig
+from hf_pagedkv.storage.code_read import CodeRead
 from hf_pagedkv.storage.codecs import BlockLayout, check_finite, codec_name, make_codec
 from hf_pagedkv.storage.page_store import LayerSpec, check_block_tensors
 from hf_pagedkv.storage.quantized_block_states import QuantizedBlockStates
@@ -339,6 +340,74 @@ class QuantizedPageStore:
     def read(self, layer_idx: int, request: ReadRequest) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens ``request.lo .. request.end - 1`` of every row, de-quantized (see `ReadRequest`)."""
         return self._read(layer_idx, request.table, request.lo, request.end, request.first_block, request.new)
+
+    def read_codes(self, layer_idx: int, request: ReadRequest) -> CodeRead | None:
+        """Tokens ``request.lo .. request.end - 1`` of every row as codes and scales, for an attention that
+        de-quantizes inside its products (`CodeRead`), or None when no encoded block lies in the range (`read`
+        serves it then). The encoded blocks are those before the block of the step's first new token (``new[0]``,
+        or `end` without `new`); the tail and the sink tokens (when block position 0 is read and every row's first
+        block holds them) come in full precision, as `read` gives them."""
+        B, spec = self.block_size, self.specs[layer_idx]
+        start = request.end if request.new is None else request.new[0]
+        first, enc = request.first_position, start // B  # block positions first .. enc - 1 are encoded
+        n = enc - first
+        if n <= 0:
+            return None
+        batch = request.table.shape[0]
+        if request.first_block is not None and batch == 1:  # one run of consecutive ids: views
+            base = request.first_block + first
+            parts = [t.narrow(1, base, n).unsqueeze(1) for t in self.codes[layer_idx] + self.scales[layer_idx]]
+        else:
+            ids = request.blocks(spec.device)[:, :n]  # [batch, n]
+            parts = [t.index_select(1, ids.reshape(-1)).unflatten(1, ids.shape)  # [num_kv_heads, batch, n, size]
+                     for t in self.codes[layer_idx] + self.scales[layer_idx]]
+        full = self._tail(layer_idx, request, start, enc * B)  # [num_kv_heads, batch, end - enc * B, dim] each
+        n_sink = min(self.sink_tokens, start) if first == 0 else 0
+        sink_end = 0
+        if n_sink > request.lo:
+            stages = [self.states.sink_of.get(b) for b in request.table[:, 0].tolist()]
+            if None not in stages:  # (retention freed a first block: its successor is read decoded)
+                sink_end = n_sink
+                sink = [self._sink_rows(s, layer_idx, stages)[:, :, request.lo: n_sink]  # [heads, batch, n, dim]
+                        for s in (self.sinks.keys, self.sinks.values)]
+                full = [torch.cat((f, x), 2) for f, x in zip(full, sink)]
+        return CodeRead(first * B, request.lo, request.end, B, (spec.key_dim, spec.value_dim), self.codecs,
+                        (parts[0], parts[1]), (parts[2], parts[3]), (full[0], full[1]), sink_end)
+
+    def _sink_rows(self, store: dict, layer_idx: int, stages: list[int]) -> torch.Tensor:
+        """Each row's sink stage, `[num_kv_heads, batch, sink_tokens, dim]` (a view for one row)."""
+        if len(stages) == 1:
+            return self.sinks.block(store, layer_idx, stages[0]).unsqueeze(1)
+        every = self.sinks.blocks(store, layer_idx)  # [num_kv_heads, num_stages, sink_tokens, dim]
+        return every[:, torch.tensor(stages, device=every.device)]
+
+    def _tail(self, layer_idx: int, request: ReadRequest, start: int, lo: int) -> list[torch.Tensor]:
+        """Tokens ``lo .. end - 1`` (``lo = start // B * B``: the partial block and the step's tokens) of every row
+        in full precision, `[num_kv_heads, batch, end - lo, dim]` keys and values. Staged partial blocks are read
+        from their stages (a view for one row), anything else (an encoded partial block: a crop) through `_read`."""
+        B, end, new, spec = self.block_size, request.end, request.new, self.specs[layer_idx]
+        if end == lo:
+            batch = request.table.shape[0]
+            return [torch.empty((spec.num_kv_heads, batch, 0, d), dtype=spec.dtype, device=spec.device)
+                    for d in (spec.key_dim, spec.value_dim)]
+        rest = start - lo  # tokens of the partial block before this step
+        blocks = request.table[:, lo // B].tolist() if rest else []
+        stages = [self.states.stage_of.get(b) for b in blocks if not self.states.encoded[b]]
+        if len(stages) < len(blocks) or (new is None and end > start):
+            k, v = self._read(layer_idx, request.table, lo, end, request.first_block, new)
+            return [k.transpose(0, 1), v.transpose(0, 1)]
+        out = []
+        for half, store in enumerate((self.staging.keys, self.staging.values)):
+            pieces = []
+            if rest and len(stages) == 1:
+                pieces.append(self.staging.block(store, layer_idx, stages[0])[:, :rest].unsqueeze(1))
+            elif rest:
+                every = self.staging.blocks(store, layer_idx)  # [num_kv_heads, num_stages, B, dim]
+                pieces.append(every[:, torch.tensor(stages, device=every.device), :rest])
+            if new is not None and end > start:
+                pieces.append(new[1 + half].transpose(0, 1).to(spec.dtype))  # [num_kv_heads, batch, q, dim]
+            out.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces, 2))
+        return out
 
     def _read(self, layer_idx: int, table: torch.Tensor, lo: int, end: int, base: int | None = None,
               new: tuple[int, torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import hf_pagedkv.attention.attention_function as attention_function
 from hf_pagedkv import PagedCache, cache_kwargs
-from hf_pagedkv.attention import ATTENTION_NAME, PagedView, paged_attention_forward
+from hf_pagedkv.attention import ATTENTION_NAME, PagedView, paged_attention, paged_attention_forward
 from tests.conftest import VOCAB, tiny_model
 
 #: max |difference| allowed between the in-place read and sdpa over the materialized K/V, for one attention call on
@@ -250,3 +250,113 @@ def test_cuda_reads_in_place_as_sdpa_does(quant, counted):
     x = torch.randint(3, VOCAB, (2, 21), generator=torch.Generator().manual_seed(8)).cuda()
     assert_close(run(model, "sdpa", quant, x), run(model, "hf_pagedkv", quant, x), quant)
     assert counted
+
+
+def run_cache(model, impl, make_cache, input_ids, **gen):
+    """`run` with a cache built by `make_cache()` (retention policies, other block sizes)."""
+    model.set_attn_implementation(impl)
+    try:
+        cache = make_cache()
+        with torch.no_grad():
+            out = model.generate(input_ids, **cache_kwargs(cache), do_sample=False, max_new_tokens=12,
+                                 output_logits=True, return_dict_in_generate=True, **gen)
+        cache.check_invariants()
+        cache.release()
+    finally:
+        model.set_attn_implementation("sdpa")
+    return out.sequences, torch.stack(out.logits, 1)
+
+
+@pytest.mark.parametrize("quant", [None, "k8v4", "k4v4"])
+def test_sink_window_retention(quant, counted):
+    """A retention policy evicts middle blocks before steps: the in-place read follows the evicted tables."""
+    from hf_pagedkv import SinkWindow
+
+    model = tiny_model("llama")
+    x = torch.randint(3, VOCAB, (2, 19), generator=torch.Generator().manual_seed(9))
+
+    def make():
+        return PagedCache(config=model.config, quant=quant, block_size=4, debug=True,
+                          retention=SinkWindow(sink_tokens=4, window=8))
+
+    assert_close(run_cache(model, "sdpa", make, x), run_cache(model, "hf_pagedkv", make, x), quant)
+    assert counted
+
+
+@pytest.mark.parametrize("quant", [None, "k8v4"])
+def test_sliding_window_left_padded_long_prompt(quant, counted):
+    """Gemma3's window of 8 over a 29-token prompt in 4-token blocks, rows left-padded differently: the window's
+    first block is cut, the full layers read every block (as strided views of the rows' runs, or codes)."""
+    model = tiny_model("gemma3")
+    x = torch.randint(3, VOCAB, (2, 29), generator=torch.Generator().manual_seed(10))
+    mask = torch.ones_like(x)
+    mask[0, :7] = 0
+    x[mask == 0] = 0
+    assert_close(run(model, "sdpa", quant, x, mask), run(model, "hf_pagedkv", quant, x, mask), quant)
+    assert counted
+
+
+@pytest.mark.parametrize("quant", ["k8v4", "k4v4"])
+def test_beams_and_left_padding_quantized(quant, counted):
+    model = tiny_model("llama")
+    x = torch.randint(3, VOCAB, (2, 15), generator=torch.Generator().manual_seed(11))
+    mask = torch.ones_like(x)
+    mask[1, :6] = 0
+    x[mask == 0] = 0
+    ref = run(model, "sdpa", quant, x, mask, num_beams=3, num_return_sequences=2)
+    assert_close(ref, run(model, "hf_pagedkv", quant, x, mask, num_beams=3, num_return_sequences=2), quant)
+    assert counted
+
+
+def test_fp_parts_views_and_gathers_cover_the_read_once():
+    """Rows prefilled together lie a fixed number of blocks apart: their prefix is one strided view of the pool
+    (no copy); the blocks of later decode steps, interleaved across rows, are gathered."""
+    cache = PagedCache(block_size=4)
+    g = torch.Generator().manual_seed(12)
+    with torch.no_grad():
+        for q in (22, 1, 1, 1):  # a 22-token prompt (5 full blocks + 2 tokens), then 3 decode steps
+            k = torch.randn(3, 2, q, 8, generator=g)
+            for layer in (0, 1):
+                cache.update(k, k + 1, layer)
+        k = torch.randn(3, 2, 1, 8, generator=g)
+        key0, _ = cache.update(k, k + 1, 0)
+        view = PagedView.of(key0)
+        parts = view.fp_parts(tile_tokens=8)
+        ref_k, ref_v = view.materialize()  # [batch, H, 26, 8]
+    cols = torch.cat([c for _, _, c in parts])
+    assert sorted(cols.tolist()) == list(range(26))  # every token once
+    pool = cache.pool.groups[0].store.keys[0].segments[0]
+    shared = [k for k, _, _ in parts if k.untyped_storage().data_ptr() == pool.untyped_storage().data_ptr()]
+    assert shared and shared[0].shape == (2, 3, 24, 8)  # the prompt's 6 blocks of every row: a view of the pool
+    for k, v, c in parts:  # each part holds exactly the tokens its columns name
+        assert torch.equal(k.transpose(0, 1), ref_k[:, :, c]) and torch.equal(v.transpose(0, 1), ref_v[:, :, c])
+    query = torch.randn(3, 4, 1, 8, generator=g)
+    module = torch.nn.Module()
+    module.num_key_value_groups = 2
+    want = sdpa_attention_forward(module, query, ref_k, ref_v, None, scaling=0.3)[0]
+    got = paged_attention(query, view, 0.3, None, tile_tokens=8)
+    assert (want - got).abs().max().item() <= 1e-6
+    cache.release()
+
+
+
+@pytest.mark.parametrize("name,axis", [("int8", "channel"), ("int8", "token"), ("int4", "channel"), ("int4", "token"),
+                                       ("int2", "token"), ("identity", "channel")])
+def test_codec_affine_parts_rebuild_decode(name, axis):
+    """`unpack` and `affine` (what the attention folds into its products) rebuild `decode` exactly up to the last
+    rounding: ``decode == unpack * scale + zero`` per group."""
+    from hf_pagedkv.storage.codecs import make_codec
+
+    codec = make_codec(name, axis, group_size=4)
+    x = torch.randn(3, 5, 8, 8, generator=torch.Generator().manual_seed(13))  # [heads, blocks, block_size, dim]
+    codes, scales = codec.encode(x)
+    want = codec.decode(codes, scales, torch.empty_like(x))
+    values = codec.unpack(codes, torch.empty_like(x))
+    scale, zero = codec.affine(scales, x.dtype)
+    if scale is None:
+        assert torch.equal(values, want)
+        return
+    assert torch.equal(values, values.round()) and values.abs().max() <= 255  # integer codes
+    g, _ = codec.grouped(values)
+    got = g * codec.stats_view(scale, 8, 8) + (0 if zero is None else codec.stats_view(zero, 8, 8))
+    assert (got.reshape(x.shape) - want).abs().max().item() <= 1e-6

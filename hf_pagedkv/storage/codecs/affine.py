@@ -11,6 +11,8 @@ class AffineCodec(Codec):
     """Asymmetric `bits`-bit codes with a fp16 scale and minimum per group, packed by token parts (see
     `Int4Codec`; `ReferenceCodec` is the specification, and the tests check equality with it)."""
 
+    is_affine = True
+
     def layout(self, block_size: int, dim: int, dtype: torch.dtype) -> BlockLayout:
         per_byte = 8 // self.bits
         if block_size % per_byte:
@@ -41,6 +43,13 @@ class AffineCodec(Codec):
         else:  # NOTE: addcmul is 5x slower than mul_ + add_ when the broadcast dim is the innermost one (CPU)
             og.mul_(scale).add_(lo)
         return out
+
+    def unpack(self, codes: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return unpack_into(codes.unflatten(-1, (-1, out.shape[-1])), self.bits, out)  # [..., B, D] values
+
+    def affine(self, scales: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        scale, lo = scales.to(dtype).chunk(2, dim=-1)  # [..., groups] each: x_hat = q * s + m
+        return scale, lo
 
 
 def pack(q: torch.Tensor, bits: int) -> torch.Tensor:

@@ -47,6 +47,9 @@ class Codec(ABC):
     name: ClassVar[str]  # registry name
     bits: ClassVar[int | None]  # bits per code, None for full precision
     scale_dtype: ClassVar[torch.dtype] = torch.float16
+    #: whether the reconstruction is ``code * scale (+ zero)`` per group (`unpack` and `affine` then give the parts,
+    #: so an attention can fold the scales into the query and the probabilities instead of de-quantizing)
+    is_affine: ClassVar[bool] = False
 
     def __init__(self, axis: str, group_size: int = 64) -> None:
         if axis not in AXES:
@@ -104,6 +107,25 @@ class Codec(ABC):
     @abstractmethod
     def decode(self, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Write the reconstruction of (codes, scales) into `out` `[..., block_size, dim]` and return it."""
+
+    # -- the parts of an affine reconstruction (read in place by `hf_pagedkv.attention`) ---------------------------
+    def unpack(self, codes: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The integer code values of `codes` `[..., code_size]` as `out.dtype`, `[..., block_size, dim]` in token
+        order: written into `out` (a contiguous buffer of that shape), or a view of `codes` when they are values
+        already (identity). With `affine`: ``decode(codes, scales) == unpack(codes) * scale + zero`` per group,
+        up to the rounding of the last operation.
+
+        Raises:
+            NotImplementedError: a codec that is not affine (`is_affine` is False; use `decode`).
+        """
+        raise NotImplementedError(f"{type(self).__name__} is not an affine codec; use decode().")
+
+    def affine(self, scales: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """`(scale, zero)` of each group from the stored `scales` `[..., scale_size]`, each `[..., num_groups]` in
+        `dtype`, groups numbered as `stats_view` reads them (``axis="channel"``: one per channel; ``"token"``:
+        token-major, ``t * (dim // group) + j``); `zero` is None for a symmetric codec, both are None when the
+        codes are the values (identity)."""
+        raise NotImplementedError(f"{type(self).__name__} is not an affine codec; use decode().")
 
 
 def check_finite(x: torch.Tensor, what: str = "input") -> None:

@@ -16,6 +16,7 @@ class IdentityCodec(Codec):
 
     name = "identity"
     bits = None
+    is_affine = True  # with scale 1: the codes are the values
 
     def layout(self, block_size: int, dim: int, dtype: torch.dtype) -> BlockLayout:
         return BlockLayout(block_size * dim, dtype, 0, torch.float16)
@@ -26,3 +27,9 @@ class IdentityCodec(Codec):
 
     def decode(self, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         return out.copy_(codes.unflatten(-1, out.shape[-2:]))  # [..., B, D]
+
+    def unpack(self, codes: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return codes.unflatten(-1, out.shape[-2:])  # [..., B, D]: a view, `out` is not written
+
+    def affine(self, scales: torch.Tensor, dtype: torch.dtype) -> tuple[None, None]:
+        return None, None

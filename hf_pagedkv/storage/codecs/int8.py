@@ -22,6 +22,7 @@ class Int8Codec(Codec):
 
     name = "int8"
     bits = 8
+    is_affine = True
 
     def layout(self, block_size: int, dim: int, dtype: torch.dtype) -> BlockLayout:
         return BlockLayout(block_size * dim, torch.uint8, self.num_groups(block_size, dim), torch.float16)
@@ -42,3 +43,9 @@ class Int8Codec(Codec):
         og, _ = self.grouped(out)
         og.mul_(self.stats_view(scales.to(out.dtype), B, D))  # NOTE: mixed-dtype in-place ops are slow on CPU
         return out
+
+    def unpack(self, codes: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(codes.view(torch.int8).unflatten(-1, out.shape[-2:]))  # [..., B, D] values -127..127
+
+    def affine(self, scales: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, None]:
+        return scales.to(dtype), None  # symmetric: x_hat = q * s

@@ -113,8 +113,8 @@ class Evictor:
         elif plan.keep_tokens is not None and 0 < plan.keep_tokens < held:
             self._check_observed(cache, len(rt.rows))
             self._compact(cache, rt, plan.keep_tokens)
-            if self.observed is not None:
-                self.observed.clear()
+        if self.observed is not None and not self.policy.observes(self.num_steps):
+            self.observed.clear()  # used (or not needed: nothing to compress); the next step records nothing
         bound = self.policy.max_held(new, B)
         for row in rt.rows:
             row.max_positions = None if bound is None else num_blocks_for(bound, B)

@@ -150,3 +150,22 @@ def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="exactly one"):
         SnapKV()
     assert not KeyNorm(budget=100).needs_queries and SnapKV(budget=100).needs_queries
+
+
+def test_the_query_window_keeps_the_last_queries_per_layer_and_follows_rows():
+    from hf_pagedkv.retention.query_window import QueryWindow, recorder_of
+
+    window = QueryWindow(3)
+    keys = torch.zeros(2, 1, 5, 4)
+    assert recorder_of(keys) is None
+    window.tag(keys, layer_idx=1)
+    query = torch.arange(2 * 2 * 5 * 4, dtype=torch.float32).view(2, 2, 5, 4)
+    recorder_of(keys)(query, 0.5)  # what the "hf_pagedkv" attention does
+    assert torch.equal(window.queries[1], query[:, :, -3:]) and window.scaling[1] == 0.5
+    assert window.queries[1].untyped_storage().data_ptr() != query.untyped_storage().data_ptr()  # a copy
+    assert window.missing([0, 1, 2]) == [0, 2]
+    other = window.copy()
+    window.select_rows([1, 1])
+    assert torch.equal(window.queries[1], query[[1, 1], :, -3:]) and torch.equal(other.queries[1], query[:, :, -3:])
+    window.clear()
+    assert window.missing([1]) == [1]

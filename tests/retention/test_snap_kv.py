@@ -169,3 +169,18 @@ def test_the_query_window_keeps_the_last_queries_per_layer_and_follows_rows():
     assert torch.equal(window.queries[1], query[[1, 1], :, -3:]) and torch.equal(other.queries[1], query[:, :, -3:])
     window.clear()
     assert window.missing([1]) == [1]
+
+
+def test_a_quantized_pool_compacts_and_re_encodes(llama):
+    steps = [24, 5, 1, 1]
+    x = ids(1, sum(steps), seed=13)
+    policy = SnapKV(budget=12, recent_tokens=4)
+    fp = run_steps(llama, x, steps, PagedCache(block_size=B, config=llama.config, retention=policy))
+    q8 = PagedCache(block_size=B, config=llama.config, retention=policy, quant="k8v8", debug=True)
+    got = run_steps(llama, x, steps, q8, before=check)
+    # int8 twice (the compaction re-encodes the kept tokens); the scores come from de-quantized keys
+    assert (got - fp).abs().max() < 0.1
+    assert q8.pool.stats().blocks_in_use == num_blocks_for(12 + sum(steps[1:]), B)
+    q8.check_invariants()
+    q8.release()
+    assert q8.pool.stats().blocks_in_use == 0

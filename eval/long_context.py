@@ -11,7 +11,12 @@ named from its settings; a finished run is skipped (`--overwrite` redoes it):
   StreamingLLM's reference "sliding window with recomputation": each scored chunk is computed without a cache from
   exactly the first `sink_tokens` tokens and its last ``budget - sink_tokens`` tokens, at their true positions.
 - **passkey**: a seeded passkey hidden in a local haystack (`eval/tasks/passkey`), the question appended after
-  the compressed context; accuracy per method and compression ratio against the uncompressed `full` cache.
+  the compressed context; accuracy per method and compression ratio against the uncompressed `full` cache. Methods:
+  `full`, `sink_window`, `key_norm`, `key_diff` and `snap_kv` (`SnapKV`, query-aware: the model runs with
+  ``attn_implementation="hf_pagedkv"`` for the whole task, so every method reads through the same attention).
+  Each example's context is computed once and published in a prefix-caching pool; every method's cache attaches
+  to it and computes the last ``recent_tokens``-plus tokens itself (SnapKV's observation window), then compresses
+  the whole context before the question, exactly as after a one-step prefill.
 
 Example:
 
@@ -36,7 +41,7 @@ import yaml
 from transformers import set_seed
 
 import hf_pagedkv
-from hf_pagedkv import KeyDiff, KeyNorm, PagedCache, SinkWindow, cache_kwargs
+from hf_pagedkv import BlockPool, KeyDiff, KeyNorm, PagedCache, SinkWindow, SnapKV, cache_kwargs
 
 from .config import EvalConfig
 from .data import load_text, tokenize_prefix
@@ -61,7 +66,7 @@ def policy_for(method: str, cfg: LongContextConfig, budget: int | None = None, r
         return SinkWindow(sink_tokens=cfg.sink_tokens, window=max(1, budget - cfg.block_size))
     if method == "window_only":
         return SinkWindow(sink_tokens=0, window=budget)
-    cls = {"key_norm": KeyNorm, "key_diff": KeyDiff}[method]
+    cls = {"key_norm": KeyNorm, "key_diff": KeyDiff, "snap_kv": SnapKV}[method]
     if ratio is not None:
         return cls(compression_ratio=ratio, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens)
     return cls(budget=budget, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens)
@@ -148,39 +153,75 @@ def run_perplexity(model, tokenizer, cfg: LongContextConfig) -> tuple[list[dict]
 
 
 # -- passkey -----------------------------------------------------------------------------------------------------------
+def prompt_of(example: dict, cfg: LongContextConfig) -> list[int]:
+    """What the cache is given before compressing: the context, or the context and the question
+    (`question_in_prompt`)."""
+    return example["context_ids"] + (example["question_ids"] if cfg.question_in_prompt else [])
+
+
 @torch.no_grad()
-def answer(model, tokenizer, cache: PagedCache, example: dict, max_new_tokens: int = 8) -> tuple[str, dict]:
-    """Prefill the context in one step, append the question as the next step (the cache compresses the context
-    before it), decode greedily; the answer text and what the cache held."""
+def answer(model, tokenizer, cache: PagedCache, example: dict, cfg: LongContextConfig,
+           max_new_tokens: int = 8) -> tuple[str, dict]:
+    """Prefill what `cache` does not hold of the prompt in one step; unless the question is in the prompt, append
+    it as the next step (the cache compresses the context before it); decode greedily (with the question in the
+    prompt, the cache compresses before the first decoded token). The answer text and what the cache held after
+    the question."""
     dev = model.device
-    model(torch.tensor([example["context_ids"]], device=dev), **cache_kwargs(cache))
-    out = model(torch.tensor([example["question_ids"]], device=dev), **cache_kwargs(cache))
-    held = cache.retention_stats()
+    prompt = prompt_of(example, cfg)
+    out = model(torch.tensor([prompt[cache.get_seq_length():]], device=dev), **cache_kwargs(cache))
+    if not cfg.question_in_prompt:
+        out = model(torch.tensor([example["question_ids"]], device=dev), **cache_kwargs(cache))
     tokens = []
-    for _ in range(max_new_tokens):
+    for i in range(max_new_tokens):
         nxt = out.logits[0, -1].argmax().item()
         tokens.append(nxt)
         out = model(torch.tensor([[nxt]], device=dev), **cache_kwargs(cache))
-    return tokenizer.decode(tokens, skip_special_tokens=True), {"tokens_held": held.tokens_held,
-                                                                 "bytes_in_use": cache.pool.stats().bytes_in_use}
+        if i == 0:
+            held = cache.retention_stats()  # with the question in the prompt, its compression ran at this step
+    held = {"tokens_held": held.tokens_held - 1,  # before the first generated token
+            "bytes_in_use": cache.pool.stats().bytes_in_use}
+    return tokenizer.decode(tokens, skip_special_tokens=True), held
+
+
+@torch.no_grad()
+def shared_context(model, cfg: LongContextConfig, context: list[int]) -> BlockPool:
+    """A prefix-caching pool holding the K/V of `context` (published, no cache holding it): each method attaches
+    to it instead of computing the context again."""
+    pool = BlockPool(block_size=cfg.block_size, prefix_caching=True)
+    base = PagedCache(pool=pool, config=model.config)
+    model(torch.tensor([context], device=model.device), **cache_kwargs(base))
+    base.publish([context], model=model)
+    base.release()
+    return pool
 
 
 def run_passkey(model, tokenizer, cfg: LongContextConfig) -> tuple[list[dict], dict]:
     text = load_text(EvalConfig(dataset=cfg.dataset, data_dir=cfg.data_dir))
     examples = passkey_prepare.make_examples(cfg, tokenizer, text)
     records = []
-    for ex in examples:
-        for method in cfg.methods:
-            for ratio in ([None] if method == "full" else cfg.ratios):
-                set_seed(cfg.seed)
-                policy = policy_for(method, cfg, ratio=ratio, context=len(ex["context_ids"]))
-                cache = PagedCache(block_size=cfg.block_size, config=model.config, retention=policy)
-                text_out, held = answer(model, tokenizer, cache, ex)
-                cache.release()
-                records.append(dict(held, example=ex["example"], context_len=ex["context_len"], depth=ex["depth"],
-                                    key=ex["key"], method=method, ratio=ratio, answer=text_out,
-                                    correct=passkey_metrics.is_correct(text_out, ex["key"])))
-        logger.info("passkey example %d done", ex["example"])
+    before = model.config._attn_implementation
+    if "snap_kv" in cfg.methods:  # SnapKV gets the queries from this attention; every method runs through it
+        model.set_attn_implementation("hf_pagedkv")
+    try:
+        for ex in examples:
+            ctx = prompt_of(ex, cfg)
+            pool = shared_context(model, cfg, ctx)
+            for method in cfg.methods:
+                for ratio in ([None] if method == "full" else cfg.ratios):
+                    set_seed(cfg.seed)
+                    policy = policy_for(method, cfg, ratio=ratio, context=len(ctx))
+                    # the last `recent_tokens` (and more, to a block boundary) are computed by the method's cache:
+                    # SnapKV's observation window needs their queries
+                    cache = PagedCache.from_prefix(pool, ctx[: max(1, len(ctx) - cfg.recent_tokens)], model=model,
+                                                   retention=policy)
+                    text_out, held = answer(model, tokenizer, cache, ex, cfg)
+                    cache.release()
+                    records.append(dict(held, example=ex["example"], context_len=ex["context_len"],
+                                        depth=ex["depth"], key=ex["key"], method=method, ratio=ratio,
+                                        answer=text_out, correct=passkey_metrics.is_correct(text_out, ex["key"])))
+            logger.info("passkey example %d done", ex["example"])
+    finally:
+        model.set_attn_implementation(before)
     table = {}
     for method in cfg.methods:
         for ratio in ([None] if method == "full" else cfg.ratios):
@@ -229,6 +270,12 @@ def report_text(cfg: LongContextConfig, metrics: dict) -> str:
             lines.append(f"| {m['method']} | {m['ratio'] if m['ratio'] is not None else '-'} | {m['accuracy']:.2f} | "
                          + " | ".join(f"{m['by_depth'][str(d)]:.2f}" for d in cfg.depths) + " |")
     lines += ["<!-- table -->", ""]
+    if cfg.task == "passkey":
+        lines += ["The question " + ("was part of the prompt, compressed with it before the first generated token "
+                                     "(SnapKV's setting: the observation window holds the question)."
+                                     if cfg.question_in_prompt else
+                                     "was appended as a new forward step after the context was compressed "
+                                     "(kvpress's convention: the compression cannot know the question)."), ""]
     return "\n".join(lines)
 
 

@@ -17,8 +17,9 @@ from .config import resolve_data_dir
 #: Cache methods of the streaming-perplexity task. `recompute` is StreamingLLM's reference, the sliding window with
 #: recomputation: each scored chunk is computed without a cache from exactly the sinks and its last tokens.
 PPL_METHODS = ("full", "sink_window", "window_only", "key_norm", "key_diff", "recompute")
-#: Methods of the passkey task (the budget there is a compression ratio of the context).
-PASSKEY_METHODS = ("full", "sink_window", "key_norm", "key_diff")
+#: Methods of the passkey task (the budget there is a compression ratio of the context). `snap_kv` (query-aware)
+#: runs the model with ``attn_implementation="hf_pagedkv"``, which hands the prefill's last queries to the cache.
+PASSKEY_METHODS = ("full", "sink_window", "key_norm", "key_diff", "snap_kv")
 TASKS = ("perplexity", "passkey")
 _NOT_IN_NAME = ("output_dir", "overwrite", "data_dir", "num_threads")
 
@@ -43,7 +44,8 @@ class LongContextConfig:
         score_stride (`int`, defaults to 4): every `score_stride`-th chunk after the budget is scored (the
             recomputation reference runs one forward per scored chunk).
         sink_tokens (`int`, defaults to 4), recent_tokens (`int`, defaults to 64): the sinks of `sink_window` and
-            `recompute`; the protected sinks / recent tokens of the importance policies.
+            `recompute`; the protected sinks / recent tokens of the importance policies (for `snap_kv`, the
+            observation window whose queries score the context, kvpress's `window_size`).
         block_size (`int`, defaults to 16): `PagedCache` block size.
         methods (`list[str]`, *optional*): from `PPL_METHODS` (perplexity) or `PASSKEY_METHODS` (passkey); all of
             the task's by default.
@@ -52,6 +54,10 @@ class LongContextConfig:
         contexts (`list[int]`, defaults to 1024 2048 4096), depths (`list[int]`, defaults to 10 50 90),
             ratios (`list[float]`, defaults to 0.25 0.5 0.75), num_keys (`int`, defaults to 4): passkey contexts in
             tokens, needle depths in percent, compression ratios, and seeded keys per (context, depth).
+        question_in_prompt (`bool`, defaults to `False`): passkey: `False` is kvpress's convention (the context is
+            compressed, then the question is a new forward step: the compression cannot know the question); `True`
+            is SnapKV's setting (the prompt is the context followed by the question, compressed as a whole before
+            the first generated token, so SnapKV's observation window holds the question).
         seed (`int`, defaults to 0).
         output_dir (`str`, defaults to `"eval/runs"`), overwrite (`bool`, defaults to `False`).
     """
@@ -75,6 +81,7 @@ class LongContextConfig:
     depths: list[int] = field(default_factory=lambda: [10, 50, 90])
     ratios: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75])
     num_keys: int = 4
+    question_in_prompt: bool = False
     seed: int = 0
     output_dir: str = "eval/runs"
     overwrite: bool = False
@@ -120,11 +127,14 @@ class LongContextConfig:
     def run_dir(self) -> Path:
         """`output_dir/<task>-<key settings>-<hash of every setting that changes the numbers>`."""
         ident = {k: v for k, v in self.to_dict().items() if k not in _NOT_IN_NAME}
+        if not ident["question_in_prompt"]:  # added later: runs from before keep their names
+            del ident["question_in_prompt"]
         digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:6]
         if self.task == "perplexity":
             key = f"w{self.num_windows}-n{self.context_len}-b{'_'.join(map(str, self.budgets))}-c{self.chunk}"
         else:
             key = f"n{'_'.join(map(str, self.contexts))}-r{'_'.join(map(str, self.ratios))}-k{self.num_keys}"
+            key += "-qin" if self.question_in_prompt else ""
         return Path(self.output_dir) / f"long-{self.task}-{key}-{digest}"
 
 

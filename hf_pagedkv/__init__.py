@@ -9,7 +9,7 @@ from hf_pagedkv.errors import CacheOffloadedError, CacheReleasedError, Invariant
 from hf_pagedkv.adapter.generation import generate
 from hf_pagedkv.adapter.paged_layer import PagedLayer
 from hf_pagedkv.pool.prefix_index import BlockHash
-from hf_pagedkv.retention import KeyDiff, KeyNorm, RetentionPolicy, RetentionStats, SinkWindow
+from hf_pagedkv.retention import KeyDiff, KeyNorm, RetentionPolicy, RetentionStats, SinkWindow, SnapKV
 
 __all__ = [
     "BlockHash",
@@ -27,6 +27,7 @@ __all__ = [
     "RetentionPolicy",
     "RetentionStats",
     "SinkWindow",
+    "SnapKV",
     "cache_kwargs",
     "generate",
 ]

@@ -68,7 +68,8 @@ class PagedCache(Cache):
             (default) means the pool's setting, full precision for a new pool. The last, partial block of each row
             stays in full precision; `layers[i].keys` / `.values` return de-quantized tensors.
         retention (`RetentionPolicy`, *optional*): evict tokens before each forward step and give their blocks
-            back (`SinkWindow`, `KeyNorm`, `KeyDiff` in `hf_pagedkv.retention`); `get_seq_length()` keeps counting
+            back (`SinkWindow`, `KeyNorm`, `KeyDiff`, `SnapKV` in `hf_pagedkv.retention`; `SnapKV` needs
+            ``attn_implementation="hf_pagedkv"``); `get_seq_length()` keeps counting
             every token seen, `retention_stats()` says how many are held. Full-attention models only for now.
 
     Raises:
@@ -170,7 +171,10 @@ class PagedCache(Cache):
                              f"{len(self.layers)} layers (config=).")
         while len(self.layers) <= layer_idx:  # a cache built without config: full-attention layers, as DynamicCache
             self.layers.append(PagedLayer(self, len(self.layers), group=self._tables_for(None).group))
-        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+        out = self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+        if self._evictor is not None:  # a query-aware policy asks this layer's attention for its queries
+            self._evictor.offer_queries(out[0], layer_idx)
+        return out
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens seen per row (layer `layer_idx`): cached ones, plus those a retention policy evicted."""
@@ -817,6 +821,8 @@ class PagedCache(Cache):
                 self.pool.free([b for row in rt.rows for b in row.after(c)], rt.group)
                 rt.rows[:] = new_rows
                 rt.select(idx)
+            if self._evictor is not None:  # recorded queries follow their rows
+                self._evictor.select_rows(idx)
         self._end_step()
         self._after_change()
 

@@ -9,6 +9,7 @@ import torch
 from hf_pagedkv._compat import sdpa_attention_function
 from hf_pagedkv.attention.paged_attention import DEFAULT_TILE_TOKENS, paged_attention
 from hf_pagedkv.attention.paged_view import PagedView
+from hf_pagedkv.retention.query_window import recorder_of
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     tells the cache that the step's attention reads in place, so the cache hands the step's later layers
     placeholders instead of gathered or de-quantized copies (the first layer of each step reads a normal copy, with
     `sdpa`). Everything else (other caches, prefill, unsupported arguments) goes to transformers' `sdpa` with the
-    same arguments, and gives the same result.
+    same arguments, and gives the same result. When the cache's retention policy is query-aware (`SnapKV`) and
+    asked for this step's queries, `query` is handed to it first (`QueryWindow.record`), whichever path attends.
 
     Args:
         module (`torch.nn.Module`): the attention layer (transformers passes `self`).
@@ -47,6 +49,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     Returns:
         `(attn_output, None)`, `attn_output` of shape `[batch, q, num_heads, head_dim]`.
     """
+    record = recorder_of(key)  # a query-aware retention policy (SnapKV) asked for this layer's queries
+    if record is not None:
+        record(query, scaling if scaling is not None else query.shape[-1] ** -0.5)
     view = PagedView.of(key)
     if view is None:
         return sdpa_attention_function()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

@@ -5,7 +5,9 @@ from hf_pagedkv.retention.key_diff import KeyDiff
 from hf_pagedkv.retention.key_norm import KeyNorm
 from hf_pagedkv.retention.policy import EvictionPlan, RetentionPolicy
 from hf_pagedkv.retention.retention_stats import RetentionStats
+from hf_pagedkv.retention.query_window import QueryWindow
 from hf_pagedkv.retention.sink_window import SinkWindow
+from hf_pagedkv.retention.snap_kv import SnapKV
 
-__all__ = ["EvictionPlan", "ImportancePolicy", "KeyDiff", "KeyNorm", "RetentionPolicy", "RetentionStats",
-           "SinkWindow"]
+__all__ = ["EvictionPlan", "ImportancePolicy", "KeyDiff", "KeyNorm", "QueryWindow", "RetentionPolicy", "RetentionStats",
+           "SinkWindow", "SnapKV"]

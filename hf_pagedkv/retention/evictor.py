@@ -9,6 +9,7 @@ import torch
 
 from hf_pagedkv.pool.block_table import BlockTable, num_blocks_for
 from hf_pagedkv.retention.policy import RetentionPolicy
+from hf_pagedkv.retention.query_window import QueryWindow
 from hf_pagedkv.retention.retention_stats import RetentionStats
 
 if TYPE_CHECKING:  # type-only: the owner is a PagedCache, which imports this module
@@ -45,6 +46,9 @@ class Evictor:
     Invariants: every row and layer has evicted `num_evicted` tokens; the first `num_intact_blocks` logical blocks
     still hold the tokens of their original positions (only those may be published to the prefix index); a crop
     may not go below `num_held_after_eviction` (evicted tokens cannot come back, and compacted heads differ).
+
+    A query-aware policy (`SnapKV`) also gets, through `offer_queries`, the queries of the steps it `observes`
+    (`QueryWindow`, filled by the ``"hf_pagedkv"`` attention); they are dropped once used.
     """
 
     def __init__(self, policy: RetentionPolicy) -> None:
@@ -62,12 +66,26 @@ class Evictor:
         self.num_blocks_freed = 0  # block references let go by evictions (per row)
         self.num_intact_blocks: int | None = None  # leading logical blocks at their original positions; None: all
         self.num_held_after_eviction = 0  # tokens held right after the last eviction (the lowest crop target)
+        # the observed steps' last queries per layer, for a query-aware policy (else None); filled by the attention
+        self.observed = QueryWindow(self.policy.recent_tokens) if self.policy.needs_queries else None
 
     def copy(self) -> Evictor:
         """An independent copy (for `PagedCache.fork`)."""
         other = Evictor(self.policy)
         other.__dict__.update(self.__dict__)
+        other.observed = None if self.observed is None else self.observed.copy()
         return other
+
+    def offer_queries(self, keys: torch.Tensor, layer_idx: int) -> None:
+        """`PagedCache.update` returns `keys` to the attention of layer `layer_idx` in the current step: ask that
+        attention for its queries (`QueryWindow.tag`) if the policy needs this step's."""
+        if self.observed is not None and self.num_steps and self.policy.observes(self.num_steps - 1):
+            self.observed.tag(keys, layer_idx)
+
+    def select_rows(self, idx: list[int]) -> None:
+        """The cache's rows became copies of rows `idx`: recorded queries follow them."""
+        if self.observed is not None:
+            self.observed.select_rows(idx)
 
     # -- per step ----------------------------------------------------------------------------------------------------
     def before_step(self, cache: RetentionOwner, new: int) -> None:
@@ -93,10 +111,31 @@ class Evictor:
         if plan.drop_positions:
             self._drop(cache, rt, plan.drop_positions)
         elif plan.keep_tokens is not None and 0 < plan.keep_tokens < held:
+            self._check_observed(cache, len(rt.rows))
             self._compact(cache, rt, plan.keep_tokens)
+        if self.observed is not None and not self.policy.observes(self.num_steps):
+            self.observed.clear()  # used (or not needed: nothing to compress); the next step records nothing
         bound = self.policy.max_held(new, B)
         for row in rt.rows:
             row.max_positions = None if bound is None else num_blocks_for(bound, B)
+
+    def _check_observed(self, cache: RetentionOwner, num_rows: int) -> None:
+        """Raise `ValueError` (before anything changes) if a query-aware policy lacks a layer's queries."""
+        if self.observed is None:
+            return
+        layers = [layer.layer_idx for layer in cache.retention_layers() if layer.is_initialized]
+        missing = self.observed.missing(layers)
+        if missing:
+            raise ValueError(
+                f"retention={self.policy!r} scores the prompt by the attention of its last {self.policy.recent_tokens} "
+                f"queries, but the attention of layers {missing[:8]}{'...' if len(missing) > 8 else ''} gave none: "
+                'load the model with attn_implementation="hf_pagedkv" (or call '
+                'model.set_attn_implementation("hf_pagedkv")) so the attention hands its queries to the cache. '
+                "Nothing was evicted.")
+        bad = {q.shape[0] for q in self.observed.queries.values()} - {num_rows}
+        if bad:
+            raise ValueError(f"retention={self.policy!r}: the recorded queries have batch {sorted(bad)} but the cache "
+                             f"holds {num_rows} rows; nothing was evicted.")
 
     def _drop(self, cache: RetentionOwner, rt: RowTables, positions: list[int]) -> None:
         """Free whole logical block positions in every row (all full: never the last, partial one)."""
@@ -138,9 +177,14 @@ class Evictor:
                 continue
             device = layer.spec.device
             k, v = cache.read_layer(layer, 0)  # [batch, num_kv_heads, held, dim] each
+            observed = None
+            if self.observed is not None:
+                q = self.observed.queries[layer.layer_idx]  # [batch, num_heads, w, head_dim]
+                observed = (q.index_select(0, rows_idx.to(q.device)) if len(writers) < q.shape[0] else q,
+                            self.observed.scaling[layer.layer_idx])
             if len(writers) < k.shape[0]:
                 k, v = k.index_select(0, rows_idx.to(device)), v.index_select(0, rows_idx.to(device))
-            idx = self.policy.select(k, keep)  # [writers, num_kv_heads, keep]
+            idx = self.policy.select(k, keep, observed)  # [writers, num_kv_heads, keep]
             k = k.gather(2, idx[..., None].expand(-1, -1, -1, k.shape[-1]))  # [writers, num_kv_heads, keep, dim]
             v = v.gather(2, idx[..., None].expand(-1, -1, -1, v.shape[-1]))
             if device not in targets:  # (a quantized store encodes the kept tokens in their new blocks)

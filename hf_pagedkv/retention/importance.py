@@ -80,23 +80,26 @@ class ImportancePolicy(RetentionPolicy):
     def max_held(self, new: int, block_size: int) -> int | None:
         return None if self.budget is None else self.budget + new
 
-    def scores(self, keys: torch.Tensor) -> torch.Tensor:
-        """Importance of each held token, `[batch, num_kv_heads, held]` float32 (higher: keep)."""
+    def scores(self, keys: torch.Tensor, observed: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+        """Importance of each held token, `[batch, num_kv_heads, held]` float32 (higher: keep). `observed` is what a
+        query-aware policy (`needs_queries`) gets from the attention (`QueryWindow`); the others ignore it."""
         raise NotImplementedError
 
-    def select(self, keys: torch.Tensor, keep: int) -> torch.Tensor:
+    def select(self, keys: torch.Tensor, keep: int, observed: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
         """The `keep` highest-scoring tokens per head (ties: the older first), the protected sinks and recent tokens
         first; ascending.
 
         Args:
             keys (`torch.Tensor` of shape `[batch, num_kv_heads, held, head_dim]`).
             keep (`int`): tokens kept per head.
+            observed (`(queries, scaling)`, *optional*): for a query-aware policy, the observation window's queries
+                `[batch, num_heads, w, head_dim]` and the attention's scale.
 
         Returns:
             `torch.LongTensor` of shape `[batch, num_kv_heads, keep]`.
         """
         held = keys.shape[2]
-        s = self.scores(keys).clone()  # [batch, num_kv_heads, held]
+        s = self.scores(keys, observed).clone()  # [batch, num_kv_heads, held]
         s[..., : self.sink_tokens] = float("inf")
         s[..., max(0, held - self.recent_tokens):] = float("inf")
         # NOTE: a stable sort, so equal scores keep the older token: equal scores are common (RoPE is a rotation, so

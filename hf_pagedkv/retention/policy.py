@@ -28,19 +28,28 @@ class RetentionPolicy:
     """
 
     name = "retention"
+    #: a query-aware policy scores tokens by the attention of recorded queries (`QueryWindow`, given through the
+    #: ``"hf_pagedkv"`` attention implementation) and says which steps it `observes`
+    needs_queries = False
 
     def plan(self, held: int, seen: int, new: int, block_size: int, step: int = 0) -> EvictionPlan:
         """What to evict before forward step number `step` (0 for the first) that adds `new` tokens to rows holding
         `held` (of `seen`) tokens."""
         raise NotImplementedError
 
-    def select(self, keys: torch.Tensor, keep: int) -> torch.Tensor:
+    def observes(self, step: int) -> bool:
+        """For a query-aware policy: whether the queries of forward step `step` (0 for the first) are needed."""
+        return False
+
+    def select(self, keys: torch.Tensor, keep: int, observed: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
         """For a token-level policy: which `keep` held tokens each head keeps.
 
         Args:
             keys (`torch.Tensor` of shape `[batch, num_kv_heads, held, head_dim]`): one layer's held keys (RoPE
                 applied, in logical order).
             keep (`int`): tokens to keep per head, ``0 < keep < held``.
+            observed (`(queries, scaling)`, *optional*): for a query-aware policy (`needs_queries`), the recorded
+                queries `[batch, num_heads, w, head_dim]` of the layer and its attention's scale.
 
         Returns:
             `torch.LongTensor` of shape `[batch, num_kv_heads, keep]`: logical indices, ascending per head.

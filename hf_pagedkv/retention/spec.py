@@ -6,14 +6,18 @@ from hf_pagedkv.retention.key_diff import KeyDiff
 from hf_pagedkv.retention.key_norm import KeyNorm
 from hf_pagedkv.retention.policy import RetentionPolicy
 from hf_pagedkv.retention.sink_window import SinkWindow
+from hf_pagedkv.retention.snap_kv import SnapKV
 
 SPEC_HELP = ("sink_window:SINK:WINDOW (StreamingLLM), key_norm:BUDGET or key_norm:RATIO, key_diff:BUDGET or "
-             "key_diff:RATIO (BUDGET: tokens kept; RATIO: a float in (0, 1), the fraction of the prompt removed)")
+             "key_diff:RATIO, snapkv:BUDGET or snapkv:RATIO (SnapKV; needs attn_implementation=\"hf_pagedkv\") "
+             "(BUDGET: tokens kept; RATIO: a float in (0, 1), the fraction of the prompt removed)")
+_IMPORTANCE = {"key_norm": KeyNorm, "key_diff": KeyDiff, "snapkv": SnapKV, "snap_kv": SnapKV}
 
 
 def parse_retention(spec: str) -> RetentionPolicy:
     """``"sink_window:4:1024"`` -> `SinkWindow(4, 1024)`; ``"key_norm:512"`` -> `KeyNorm(budget=512)`;
-    ``"key_diff:0.5"`` -> `KeyDiff(compression_ratio=0.5)`.
+    ``"key_diff:0.5"`` -> `KeyDiff(compression_ratio=0.5)`; ``"snapkv:0.5"`` (or ``"snap_kv:0.5"``) ->
+    `SnapKV(compression_ratio=0.5)`.
 
     Raises:
         ValueError: an unknown policy name or malformed numbers (the message lists the forms, `SPEC_HELP`).
@@ -23,8 +27,8 @@ def parse_retention(spec: str) -> RetentionPolicy:
     try:
         if name == "sink_window" and len(parts) == 2:
             return SinkWindow(sink_tokens=int(parts[0]), window=int(parts[1]))
-        if name in ("key_norm", "key_diff") and len(parts) == 1:
-            cls = KeyNorm if name == "key_norm" else KeyDiff
+        if name in _IMPORTANCE and len(parts) == 1:
+            cls = _IMPORTANCE[name]
             value = float(parts[0])
             return cls(compression_ratio=value) if value < 1 else cls(budget=int(parts[0]))
     except ValueError as e:

@@ -68,6 +68,8 @@ def _generate(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"hf-pagedkv generate: {e}", file=sys.stderr)
             return 2
+        if retention.needs_queries:  # SnapKV: the "hf_pagedkv" attention hands the prefill's queries to the cache
+            model.set_attn_implementation("hf_pagedkv")
     cache = PagedCache(block_size=args.block_size, config=model.config, quant=quant, retention=retention)
     t0 = time.perf_counter()
     set_seed(args.seed)  # the same seed for the --check run: sampling draws the same tokens from the same logits

@@ -144,7 +144,8 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         default_block = DEFAULT_BLOCK_SIZE if args.quant in (None, "fp") else DEFAULT_QUANT_BLOCK_SIZE
         bound = policy.max_held(1, args.block_size or default_block)  # the block size the plan below uses
         ratio = getattr(policy, "compression_ratio", None)
-        held = bound if bound is not None else int(args.max_seq_len * (1 - ratio)) + 1
+        held = (bound if bound is not None else int(args.max_seq_len * (1 - ratio)) + 1 if ratio is not None
+                else args.max_seq_len)  # SnapKV(budget=...): the prompt is compressed once, what follows is kept
         if held < args.max_seq_len:
             print(f"retention {policy}: each sequence of {args.max_seq_len:,} tokens holds at most {held:,}")
             args.max_seq_len = held

@@ -93,3 +93,92 @@ def compacted_dynamic_reference(model, x: torch.Tensor, steps: list[int], budget
             logits.append(out.logits)
             pos += q
     return torch.cat(logits, 1)
+
+
+# -- SnapKV: the kept sets from a capture run, and a run whose every layer hides each head's evicted positions ------
+_CAPTURED: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}  # layer -> (query, key, scaling), capture run
+_HEAD_MASKS: dict[int, torch.Tensor] = {}  # layer -> [batch, num_kv_heads, seq, seq] bool, masked run
+
+
+def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    from hf_pagedkv._compat import sdpa_attention_function
+
+    _CAPTURED[module.layer_idx] = (query.detach().clone(), key.detach().clone(),
+                                   scaling if scaling is not None else query.shape[-1] ** -0.5)
+    return sdpa_attention_function()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                     **kwargs)
+
+
+def _head_masked_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Plain attention where query head `h` of layer `l` sees exactly ``_HEAD_MASKS[l][:, h // G]``."""
+    G = query.shape[1] // key.shape[1]
+    mask = _HEAD_MASKS[module.layer_idx].repeat_interleave(G, dim=1)  # [batch, num_heads, seq, seq]
+    k, v = key.repeat_interleave(G, dim=1), value.repeat_interleave(G, dim=1)  # [batch, num_heads, seq, dim]
+    s = query @ k.transpose(-1, -2) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    out = s.masked_fill(~mask, float("-inf")).softmax(-1) @ v  # [batch, num_heads, seq, dim]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_reference_attention() -> None:
+    from hf_pagedkv._compat import register_attention
+
+    register_attention("test_capture", _capture_attention)
+    register_attention("test_head_masked", _head_masked_attention)
+
+
+def reference_snapkv_scores(query: torch.Tensor, key: torch.Tensor, scaling: float, window: int, kernel: int,
+                            pooling: str) -> torch.Tensor:
+    """SnapKV's votes `[batch, kv_heads, n]` written out plainly, head by head and window query by window query."""
+    batch, num_heads, n, _ = query.shape
+    H = key.shape[1]
+    G = num_heads // H
+    w = min(window, n)
+    out = torch.zeros(batch, H, n)
+    for h in range(num_heads):
+        votes = torch.zeros(batch, n)
+        for j in range(n - w, n):  # each window query attends causally to tokens 0..j
+            q, k = query[:, h, j].float(), key[:, h // G, : j + 1].float()  # [b, d], [b, j + 1, d]
+            s = torch.einsum("bd,bnd->bn", q, k) * scaling  # [b, j + 1]
+            votes[:, : j + 1] += s.softmax(-1)
+        pooled = torch.zeros_like(votes)
+        for i in range(n):  # centred window, clipped at the ends (avg: over the tokens inside)
+            lo, hi = max(0, i - kernel // 2), min(n, i + kernel // 2 + 1)
+            pooled[:, i] = votes[:, lo:hi].amax(-1) if pooling == "max" else votes[:, lo:hi].mean(-1)
+        out[:, h // G] += pooled
+    return out
+
+
+def snapkv_reference(model, x: torch.Tensor, prompt: int, keep: int, window: int, sink: int, kernel: int = 5,
+                     pooling: str = "avg") -> torch.Tensor:
+    """Logits of `x` `[batch, n]` in one pass without a cache where, from token `prompt` on, every layer's KV head
+    sees only the `keep` prompt tokens SnapKV keeps for it (scored from a capture run of the prompt) plus the causal
+    part of the later tokens; the prompt's own tokens see the causal prompt."""
+    _register_reference_attention()
+    before = model.config._attn_implementation
+    n = x.shape[1]
+    try:
+        model.set_attn_implementation("test_capture")
+        with torch.no_grad():
+            model(x[:, :prompt], use_cache=False)
+        masks = {}
+        for layer, (q, k, scaling) in _CAPTURED.items():
+            score = reference_snapkv_scores(q, k, scaling, window, kernel, pooling)  # [batch, H, prompt]
+            protected = torch.zeros(prompt, dtype=torch.bool)
+            protected[:sink] = True
+            protected[max(0, prompt - window):] = True
+            score = torch.where(protected, torch.full_like(score, float("inf")), score)
+            kept = score.argsort(dim=-1, descending=True, stable=True)[..., :keep]  # [batch, H, keep]
+            visible = torch.ones(x.shape[0], k.shape[1], n, n, dtype=torch.bool).tril()  # causal
+            visible[:, :, prompt:, :prompt] = False
+            seen = torch.zeros(x.shape[0], k.shape[1], prompt, dtype=torch.bool).scatter_(-1, kept, True)
+            visible[:, :, prompt:, :prompt] = seen[:, :, None, :]
+            masks[layer] = visible
+        _HEAD_MASKS.clear()
+        _HEAD_MASKS.update(masks)
+        model.set_attn_implementation("test_head_masked")
+        with torch.no_grad():
+            return model(x, use_cache=False).logits
+    finally:
+        model.set_attn_implementation(before)
+        _CAPTURED.clear()
+        _HEAD_MASKS.clear()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_pagedkv import KeyDiff, KeyNorm, SinkWindow
+from hf_pagedkv import KeyDiff, KeyNorm, SinkWindow, SnapKV
 from hf_pagedkv.retention.spec import parse_retention
 from hf_pagedkv.tools.cli import main
 
@@ -13,6 +13,8 @@ def test_specs_parse_to_their_policies():
     assert parse_retention("sink_window:4:1024") == SinkWindow(sink_tokens=4, window=1024)
     assert parse_retention("key_norm:512") == KeyNorm(budget=512)
     assert parse_retention("key_diff:0.5") == KeyDiff(compression_ratio=0.5)
+    assert parse_retention("snapkv:0.5") == parse_retention("snap_kv:0.5") == SnapKV(compression_ratio=0.5)
+    assert parse_retention("snapkv:256") == SnapKV(budget=256)
     for bad in ("sink", "sink_window:4", "key_norm:x", "key_norm:10"):  # 10 < sinks + recent tokens + 1
         with pytest.raises(ValueError, match="--retention"):
             parse_retention(bad)
@@ -26,3 +28,7 @@ def test_the_planner_sizes_a_sequence_by_what_it_keeps(capsys):
     assert "holds at most 2,079" in out and "per sequence: 2,079 tokens" in out
     assert main(argv + ["--retention", "key_norm:0.75"]) == 0
     assert "holds at most 25,001" in capsys.readouterr().out
+    assert main(argv + ["--retention", "snapkv:0.5"]) == 0
+    assert "holds at most 50,001" in capsys.readouterr().out
+    main(argv + ["--retention", "snapkv:1024"])  # the prompt is compressed once: no bound claimed (100k: no fit)
+    assert "holds at most" not in capsys.readouterr().out

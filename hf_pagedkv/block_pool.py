@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 # _MIN_GROWTH_BLOCKS: sized to need (a pool that one prefill sized holds about that prefill), and still amortised.
 _MIN_GROWTH_BLOCKS = 16
 _GROWTH_FRACTION = 4  # headroom = num_blocks // _GROWTH_FRACTION
+_MAX_SHRINK_AFTER = 1e9  # seconds (about 30 years): a timer's delay must fit the platform's time_t
 
 
 class _PoolOrClassMethod:
@@ -146,6 +147,9 @@ class BlockPool:
         prefix_cache_memory: int | str | float | None = None,
         shrink_after: float | None = None,
     ) -> None:
+        for name, flag in (("debug", debug), ("prefix_caching", prefix_caching)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"BlockPool({name}={flag!r}): give True or False.")
         self.quant = QuantConfig.resolve(quant)  # storage format; fixed
         if prefix_cache_memory is not None and not prefix_caching:
             raise ValueError(f"prefix_cache_memory={prefix_cache_memory!r} sizes the prefix cache; it needs "
@@ -161,9 +165,10 @@ class BlockPool:
         self.max_memory = None if max_memory is None else parse_bytes(max_memory)  # byte budget, or None
         self.growable = num_blocks is None and max_memory is None  # grow on demand instead of raising
         if shrink_after is not None:
-            if isinstance(shrink_after, bool) or not isinstance(shrink_after, (int, float)) or not shrink_after > 0:
-                raise ValueError(f"shrink_after={shrink_after!r}: give the idle time in seconds, a number > 0 "
-                                 "(or None to shrink only when pool.shrink() is called).")
+            if (isinstance(shrink_after, bool) or not isinstance(shrink_after, (int, float))
+                    or not 0 < shrink_after <= _MAX_SHRINK_AFTER):
+                raise ValueError(f"shrink_after={shrink_after!r}: give the idle time in seconds, a number > 0 and at "
+                                 f"most {_MAX_SHRINK_AFTER:.0e} (or None to shrink only when pool.shrink() is called).")
             if not self.growable:
                 raise ValueError("shrink_after= is for a growable pool (num_blocks=None and max_memory=None): a fixed "
                                  "pool keeps its preallocation.")

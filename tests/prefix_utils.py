@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -82,3 +84,21 @@ class Request:
     def reset(self) -> None:
         """Start over (after an abort or preemption)."""
         self.cache, self.tokens, self.logits = None, [], []
+
+
+def run_in_threads(work, n: int) -> None:
+    """Run `work(t)` for `t` in ``range(n)``, each on its own thread; fail with every exception any of them raised."""
+    errors = []
+
+    def target(t):
+        try:
+            work(t)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=target, args=(t,)) for t in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors

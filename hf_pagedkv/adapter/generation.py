@@ -172,6 +172,9 @@ def _generate_row_swapping(model, ids: torch.Tensor, pool: BlockPool, kwargs: di
                 if swapped:
                     first.add_note(f"swap_on_exhaustion: swapped {len(swapped)} idle caches (seq_id {swapped}) out "
                                    "to the host tier; no idle cache is left to swap (or the host tier is full).")
+                else:
+                    first.add_note("swap_on_exhaustion: no idle cache could be swapped out: none is idle, or the "
+                                   "host tier has no room for one (raise host_memory).")
                 raise first from None
             swapped += more
             logger.info("hf_pagedkv.generate: pool exhausted; swapped idle caches %s out to the host tier", more)

@@ -27,6 +27,7 @@ from hf_pagedkv.adapter.step_tensors import StepTensors
 from hf_pagedkv.errors import EMPTY_PROMPT
 from hf_pagedkv.retention.evictor import Evictor
 from hf_pagedkv.retention.retention_stats import RetentionStats
+from hf_pagedkv.storage.heap import TRIM_MIN_TOKENS, trim_heap
 from hf_pagedkv.storage.read_request import ReadRequest
 
 logger = logging.getLogger(__name__)
@@ -172,6 +173,8 @@ class PagedCache(Cache):
         while len(self.layers) <= layer_idx:  # a cache built without config: full-attention layers, as DynamicCache
             self.layers.append(PagedLayer(self, len(self.layers), group=self._tables_for(None).group))
         out = self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+        if key_states.shape[-2] >= TRIM_MIN_TOKENS and key_states.device.type == "cpu":
+            trim_heap()  # the previous layer's temporaries are freed: give their pages back (storage/heap.py)
         if self._evictor is not None:  # a query-aware policy asks this layer's attention for its queries
             self._evictor.offer_queries(out[0], layer_idx)
         return out

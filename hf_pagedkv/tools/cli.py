@@ -11,7 +11,7 @@ import time
 import torch
 from transformers import set_seed
 
-from hf_pagedkv import PagedCache
+from hf_pagedkv import BlockPool, PagedCache
 from hf_pagedkv._compat import cache_kwargs
 from hf_pagedkv.tools.cli_tools import add_tool_commands, run_tool
 from hf_pagedkv.config import PRESETS, QuantConfig
@@ -26,6 +26,15 @@ def _generate(args: argparse.Namespace) -> int:
     if args.file is not None and not os.path.isfile(args.file):
         print(f"hf-pagedkv generate: --file {args.file!r} is not a readable file", file=sys.stderr)
         return 2
+    text = None
+    if args.file is not None:
+        try:
+            with open(args.file, encoding="utf-8") as fh:
+                text = fh.read()
+        except UnicodeDecodeError as e:
+            print(f"hf-pagedkv generate: --file {args.file!r} is not UTF-8 text ({e.reason} at byte {e.start}); "
+                  "give a text file", file=sys.stderr)
+            return 2
     if args.prompt is not None and not args.prompt.strip() and not args.chat:
         print(f"hf-pagedkv generate: --prompt is empty and --no-chat adds no template: {EMPTY_PROMPT} (some text)",
               file=sys.stderr)
@@ -43,8 +52,7 @@ def _generate(args: argparse.Namespace) -> int:
                   else args.prompt)
         source = "--prompt"
     elif args.file is not None:
-        with open(args.file, encoding="utf-8") as fh:
-            prompt = chat_prompt(tokenizer, args.file, fh.read())
+        prompt = chat_prompt(tokenizer, args.file, text)
         source = args.file
     else:
         title, text = default_document()
@@ -171,6 +179,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.num_threads < 0:
         parser.error(f"--num-threads must be >= 0 (0: torch's default), got {args.num_threads}")
+    # the storage format and the policy, checked before the model loads (it takes a while)
+    try:
+        BlockPool(block_size=args.block_size, quant=args.quant)
+    except ValueError as e:
+        parser.error(f"--quant/--block-size: {e}")
+    if args.retention is not None:
+        from hf_pagedkv.retention.spec import parse_retention
+
+        try:
+            parse_retention(args.retention)
+        except ValueError as e:
+            parser.error(str(e))  # it names --retention and the spec
     return _generate(args)
 
 

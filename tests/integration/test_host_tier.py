@@ -10,7 +10,7 @@ from transformers import DynamicCache
 import hf_pagedkv
 from hf_pagedkv import BlockPool, CacheOffloadedError, InvariantError, PagedCache, PoolExhaustedError, cache_kwargs
 from tests.conftest import ids, tiny_model
-from tests.prefix_utils import GEN, tiny_single_thread  # noqa: F401 (autouse fixture)
+from tests.prefix_utils import GEN, run_in_threads, tiny_single_thread  # noqa: F401 (autouse fixture)
 
 B = 4
 
@@ -167,30 +167,20 @@ def test_host_invariants_catch_a_lost_host_block():
 
 
 def test_four_threads_swapping_on_one_pool():
-    import threading
-
     model = tiny_model("llama")
     pool = BlockPool(block_size=B, host_memory="1MiB", prefix_caching=True)
     prompts = [ids(1, 9 + t, seed=20 + t) for t in range(4)]
     refs = [greedy(model, DynamicCache(), x, 6) for x in prompts]
-    results, errors = {}, []
+    results = {}
 
     def worker(t):
-        try:
-            for _ in range(2):
-                cache = PagedCache(pool=pool, config=model.config)
-                swaps = (lambda step: (cache.offload(), cache.prefetch()) if step % 2 == 0 else None)
-                results[t] = greedy(model, cache, prompts[t], 6, between=swaps)
-                cache.release()
-        except BaseException as e:  # reported below
-            errors.append(e)
+        for _ in range(2):
+            cache = PagedCache(pool=pool, config=model.config)
+            swaps = (lambda step: (cache.offload(), cache.prefetch()) if step % 2 == 0 else None)
+            results[t] = greedy(model, cache, prompts[t], 6, between=swaps)
+            cache.release()
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert not errors, errors
+    run_in_threads(worker, 4)
     for t, (tokens, logits) in results.items():
         assert torch.equal(tokens, refs[t][0]) and torch.equal(logits, refs[t][1])
     pool.check_invariants()

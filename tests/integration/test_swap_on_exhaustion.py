@@ -8,7 +8,7 @@ from transformers import DynamicCache
 import hf_pagedkv
 from hf_pagedkv import BlockPool, PagedCache, PoolExhaustedError, cache_kwargs
 from tests.conftest import ids, tiny_model
-from tests.prefix_utils import GEN, assert_same_output, fresh_generate, tiny_single_thread  # noqa: F401
+from tests.prefix_utils import GEN, assert_same_output, fresh_generate, run_in_threads, tiny_single_thread  # noqa: F401
 
 B = 4
 BLOCK = 3072  # bytes of one block of the tiny llama (3 layers x K+V x 2 heads x 16 x fp32 x 4 tokens)
@@ -115,7 +115,8 @@ def test_no_room_anywhere_raises_the_original_error_and_changes_nothing():
     tables = a.block_tables()
     with pytest.raises(PoolExhaustedError, match="BlockPool is full") as info:
         hf_pagedkv.generate(model, x, pool=pool, swap_on_exhaustion=True, **GEN)
-    assert not getattr(info.value, "__notes__", None)  # nothing was swapped
+    assert info.value.__notes__ == ["swap_on_exhaustion: no idle cache could be swapped out: none is idle, or the "
+                                    "host tier has no room for one (raise host_memory)."]  # nothing was swapped
     pool.check_invariants()
     assert a.block_tables() == tables and not a.is_offloaded and pool.stats().host_blocks_in_use == 0
     a.release()
@@ -138,8 +139,6 @@ def test_no_room_anywhere_raises_the_original_error_and_changes_nothing():
 
 
 def test_four_threads_swapping_idle_caches_out_of_one_pool():
-    import threading
-
     model = tiny_model("llama")
     pool = BlockPool(block_size=B, num_blocks=12, host_memory="1MiB")
     idle_prompts = [ids(1, 11, seed=10 + k) for k in range(3)]  # 3 idle caches of 3 blocks: 3 of 12 blocks free
@@ -153,21 +152,13 @@ def test_four_threads_swapping_idle_caches_out_of_one_pool():
     # cache is swapped out, and always fit then (12 blocks)
     prompts = [[ids(1, 5, seed=20 + 2 * t + j) for j in range(2)] for t in range(4)]
     want = [[fresh_generate(model, x) for x in row] for row in prompts]
-    results, errors = {}, []
+    results = {}
 
     def worker(t):
-        try:
-            for j, x in enumerate(prompts[t]):
-                results[t, j] = hf_pagedkv.generate(model, x, pool=pool, swap_on_exhaustion=True, **GEN)
-        except BaseException as e:  # reported below
-            errors.append(e)
+        for j, x in enumerate(prompts[t]):
+            results[t, j] = hf_pagedkv.generate(model, x, pool=pool, swap_on_exhaustion=True, **GEN)
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert not errors, errors
+    run_in_threads(worker, 4)
     pool.check_invariants()
     for t in range(4):
         for j in range(2):

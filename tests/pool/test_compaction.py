@@ -246,7 +246,7 @@ def test_a_pool_with_shrink_after_gives_its_free_segments_back_by_itself_once_id
     pool.check_invariants()
 
 
-@pytest.mark.parametrize("bad", [0, -1, "5s", True])
+@pytest.mark.parametrize("bad", [0, -1, "5s", True, float("inf"), float("nan"), 1e300])
 def test_shrink_after_must_be_seconds_for_a_growable_pool(bad):
     with pytest.raises(ValueError, match="shrink_after"):
         BlockPool(shrink_after=bad)

@@ -232,7 +232,9 @@ def test_grow_appends_a_segment_without_copying_and_reads_cross_segments_exactly
     assert torch.equal(got_k, k[0][:, slots - 3].permute(1, 0, 2, 3))
     assert torch.equal(got_v, v[0][:, slots - 3].permute(1, 0, 2, 3))
     store.copy_blocks([0, 3], [4, 1])  # across segments both ways
-    assert torch.equal(keys_of(store, 0)[:, 16:20], keys_of(store, 0)[:, 0:4])
+    # compared as bits: block 0's slots 0-2 were never written, and uninitialized memory may hold NaN patterns
+    bits = keys_of(store, 0).view(torch.int32)
+    assert torch.equal(bits[:, 16:20], bits[:, 0:4])
 
 
 def test_shrink_drops_only_whole_trailing_segments():

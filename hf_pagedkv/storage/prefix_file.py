@@ -71,13 +71,24 @@ def write_prefix_file(path: str | os.PathLike, index: dict, tensors: dict[str, t
         `int`: bytes written.
 
     Raises:
-        OSError: the folder is not writable or the disk is full (`path` unchanged).
+        ValueError: `path` is not a path (or is empty).
+        OSError: `path` is a directory, its folder is missing or not writable, or the disk is full (`path`
+            unchanged); the message names `path`.
     """
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise ValueError(f"path={path!r}: give the prefix-cache file to write, e.g. 'prefix.safetensors'.")
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{str(path)!r} is a directory; give the prefix-cache file to write in it, e.g. "
+                                f"{str(path / 'prefix.safetensors')!r}.")
     cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
     full = {**index, "format": FORMAT, "version": VERSION,
             "checksums": {name: tensor_checksum(t) for name, t in cpu.items()}}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:  # the folder is missing or not writable: name the file asked for, not the temporary one
+        raise type(e)(e.errno, f"cannot write the prefix-cache file {str(path)!r}: {e.strerror} (its folder "
+                               f"{str(path.parent)!r} must exist and be writable)") from e
     os.close(fd)
     try:
         os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; a saved cache is an ordinary data file

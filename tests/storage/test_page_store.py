@@ -248,3 +248,24 @@ def test_shrink_drops_only_whole_trailing_segments():
     assert store.shrink(0) == 0 and store.segment_blocks == [] and real_bytes(store) == 0
     store.grow(1)  # usable again
     assert [t.shape[1] for t in store.keys[1].segments] == [4]
+
+
+# -- prefix-cache files: a path that cannot be written says which (storage/prefix_file.py) -----------------------
+@pytest.mark.parametrize("bad", ["", None, 3])
+def test_writing_a_prefix_file_to_no_path_is_refused(bad):
+    from hf_pagedkv.storage.prefix_file import write_prefix_file  # noqa: PLC0415
+    with pytest.raises(ValueError, match="give the prefix-cache file"):
+        write_prefix_file(bad, {}, {})
+
+
+def test_writing_a_prefix_file_names_the_path_asked_for(tmp_path):
+    from hf_pagedkv.storage.prefix_file import write_prefix_file  # noqa: PLC0415
+    with pytest.raises(IsADirectoryError, match="is a directory"):
+        write_prefix_file(tmp_path, {}, {})
+    missing = tmp_path / "no" / "such" / "p.safetensors"
+    with pytest.raises(FileNotFoundError, match="p.safetensors") as info:
+        write_prefix_file(missing, {}, {})
+    assert ".tmp" not in str(info.value)
+    assert list(tmp_path.iterdir()) == []  # nothing left behind
+    ok = tmp_path / "p.safetensors"
+    assert write_prefix_file(ok, {}, {"x": torch.zeros(2)}) == ok.stat().st_size > 0

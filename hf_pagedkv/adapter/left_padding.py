@@ -25,6 +25,9 @@ class LeftPadding:
             ValueError: not 2-D, values other than 0 and 1, not left padding (0s then 1s in each row), or a row
                 without a real token.
         """
+        if attention_mask is None or isinstance(attention_mask, (str, bytes)):
+            raise ValueError(f"set_padding: attention_mask={attention_mask!r}; pass the [batch, seq_len] mask of 0s "
+                             "and 1s that generate() gets (tokenizer(..., padding=True).attention_mask).")
         mask = torch.as_tensor(attention_mask).detach()
         if mask.dim() != 2 or not bool(((mask == 0) | (mask == 1)).all()):
             raise ValueError(f"set_padding: attention_mask must be a [batch, seq_len] mask of 0s and 1s, got "

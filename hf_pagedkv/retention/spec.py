@@ -30,7 +30,7 @@ def parse_retention(spec: str) -> RetentionPolicy:
         if name in _IMPORTANCE and len(parts) == 1:
             cls = _IMPORTANCE[name]
             value = float(parts[0])
-            return cls(compression_ratio=value) if value < 1 else cls(budget=int(parts[0]))
+            return cls(compression_ratio=value) if 0 < value < 1 else cls(budget=int(parts[0]))  # 0: a budget
     except ValueError as e:
         detail = str(e) if str(e).startswith("`") else f"expected one of {SPEC_HELP}"  # int('a') says nothing useful
         raise ValueError(f"--retention {spec!r}: {detail.rstrip('.')}.") from None

@@ -144,6 +144,8 @@ def test_padding_expands_with_the_rows_generate_repeats():
     (torch.tensor([[1, 0, 1]]), "left padding"),
     (torch.tensor([[0, 0, 0]]), "left padding"),
     (torch.tensor([[0, 2, 1]]), "0s and 1s"),
+    (None, "attention_mask=None"),
+    ("0011", "attention_mask='0011'"),
 ])
 def test_bad_masks_are_refused(mask, match):
     cache = PagedCache(block_size=B)

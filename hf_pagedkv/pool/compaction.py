@@ -19,8 +19,8 @@ def plan_moves(allocator: BlockAllocator, max_blocks: int, rows: Sequence[Sequen
        row moves as many blocks as the budget allows (a later call goes on); a consecutive one moves whole or
        waits (unless it is longer than `max_blocks`: then it goes in parts). A scattered row whose blocks no
        other row shares may also move up, whole in one call, when no lower place exists (blocks taken turns
-       about, say). A row that shares a block with a row already moving waits
-       for a later call; a scattered row with no place at all has its blocks packed as in pass 2.
+       about, say). A row that shares a block with a row already moving waits for a later call; a scattered row
+       with no place at all has its blocks packed as in pass 2.
     2. **Blocks no row names** (cached-idle prefix blocks), highest first, to the lowest free id below them::
 
         before:  [ 0 row A | 1 free | 2 free | 3 row A | 4 idle | 5 free ]
@@ -29,11 +29,13 @@ def plan_moves(allocator: BlockAllocator, max_blocks: int, rows: Sequence[Sequen
 
     Repeated calls end: a move up makes an exclusive scattered row of at most `max_blocks` blocks consecutive for
     good (such rows, once consecutive, move whole, and no other row's move touches their blocks), and every other
-    move goes down (the sum of live ids
-    falls). Beams that share blocks but not their last ones cannot all be consecutive; they stay as they are once
-    no move goes down. A destination
-    is always free when planned and never a source (sources are live), so the moves can be applied at once. Args: `segment_blocks`, the blocks of each storage segment in id order (`PageStore.segment_blocks`);
-    empty for one segment.
+    move goes down (the sum of live ids falls). Beams that share blocks but not their last ones cannot all be
+    consecutive; they stay as they are once no move goes down. A destination is always free when planned and
+    never a source (sources are live), so the moves can be applied at once.
+
+    Args:
+        segment_blocks: the blocks of each storage segment in id order (`PageStore.segment_blocks`); empty for one
+            segment.
 
     Returns:
         `dict[int, int]`: live block -> free block, at most `max_blocks` entries (empty when nothing would gain).

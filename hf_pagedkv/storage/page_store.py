@@ -237,7 +237,8 @@ class PageStore:
         for store in (self.keys, self.values):
             t = store[layer_idx]  # [num_kv_heads, slots, dim]
             heads, dim = t.shape[0], t.shape[-1]
-            g = t.index_select_chunks(flat, B, self.split(t, flat, B, source=blocks))  # [num_kv_heads, batch * n, B * dim]
+            split = self.split(t, flat, B, source=blocks)  # once per step for all layers
+            g = t.index_select_chunks(flat, B, split)  # [num_kv_heads, batch * n, B * dim]
             g = g.view(heads, batch, n * B, dim).narrow(2, offset, length)
             out.append(g.transpose(0, 1))  # [batch, num_kv_heads, length, dim]
         return out[0], out[1]

@@ -109,6 +109,14 @@ class SegmentedTensor:
         seg = self.segments[s]
         return seg if size == 1 else seg.view(self.d0, -1, size * self.d2)  # [d0, n_s / size, size * d2]
 
+    def _pieces(self, split: SegmentSplit):
+        """Yield `(segment, positions, local)` for each segment `split` touches (`positions` into the index, None
+        for all of it): what a write or fill goes through."""
+        if split.single:
+            yield self.segments[split.base], None, split.base_local
+        for s, pos, local in split.parts:
+            yield self.segments[s], pos, local
+
     def _gather(self, split: SegmentSplit, out: torch.Tensor | None) -> torch.Tensor:
         """One `index_select` from the base segment for every entry, then the entries of other segments copied
         over theirs: a single pass over the output when all lie in one segment."""
@@ -158,21 +166,15 @@ class SegmentedTensor:
                     split: SegmentSplit | None = None) -> SegmentedTensor:
         """Write `source` `[d0, n, d2]` into entries `index` `[n]`; `split`: `self.split(index)`."""
         assert dim == 1
-        split = split if split is not None else self.split(index)
-        if split.single:
-            self.segments[split.base].index_copy_(1, split.base_local, source)
-        for s, pos, local in split.parts:
-            self.segments[s].index_copy_(1, local, source.index_select(1, pos))
+        for seg, pos, local in self._pieces(split if split is not None else self.split(index)):
+            seg.index_copy_(1, local, source if pos is None else source.index_select(1, pos))
         return self
 
     def index_fill_(self, dim: int, index: torch.Tensor, value: float | int) -> SegmentedTensor:
         """Fill entries `index` `[n]` with `value`."""
         assert dim == 1
-        split = self.split(index)
-        if split.single:
-            self.segments[split.base].index_fill_(1, split.base_local, value)
-        for s, _, local in split.parts:
-            self.segments[s].index_fill_(1, local, value)
+        for seg, _, local in self._pieces(self.split(index)):
+            seg.index_fill_(1, local, value)
         return self
 
     def __repr__(self) -> str:

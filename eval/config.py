@@ -180,17 +180,29 @@ def _looks_local(name: str) -> bool:
 
 
 # -- layering: defaults < YAML < CLI -------------------------------------------------------------------------------
-def load_yaml(path: str | os.PathLike) -> dict:
-    """Read a YAML mapping of `EvalConfig` fields.
+def load_yaml(path: str | os.PathLike, cls: type = None) -> dict:
+    """Read a YAML mapping of the fields of `cls` (`EvalConfig` by default; `LongContextConfig` too). An empty file
+    is an empty mapping (the defaults).
 
     Raises:
-        ValueError: the file is not a mapping, or names a field `EvalConfig` does not have.
+        ValueError: the file is missing, not UTF-8 text or not YAML, not a mapping, or names a field `cls` does not
+            have.
     """
-    with open(path, encoding="utf-8") as fh:
-        data = yaml.safe_load(fh) or {}
+    cls = EvalConfig if cls is None else cls
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh) or {}
+    except (FileNotFoundError, IsADirectoryError) as exc:
+        what = "a directory" if isinstance(exc, IsADirectoryError) else "no such file"
+        raise ValueError(f"--config {path}: {what}; give the path of a YAML file of settings, e.g. "
+                         "eval/configs/wikitext2-2048.yaml.") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"--config {path}: not a UTF-8 text file; give a YAML file of settings.") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--config {path}: not valid YAML ({str(exc).splitlines()[0]}).") from None
     if not isinstance(data, dict):
         raise ValueError(f"--config {path}: expected a mapping of settings, got {type(data).__name__}.")
-    known = {f.name for f in fields(EvalConfig)}
+    known = {f.name for f in fields(cls)}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"--config {path}: unknown settings {unknown}; allowed: {sorted(known)}.")
@@ -272,10 +284,14 @@ def resolve(argv: list[str] | None = None, base: EvalConfig | None = None,
     Raises:
         ValueError: an unknown YAML key or an out-of-range setting.
     """
-    args = build_parser(prog).parse_args(argv)
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
     values = (base or EvalConfig()).to_dict()
     if getattr(args, "config_file", None):
-        values.update(load_yaml(args.config_file))
+        try:
+            values.update(load_yaml(args.config_file))
+        except ValueError as exc:
+            parser.error(str(exc))
     names = {f.name for f in fields(EvalConfig)}
     values.update({k: v for k, v in vars(args).items() if k in names})
     if isinstance(values.get("configs"), list):  # `--configs fp,k8v4` as well as `--configs fp k8v4`

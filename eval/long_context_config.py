@@ -10,9 +10,7 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-import yaml
-
-from .config import resolve_data_dir
+from .config import load_yaml, resolve_data_dir
 
 #: Cache methods of the streaming-perplexity task. `recompute` is StreamingLLM's reference, the sliding window with
 #: recomputation: each scored chunk is computed without a cache from exactly the sinks and its last tokens.
@@ -156,6 +154,9 @@ def resolve(argv: list[str] | None = None, prog: str = "python -m eval.long_cont
     args = parser.parse_args(argv)
     settings = {}
     if getattr(args, "config_file", None):
-        settings.update(yaml.safe_load(Path(args.config_file).read_text()) or {})
+        try:
+            settings.update(load_yaml(args.config_file, LongContextConfig))
+        except ValueError as exc:
+            parser.error(str(exc))
     settings.update({k: v for k, v in vars(args).items() if k not in ("config_file", "verbose")})
     return LongContextConfig(**settings), args

@@ -56,6 +56,9 @@ def layer_plan(config) -> list[tuple[str, int | None]]:
     Raises:
         ValueError: a layer type PagedCache does not support (linear attention, hybrid, indexed, ...), by name.
     """
+    if not hasattr(config, "get_text_config"):
+        raise ValueError(f"`config` must be the model's transformers config (`model.config`, a PretrainedConfig), got "
+                         f"{type(config).__name__} {config!r:.60}.")
     decoder_config = config.get_text_config(decoder=True)
     layer_types, per_layer_kwargs = get_layer_types_and_kwargs(decoder_config)
     plan = []

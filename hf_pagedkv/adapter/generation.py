@@ -55,7 +55,7 @@ def generate(model, input_ids: torch.LongTensor, pool: BlockPool, attention_mask
     Raises:
         ValueError: `pool` not a `BlockPool`; a cache given (`past_key_values` or `cache`); an empty prompt (a row
             without tokens); `attention_mask` not a left-padding mask of the same shape as `input_ids`;
-            `swap_on_exhaustion` without a host tier.
+            `swap_on_exhaustion` not a bool, or given without a host tier.
         PoolExhaustedError: a fixed pool has too few blocks for a row (with `swap_on_exhaustion`, even after
             swapping every idle cache out). The pool is left as before that row (and the swapped caches offloaded).
 
@@ -70,6 +70,8 @@ def generate(model, input_ids: torch.LongTensor, pool: BlockPool, attention_mask
     """
     if not isinstance(pool, BlockPool):
         raise ValueError(f"hf_pagedkv.generate needs `pool=` a hf_pagedkv.BlockPool, got {type(pool).__name__}.")
+    if not isinstance(swap_on_exhaustion, bool):
+        raise ValueError(f"`swap_on_exhaustion` must be True or False, got {swap_on_exhaustion!r}.")
     if swap_on_exhaustion and pool.host is None:
         raise ValueError("swap_on_exhaustion=True swaps idle caches out to the pool's host tier, and this pool has "
                          "none: create it with BlockPool(..., host_memory=\"8GiB\"), or drop swap_on_exhaustion.")

@@ -75,8 +75,8 @@ class PagedCache(Cache):
 
     Raises:
         ValueError: `block_size` not a positive int or different from the pool's; `pool` not a `BlockPool`;
-            `num_blocks`/`max_memory` given with `pool`; `quant` invalid or different from the pool's; a layer
-            type it does not store (by name); at the first `update`, a `max_memory` pool not sized yet and no
+            `num_blocks`/`max_memory` given with `pool`; `quant` invalid or different from the pool's; `debug`
+            not a bool; `config` not a transformers config; a layer type it does not store (by name); at the first `update`, a `max_memory` pool not sized yet and no
             `config` (the number of layers is unknown); `retention` not a policy, or given for a model with
             sliding-window layers.
 
@@ -105,6 +105,8 @@ class PagedCache(Cache):
     ) -> None:
         if block_size is not None:
             check_positive_int("block_size", block_size)
+        if not isinstance(debug, bool):
+            raise ValueError(f"`debug` must be True or False, got {debug!r}.")
         if quant is not None:
             quant = QuantConfig.resolve(quant)
         if pool is None:
@@ -245,10 +247,13 @@ class PagedCache(Cache):
         write.
 
         Raises:
-            ValueError: `tokens_to_remove` is positive, or reaches before what sliding-window layers still hold.
+            ValueError: `tokens_to_remove` is not an int or is positive, or reaches before what sliding-window layers still hold.
             CacheReleasedError: the cache was released.
         """
         self.check_usable()
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
+            raise ValueError(f"crop({tokens_to_remove!r}): pass an int, the negative number of tokens to remove "
+                             "(as with DynamicCache).")
         if tokens_to_remove > 0:
             raise ValueError(
                 f"crop({tokens_to_remove}): pass a negative number of tokens to remove, as with DynamicCache."

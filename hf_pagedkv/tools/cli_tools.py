@@ -238,8 +238,14 @@ def _host_tier(plan, host_memory: str, parser) -> dict:
 
 
 def _read_lengths(path: str) -> list[int]:
-    with open(path, encoding="utf-8") as fh:
-        text = fh.read()
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except (FileNotFoundError, IsADirectoryError):
+        raise ValueError(f"--lengths {path}: no such file; give a text file of sequence lengths.") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"--lengths {path}: not a UTF-8 text file; give integers (tokens) separated by whitespace "
+                         "or commas, or a JSON list.") from None
     try:
         values = json.loads(text) if text.lstrip().startswith("[") else text.replace(",", " ").split()
         return [int(v) for v in values]
@@ -256,7 +262,14 @@ def _texts(args: argparse.Namespace) -> list[str]:
 
     datasets.disable_progress_bars()
     if args.text:
-        ds = datasets.load_dataset("text", data_files=args.text, sample_by=args.sample_by, split="train")
+        if not os.path.isfile(args.text):
+            raise ValueError(f"--text {args.text}: no such file; give a UTF-8 text file to tokenize.")
+        if os.path.getsize(args.text) == 0:
+            return []
+        try:
+            ds = datasets.load_dataset("text", data_files=args.text, sample_by=args.sample_by, split="train")
+        except datasets.exceptions.DatasetGenerationError as e:  # e.g. bytes that are not UTF-8
+            raise ValueError(f"--text {args.text}: could not be read as UTF-8 text ({e.__cause__ or e}).") from e
         column = "text"
     else:
         ext = os.path.splitext(args.dataset)[1].lstrip(".")

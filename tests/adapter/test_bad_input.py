@@ -270,6 +270,33 @@ def test_crop_with_a_positive_value():
     cache.release()
 
 
+@pytest.mark.parametrize("bad", ["3", 2.0, None, True])
+def test_crop_with_a_value_that_is_not_an_int(bad):
+    cache = PagedCache(block_size=4, debug=True)
+    cache.update(*kv(1, 0, 6, label=1), layer_idx=0)
+    before = snapshot(cache.pool)
+    with pytest.raises(ValueError, match=r"crop\(.*\): pass an int"):
+        cache.crop(bad)
+    assert snapshot(cache.pool) == before and cache.get_seq_length() == 6
+    cache.release()
+
+
+@pytest.mark.parametrize("bad", ["x", 3, {"num_hidden_layers": 2}])
+def test_config_must_be_a_transformers_config(bad):
+    with pytest.raises(ValueError, match="`config` must be the model's transformers config"):
+        PagedCache(config=bad)
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_debug_must_be_a_bool_with_or_without_a_pool(bad):
+    pool = BlockPool(block_size=4)
+    with pytest.raises(ValueError, match="`debug` must be True or False"):
+        PagedCache(pool=pool, debug=bad)
+    with pytest.raises(ValueError, match="`debug` must be True or False"):
+        PagedCache(debug=bad)
+    assert not pool.debug and pool.stats().blocks_in_use == 0
+
+
 def test_reorder_with_out_of_range_rows():
     cache = PagedCache(block_size=4, debug=True)
     cache.update(*kv(2, 0, 6, label=1), layer_idx=0)

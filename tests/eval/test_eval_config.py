@@ -37,11 +37,48 @@ def test_bad_settings_name_the_field(kwargs, match):
         EvalConfig(**kwargs)
 
 
-def test_yaml_unknown_key_is_rejected(tmp_path):
+def test_yaml_unknown_key_is_rejected(tmp_path, capsys):
     path = tmp_path / "bad.yaml"
     path.write_text("num_window: 3\n")
-    with pytest.raises(ValueError, match=r"unknown settings \['num_window'\]"):
+    with pytest.raises(SystemExit) as exc:  # argparse's error: usage, the message, exit status 2
         resolve(["--config", str(path)])
+    assert exc.value.code == 2
+    assert "unknown settings ['num_window']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, match", [
+    (None, "no such file"),
+    ("dir", "a directory"),
+    (b"\xff\xfe\x00binary", "not a UTF-8 text file"),
+    ("a: [\n", "not valid YAML"),
+    ("- 1\n- 2\n", "expected a mapping of settings, got list"),
+])
+@pytest.mark.parametrize("which", ["drift", "long_context"])
+def test_a_config_file_that_is_not_yaml_settings_says_so(tmp_path, capsys, content, match, which):
+    from eval.long_context_config import resolve as resolve_long
+
+    path = tmp_path / "settings.yaml"
+    if content == "dir":
+        path.mkdir()
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exc:
+        (resolve if which == "drift" else resolve_long)(["--config", str(path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--config {path}: {match}" in err and "Traceback" not in err
+
+
+def test_an_empty_config_file_means_the_defaults(tmp_path):
+    from eval.long_context_config import LongContextConfig
+    from eval.long_context_config import resolve as resolve_long
+
+    path = tmp_path / "empty.yaml"
+    path.write_text("")
+    assert resolve(["--config", str(path)])[0] == EvalConfig()
+    assert resolve_long(["--config", str(path)])[0] == LongContextConfig()
 
 
 def test_run_dir_name_follows_the_settings():

@@ -171,3 +171,13 @@ def test_four_threads_swapping_idle_caches_out_of_one_pool():
         cache.release()
     pool.check_invariants()
     assert pool.stats().blocks_in_use == 0 and pool.stats().host_blocks_in_use == 0
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_swap_on_exhaustion_must_be_a_bool(bad):
+    model = tiny_model("llama")
+    pool = BlockPool(block_size=B, num_blocks=8, host_memory="1MiB")
+    with pytest.raises(ValueError, match="`swap_on_exhaustion` must be True or False"):
+        hf_pagedkv.generate(model, ids(1, 9, seed=1), pool=pool, swap_on_exhaustion=bad, **GEN)
+    pool.check_invariants()
+    assert pool.stats().blocks_in_use == 0

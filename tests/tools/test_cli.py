@@ -80,6 +80,28 @@ def test_tune_block_size_from_lengths(tmp_path, capsys):
         main(["tune-block-size", "--lengths", str(path)])
 
 
+@pytest.mark.parametrize("flag", ["--lengths", "--text"])
+@pytest.mark.parametrize("content, message", [
+    (None, "no such file"),
+    (b"\xb1\xff binary", "UTF-8"),
+    (b"", None),  # an empty file: no lengths / no samples
+])
+def test_tune_block_size_with_a_file_it_cannot_read(tmp_path, capsys, flag, content, message):
+    pytest.importorskip("datasets")
+    path = tmp_path / "input.txt"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(SystemExit) as e:  # before any tokenizer is loaded
+        main(["tune-block-size", flag, str(path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    if message is None:
+        assert "is empty" in err or "no non-empty text samples" in err
+    else:
+        assert message in err
+
+
 @pytest.mark.model  # reads SmolLM2's config / tokenizer from the bundled GGUF (a few seconds)
 def test_tune_block_size_from_text(tmp_path, capsys):
     pytest.importorskip("datasets")
@@ -209,7 +231,7 @@ def test_generate_sampling_options_and_threads(monkeypatch, capsys):
                            "--num-threads", "1"]
         assert cli.main(argv) == 0
         out = capsys.readouterr().out
-        assert "check: output IDENTICAL to DynamicCache (12 tokens)" in out  # the same seed for both caches
+        assert "check: generated tokens IDENTICAL to DynamicCache's (12 tokens)" in out  # the same seed for both caches
         texts.append(out.split("\n\nprompt: ")[0])
     assert texts[0] == texts[1] != texts[2]  # --seed decides the sample
     assert cli.main(GENERATE) == 0

@@ -69,16 +69,18 @@ class PagedCache(Cache):
             (default) means the pool's setting, full precision for a new pool. The last, partial block of each row
             stays in full precision; `layers[i].keys` / `.values` return de-quantized tensors.
         retention (`RetentionPolicy`, *optional*): evict tokens before each forward step and give their blocks
-            back (`SinkWindow`, `KeyNorm`, `KeyDiff`, `SnapKV` in `hf_pagedkv.retention`; `SnapKV` needs
-            ``attn_implementation="hf_pagedkv"``); `get_seq_length()` keeps counting
-            every token seen, `retention_stats()` says how many are held. Full-attention models only for now.
+            back (`SinkWindow`, `KeyNorm`, `KeyDiff`, `SnapKV`, `PyramidKV` in `hf_pagedkv.retention`; `SnapKV`
+            and `PyramidKV` need ``attn_implementation="hf_pagedkv"``); `get_seq_length()` keeps counting
+            every token seen, `retention_stats()` says how many are held. Full-attention models only for now. A
+            tiered policy (`PyramidKV`) splits the full-attention layers into layer groups of their own, one per
+            tier (`RetentionPolicy.layer_tiers`), so each tier's budget frees its own blocks.
 
     Raises:
         ValueError: `block_size` not a positive int or different from the pool's; `pool` not a `BlockPool`;
             `num_blocks`/`max_memory` given with `pool`; `quant` invalid or different from the pool's; a layer
             type it does not store (by name); at the first `update`, a `max_memory` pool not sized yet and no
             `config` (the number of layers is unknown); `retention` not a policy, or given for a model with
-            sliding-window layers.
+            sliding-window layers; a tiered `retention` without `config`, or that the model's layers do not fit.
 
     Example:
 

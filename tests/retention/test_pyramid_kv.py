@@ -218,3 +218,29 @@ def test_fork_crop_and_reset_after_the_compression(llama8):
     for cc in (cache, fork):
         cc.release()
     assert cache.pool.stats().blocks_in_use == 0
+
+
+def test_the_passkey_eval_builds_it_like_snap_kv():
+    from eval.long_context import policy_for
+    from eval.long_context_config import PASSKEY_METHODS, LongContextConfig
+
+    cfg = LongContextConfig(task="passkey", methods=["full", "pyramid_kv"], contexts=[1024], ratios=[0.5])
+    assert "pyramid_kv" in PASSKEY_METHODS
+    policy = policy_for("pyramid_kv", cfg, ratio=0.5, context=1024)
+    assert policy == PyramidKV(compression_ratio=0.5, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens)
+    assert policy.needs_queries and policy.tiers == 4
+
+
+def test_one_evict_event_per_tier(llama8):
+    pool = BlockPool(block_size=B)
+    pool.events.enable()
+    policy = PyramidKV(budget=16, recent_tokens=4)
+    cache = PagedCache(pool=pool, config=llama8.config, retention=policy, debug=True)
+    run_steps(llama8, ids(1, 41, seed=26), [40, 1], cache)
+    evicts = [e for e in pool.events.take_events() if e["kind"] == "evict"]
+    keeps = layer_keeps(policy, 40, 16)
+    tiers = policy.tiers_of(LAYERS)
+    assert [e["group"] for e in evicts] == list(range(policy.tiers))
+    assert [e["tokens"] for e in evicts] == [40 - keeps[t[0]] for t in tiers]  # what each tier let go
+    assert all(e["policy"] == "pyramid_kv" and len(e["blocks"]) == 10 for e in evicts)  # the prompt's 10 blocks
+    cache.release()

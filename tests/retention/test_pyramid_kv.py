@@ -244,3 +244,25 @@ def test_one_evict_event_per_tier(llama8):
     assert [e["tokens"] for e in evicts] == [40 - keeps[t[0]] for t in tiers]  # what each tier let go
     assert all(e["policy"] == "pyramid_kv" and len(e["blocks"]) == 10 for e in evicts)  # the prompt's 10 blocks
     cache.release()
+
+
+def test_offload_and_prefetch_keep_every_tier(llama8):
+    steps = [40, 5, 2]
+    x = ids(1, sum(steps), seed=27)
+    policy = PyramidKV(budget=16, recent_tokens=4)
+    straight = PagedCache(block_size=B, config=llama8.config, retention=policy)
+    want = run_steps(llama8, x, steps, straight)[:, 45:]
+    pool = BlockPool(block_size=B, host_memory="4MiB")
+    cache = PagedCache(pool=pool, config=llama8.config, retention=policy, debug=True)
+    run_steps(llama8, x, steps[:2], cache, before=check)
+    stats = cache.retention_stats()
+    cache.offload()
+    assert pool.stats().blocks_in_use == 0
+    cache.prefetch()
+    cache.check_invariants()
+    got = run_steps(llama8, x[:, 45:], [2], cache, before=check)
+    assert (got - want).abs().max() < CROSS_STEP_LOGIT_ATOL
+    assert stats.tokens_held_per_layer == tuple(n - 2 for n in cache.retention_stats().tokens_held_per_layer)
+    for c in (straight, cache):
+        c.release()
+    assert pool.stats().blocks_in_use == 0

@@ -689,7 +689,8 @@ class PagedCache(Cache):
         return self._by_group[layer.group].window_start(layer.num_tokens)
 
     def set_held(self, held: int, evicted: int) -> None:
-        """After an eviction: every row and layer holds `held` tokens, `evicted` were evicted before them."""
+        """After an eviction: every row's tables span `held` logical tokens (each layer holds them from its
+        `first_held` on: all of them but in an upper retention tier), `evicted` were evicted before them."""
         self._num_tokens = held
         self._end_step()
         for layer in self._paged_layers():

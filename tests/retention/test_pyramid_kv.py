@@ -266,3 +266,25 @@ def test_offload_and_prefetch_keep_every_tier(llama8):
     for c in (straight, cache):
         c.release()
     assert pool.stats().blocks_in_use == 0
+
+
+def test_a_saved_prefix_cache_keeps_its_tiers(llama8, tmp_path):
+    x = ids(1, 46, seed=28)  # a 40-token prompt (10 blocks) shared by two requests, then 5 question tokens + 1
+    policy = PyramidKV(budget=16, recent_tokens=4)
+    pool = BlockPool(block_size=B, prefix_caching=True)
+    first = PagedCache(pool=pool, config=llama8.config, retention=policy, debug=True)
+    want = run_steps(llama8, x, [40, 5, 1], first)[:, 40:]
+    second = PagedCache(pool=pool, config=llama8.config, retention=policy)  # publishes before its compression
+    run_steps(llama8, x, [40], second)
+    assert second.publish(x[:, :40], model=llama8) == 10 * policy.tiers  # every tier group's 10 blocks
+    path = tmp_path / "prefix.safetensors"
+    assert pool.save_prefix_cache(path, model=llama8) == 10 * policy.tiers
+    loaded = BlockPool.load_prefix_cache(path, model=llama8)  # a new pool, as in a new process
+    assert [g.name for g in loaded.groups] == ["full", "full.tier1", "full.tier2", "full.tier3"]
+    cache = PagedCache.from_prefix(loaded, x[:, :40], model=llama8, retention=policy, debug=True)
+    assert cache.get_seq_length() == 36  # 9 blocks hit in every tier; the last 4 prompt tokens computed
+    got = run_steps(llama8, x[:, 36:], [4, 5, 1], cache, before=check)[:, 4:]
+    # the hit's K/V are the first run's; the prompt's last 4 tokens ran as their own step
+    assert (got - want).abs().max() < CROSS_STEP_LOGIT_ATOL
+    for c in (first, second, cache):
+        c.release()

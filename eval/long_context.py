@@ -13,7 +13,9 @@ named from its settings; a finished run is skipped (`--overwrite` redoes it):
 - **passkey**: a seeded passkey hidden in a local haystack (`eval/tasks/passkey`), the question appended after
   the compressed context; accuracy per method and compression ratio against the uncompressed `full` cache. Methods:
   `full`, `sink_window`, `key_norm`, `key_diff` and `snap_kv` (`SnapKV`, query-aware: the model runs with
-  ``attn_implementation="hf_pagedkv"`` for the whole task, so every method reads through the same attention).
+  ``attn_implementation="hf_pagedkv"`` for the whole task, so every method reads through the same attention) and
+  `pyramid_kv` (`PyramidKV`, the same scores with budgets shrinking with depth; its tiers are layer groups of their
+  own, so it computes the context itself instead of attaching to the shared one).
   Each example's context is computed once and published in a prefix-caching pool; every method's cache attaches
   to it and computes the last ``recent_tokens``-plus tokens itself (SnapKV's observation window), then compresses
   the whole context before the question, exactly as after a one-step prefill.
@@ -42,6 +44,7 @@ from transformers import set_seed
 
 import hf_pagedkv
 from hf_pagedkv import BlockPool, KeyDiff, KeyNorm, PagedCache, SinkWindow, SnapKV, cache_kwargs
+from hf_pagedkv import PyramidKV
 
 from .config import EvalConfig
 from .data import load_text, tokenize_prefix
@@ -66,7 +69,7 @@ def policy_for(method: str, cfg: LongContextConfig, budget: int | None = None, r
         return SinkWindow(sink_tokens=cfg.sink_tokens, window=max(1, budget - cfg.block_size))
     if method == "window_only":
         return SinkWindow(sink_tokens=0, window=budget)
-    cls = {"key_norm": KeyNorm, "key_diff": KeyDiff, "snap_kv": SnapKV}[method]
+    cls = {"key_norm": KeyNorm, "key_diff": KeyDiff, "snap_kv": SnapKV, "pyramid_kv": PyramidKV}[method]
     if ratio is not None:
         return cls(compression_ratio=ratio, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens)
     return cls(budget=budget, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens)
@@ -200,7 +203,7 @@ def run_passkey(model, tokenizer, cfg: LongContextConfig) -> tuple[list[dict], d
     examples = passkey_prepare.make_examples(cfg, tokenizer, text)
     records = []
     before = model.config._attn_implementation
-    if "snap_kv" in cfg.methods:  # SnapKV gets the queries from this attention; every method runs through it
+    if {"snap_kv", "pyramid_kv"} & set(cfg.methods):  # they get the queries from this attention; every method too
         model.set_attn_implementation("hf_pagedkv")
     try:
         for ex in examples:
@@ -212,8 +215,12 @@ def run_passkey(model, tokenizer, cfg: LongContextConfig) -> tuple[list[dict], d
                     policy = policy_for(method, cfg, ratio=ratio, context=len(ctx))
                     # the last `recent_tokens` (and more, to a block boundary) are computed by the method's cache:
                     # SnapKV's observation window needs their queries
-                    cache = PagedCache.from_prefix(pool, ctx[: max(1, len(ctx) - cfg.recent_tokens)], model=model,
-                                                   retention=policy)
+                    if method == "pyramid_kv":  # its tiers are layer groups of their own: it computes the context
+                        cache = PagedCache(pool=BlockPool(block_size=cfg.block_size), config=model.config,
+                                           retention=policy)
+                    else:
+                        cache = PagedCache.from_prefix(pool, ctx[: max(1, len(ctx) - cfg.recent_tokens)],
+                                                       model=model, retention=policy)
                     text_out, held = answer(model, tokenizer, cache, ex, cfg)
                     cache.release()
                     records.append(dict(held, example=ex["example"], context_len=ex["context_len"],

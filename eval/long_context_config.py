@@ -16,8 +16,9 @@ from .config import load_yaml, resolve_data_dir
 #: recomputation: each scored chunk is computed without a cache from exactly the sinks and its last tokens.
 PPL_METHODS = ("full", "sink_window", "window_only", "key_norm", "key_diff", "recompute")
 #: Methods of the passkey task (the budget there is a compression ratio of the context). `snap_kv` (query-aware)
-#: runs the model with ``attn_implementation="hf_pagedkv"``, which hands the prefill's last queries to the cache.
-PASSKEY_METHODS = ("full", "sink_window", "key_norm", "key_diff", "snap_kv")
+#: runs the model with ``attn_implementation="hf_pagedkv"``, which hands the prefill's last queries to the cache;
+#: so does `pyramid_kv` (`PyramidKV`: SnapKV's scores, budgets shrinking with depth over 4 tiers of layers).
+PASSKEY_METHODS = ("full", "sink_window", "key_norm", "key_diff", "snap_kv", "pyramid_kv")
 TASKS = ("perplexity", "passkey")
 _NOT_IN_NAME = ("output_dir", "overwrite", "data_dir", "num_threads")
 

@@ -10,6 +10,7 @@ from hf_pagedkv.adapter.generation import generate
 from hf_pagedkv.adapter.paged_layer import PagedLayer
 from hf_pagedkv.pool.prefix_index import BlockHash
 from hf_pagedkv.retention import KeyDiff, KeyNorm, RetentionPolicy, RetentionStats, SinkWindow, SnapKV
+from hf_pagedkv.retention import PyramidKV
 
 __all__ = [
     "BlockHash",
@@ -28,6 +29,7 @@ __all__ = [
     "RetentionStats",
     "SinkWindow",
     "SnapKV",
+    "PyramidKV",
     "cache_kwargs",
     "generate",
 ]

@@ -22,8 +22,9 @@ class BlockGroup:
 
     Invariants (checked by `BlockPool.check_invariants`, per group): every id is free, in use or cached-idle;
     `refcount[b]` equals the live table entries naming `b` among the tables registered here; a table holding `n`
-    tokens covers ``ceil(n / block_size)`` block positions, of which a full-attention table holds all and a
-    sliding table drops only positions wholly before its window.
+    tokens covers ``ceil(n / block_size)`` block positions, of which a full-attention table holds all (a retention
+    tier > 0 may drop leading positions, keeping at least the last) and a sliding table drops only positions wholly
+    before its window.
 
     The pad block (`pad_block`, once reserved by `BlockPool.ensure_pad_block`): one block of zeros that every whole
     block of left padding names (as vLLM's null block). The pool holds one reference to it, so it is never freed
@@ -32,9 +33,12 @@ class BlockGroup:
     """
 
     def __init__(self, index: int, window: int | None, block_size: int, quant: QuantConfig, debug: bool,
-                 prefix_caching: bool) -> None:
+                 prefix_caching: bool, tier: int = 0) -> None:
         self.index = index  # position in `BlockPool.groups`; fixed
         self.window = window  # sliding window in tokens, or None for full attention; fixed
+        # retention tier (`PyramidKV`): 0, or the tier of full-attention layers this group holds; fixed. A tier > 0
+        # holds fewer tokens than tier 0 and drops the leading block positions before them (`RowTables`)
+        self.tier = tier
         self.block_size = block_size  # tokens per block; fixed
         self.allocator = BlockAllocator()  # block ids and refcounts of this group
         self.store = (QuantizedPageStore(block_size, quant, debug=debug) if quant.is_quantized
@@ -55,7 +59,8 @@ class BlockGroup:
 
     @property
     def name(self) -> str:
-        return "full" if self.window is None else f"sliding{self.window}"
+        name = "full" if self.window is None else f"sliding{self.window}"
+        return f"{name}.tier{self.tier}" if self.tier else name
 
     def num_filled_slots(self) -> int:
         """Token slots in use: each block in use counted once with the most tokens any table holds in it (the pad

@@ -182,7 +182,8 @@ class BlockPool:
         self.prefix_budget = PrefixCacheBudget(prefix_cache_memory, self.growable) if prefix_caching else None
         self._debug = debug  # poison freed blocks; applied to every group's store
         self.groups: list[BlockGroup] = []  # layer groups; group 0 is full attention; appended by group_for only
-        self._group_of: dict[int | None, int] = {}  # sliding window (None: full attention) -> group index
+        # sliding window (None: full attention), or (window, tier) for a retention tier > 0 -> group index
+        self._group_of: dict = {}
         self.owners = OwnerRegistry()  # live owner tokens, their last use, busy marks, swap hooks; the methods below
         self._pending_release: deque[int] = deque()  # owners garbage-collected without release(); freed by _drain
         self._prefix_keys: dict[bytes, None] = {}  # keys published blocks were hashed under; note_prefix_key only
@@ -234,16 +235,19 @@ class BlockPool:
         """Blocks the pool holds storage for, summed over its layer groups."""
         return sum(group.allocator.num_blocks for group in self.groups)
 
-    def group_for(self, window: int | None) -> int:
+    def group_for(self, window: int | None, tier: int = 0) -> int:
         """The index of the layer group of layers with this sliding window (`None`: full attention), created on
-        first use; a fixed pool gives a new group its `num_blocks` blocks."""
+        first use; a fixed pool gives a new group its `num_blocks` blocks. `tier` > 0 names a separate group of
+        full-attention layers that a tiered retention policy (`PyramidKV`) gives its own budget."""
+        key = window if not tier else (window, tier)
         with self.lock:
-            gi = self._group_of.get(window)
+            gi = self._group_of.get(key)
             if gi is None:
                 gi = len(self.groups)
-                group = BlockGroup(gi, window, self.block_size, self.quant, self._debug, self._prefix_caching)
+                group = BlockGroup(gi, window, self.block_size, self.quant, self._debug, self._prefix_caching,
+                                   tier=tier)
                 self.groups.append(group)
-                self._group_of[window] = gi
+                self._group_of[key] = gi
                 sized = self._fixed_blocks if self._fixed_blocks is not None else self._budget_blocks
                 if sized is not None:
                     self._add_blocks(group, sized)

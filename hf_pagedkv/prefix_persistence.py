@@ -59,7 +59,7 @@ def save_prefix_cache(pool, path: str | os.PathLike, model=None, config=None) ->
                     export = ({k: torch.cat([t.cpu(), host_export[k]], 1) for k, t in export.items()} if export
                               else host_export)
             index["groups"].append({
-                "window": g.window, "num_blocks": len(hashes),
+                "window": g.window, "num_blocks": len(hashes), **({"tier": g.tier} if g.tier else {}),
                 "layers": {str(i): {**{f: getattr(s, f) for f in _SPEC_FIELDS}, "dtype": _dtype_name(s.dtype)}
                            for i, s in sorted(g.store.specs.items())},
             })
@@ -106,8 +106,8 @@ def load_prefix_cache(pool, path: str | os.PathLike, model=None, config=None, de
     index, config = f.index, (model.config if model is not None else config)
     plan = layer_plan(config)
     try:
-        groups = [(grp["window"], int(grp["num_blocks"]), {int(i): s for i, s in grp["layers"].items()})
-                  for grp in index["groups"]]
+        groups = [(grp["window"], int(grp["num_blocks"]), {int(i): s for i, s in grp["layers"].items()},
+                   int(grp.get("tier", 0))) for grp in index["groups"]]  # tier: a PyramidKV cache's upper tiers
         file_key, block_size, quant = index["model_key"], index["block_size"], index["quant"]
     except (KeyError, TypeError, ValueError, AttributeError):
         raise ValueError(f"{path}: the index is malformed (fields missing); nothing was loaded.") from None
@@ -124,15 +124,15 @@ def load_prefix_cache(pool, path: str | os.PathLike, model=None, config=None, de
             raise ValueError(f"{path} was saved for other model weights (model key {file_key[:12]}..., this model "
                              f"and pool give {key.hex()[:12]}...); its blocks would be wrong for this model. Nothing "
                              "was loaded.")
-        for (window, _, _), layer_specs in zip(groups, specs):
-            gi = pool.group_for(window)
+        for (window, _, _, tier), layer_specs in zip(groups, specs):
+            gi = pool.group_for(window, tier)
             for layer_idx, spec in layer_specs.items():
                 pool.register_layer(layer_idx, spec, len(plan), group=gi)
         targets = []  # (pool group, file group, blocks for the device tier, blocks for the host tier)
-        for fi, (window, n, _) in enumerate(groups):
+        for fi, (window, n, _, tier) in enumerate(groups):
             if not n:
                 continue
-            gi = pool.group_for(window)
+            gi = pool.group_for(window, tier)
             alloc = pool.groups[gi].allocator
             on_device = n if pool.can_reserve(n, gi) else alloc.num_free_blocks + alloc.num_idle_blocks
             room = pool.host.room_for_cached(gi) if pool.host is not None and on_device < n else 0
@@ -196,7 +196,7 @@ def _file_specs(pool, groups, plan, model, device, path) -> list[dict[int, Layer
     model's layer plan and the layers the pool already holds."""
     default = None
     out = []
-    for window, _, layers in groups:
+    for window, _, layers, _ in groups:
         specs = {}
         for layer_idx, s in layers.items():
             if not 0 <= layer_idx < len(plan) or plan[layer_idx][0] == "dummy" or plan[layer_idx][1] != window:

@@ -69,16 +69,18 @@ class PagedCache(Cache):
             (default) means the pool's setting, full precision for a new pool. The last, partial block of each row
             stays in full precision; `layers[i].keys` / `.values` return de-quantized tensors.
         retention (`RetentionPolicy`, *optional*): evict tokens before each forward step and give their blocks
-            back (`SinkWindow`, `KeyNorm`, `KeyDiff`, `SnapKV` in `hf_pagedkv.retention`; `SnapKV` needs
-            ``attn_implementation="hf_pagedkv"``); `get_seq_length()` keeps counting
-            every token seen, `retention_stats()` says how many are held. Full-attention models only for now.
+            back (`SinkWindow`, `KeyNorm`, `KeyDiff`, `SnapKV`, `PyramidKV` in `hf_pagedkv.retention`; `SnapKV`
+            and `PyramidKV` need ``attn_implementation="hf_pagedkv"``); `get_seq_length()` keeps counting
+            every token seen, `retention_stats()` says how many are held. Full-attention models only for now. A
+            tiered policy (`PyramidKV`) splits the full-attention layers into layer groups of their own, one per
+            tier (`RetentionPolicy.layer_tiers`), so each tier's budget frees its own blocks.
 
     Raises:
         ValueError: `block_size` not a positive int or different from the pool's; `pool` not a `BlockPool`;
             `num_blocks`/`max_memory` given with `pool`; `quant` invalid or different from the pool's; `debug`
             not a bool; `config` not a transformers config; a layer type it does not store (by name); at the first `update`, a `max_memory` pool not sized yet and no
             `config` (the number of layers is unknown); `retention` not a policy, or given for a model with
-            sliding-window layers.
+            sliding-window layers; a tiered `retention` without `config`, or that the model's layers do not fit.
 
     Example:
 
@@ -149,12 +151,20 @@ class PagedCache(Cache):
         # `hf_pagedkv.generate(..., swap_on_exhaustion=True)` may swap this cache out while it is idle
         pool.set_owner_swapper(self._owner, weakref.WeakMethod(self.offload))
         layers = []
+        if config is None and retention is not None and retention.tiers > 1:
+            raise ValueError(f"retention={retention!r} splits the model's full-attention layers into {retention.tiers} "
+                             "tiers, so the cache must know them up front: build it with config=model.config.")
         if config is not None:
-            for idx, (kind, window) in enumerate(layer_plan(config)):
+            plan = layer_plan(config)
+            full = [idx for idx, (kind, window) in enumerate(plan) if kind != "dummy" and window is None]
+            # a tiered policy (PyramidKV) gives each tier of full-attention layers its own layer group
+            tier_of = {} if retention is None else dict(zip(full, retention.layer_tiers(len(full))))
+            for idx, (kind, window) in enumerate(plan):
                 if kind == "dummy":
                     layers.append(DummyLayer())
                 else:
-                    layers.append(PagedLayer(self, idx, window, group=self._tables_for(window).group))
+                    rt = self._tables_for(window, tier_of.get(idx, 0))
+                    layers.append(PagedLayer(self, idx, window, group=rt.group))
         super().__init__(layers=layers)
         self._num_layers = len(layers) or None  # known when built from a config (sizes max_memory pools)
 
@@ -367,7 +377,7 @@ class PagedCache(Cache):
         other._grad_history = self._grad_history
         other._evictor = None if self._evictor is None else self._evictor.copy()
         with self.pool.lock:
-            for mine, rt in [(other._tables_for(rt.window), rt) for rt in self._groups]:  # all groups, then rows
+            for mine, rt in [(other._tables_for(rt.window, rt.tier), rt) for rt in self._groups]:  # groups, then rows
                 for row in rt.rows:
                     self.pool.incref(row.blocks, rt.group)
                     mine.rows.append(row.copy())
@@ -600,9 +610,10 @@ class PagedCache(Cache):
     def register_layer(self, layer: PagedLayer, spec: LayerSpec) -> None:
         self.pool.register_layer(layer.layer_idx, spec, self._num_layers, group=layer.group)
 
-    def _tables_for(self, window: int | None) -> RowTables:
-        """This cache's tables in the pool's layer group for `window`, created (and registered) on first use."""
-        group = self.pool.group_for(window)
+    def _tables_for(self, window: int | None, tier: int = 0) -> RowTables:
+        """This cache's tables in the pool's layer group for `window` (and retention `tier`), created (and
+        registered) on first use."""
+        group = self.pool.group_for(window, tier)
         rt = self._by_group.get(group)
         if rt is None:
             if window is not None and self._evictor is not None:
@@ -611,10 +622,11 @@ class PagedCache(Cache):
             if self._num_tokens:
                 raise RuntimeError("A layer of a new layer group appeared after this PagedCache stored tokens; "
                                    "build the cache with config=model.config so every layer is known up front.")
-            rt = RowTables(group, window, self.block_size)
+            rt = RowTables(group, window, self.block_size, tier)
             rt.reset(self.num_rows)
             self.pool.add_rows(self._owner, group, rt.rows, mover=weakref.WeakMethod(self._blocks_moved))
-            self._groups.insert(0 if window is None else len(self._groups), rt)  # full attention first
+            at = sum(other.window is None for other in self._groups) if window is None else len(self._groups)
+            self._groups.insert(at, rt)  # full attention first (tiers in order)
             self._by_group[group] = rt
         return rt
 
@@ -661,18 +673,29 @@ class PagedCache(Cache):
         """Tokens seen vs held per row, and what the retention policy evicted (`RetentionStats`)."""
         if self._evictor is None:
             return RetentionStats(None, self._num_tokens, self._num_tokens, 0, 0)
-        return self._evictor.stats(self._num_tokens)
+        tables = self.retention_tables()
+        if len(tables) < 2:
+            return self._evictor.stats(self._num_tokens)
+        per_layer = tuple(layer.num_tokens - self.first_held(layer) for layer in self._paged_layers())
+        return self._evictor.stats(self._num_tokens, per_layer)
 
-    def retention_tables(self) -> RowTables | None:
-        """The block tables a retention policy acts on (the full-attention group, the only one it supports); None
-        before a cache built without config has seen its first layer."""
-        return self._groups[0] if self._groups else None
+    def retention_tables(self) -> list[RowTables]:
+        """The block tables a retention policy acts on: the full-attention layer groups (one, or one per tier of
+        a tiered policy such as `PyramidKV`, tier 0 first); empty before a cache built without config has seen its
+        first layer."""
+        return [rt for rt in self._groups if rt.window is None]
 
     def retention_layers(self) -> list[PagedLayer]:
         return self._paged_layers()
 
+    def first_held(self, layer: PagedLayer) -> int:
+        """The first logical token full-attention `layer` holds: 0, or in a retention tier that holds fewer tokens
+        than tier 0 (`PyramidKV`), the leading positions its table dropped."""
+        return self._by_group[layer.group].window_start(layer.num_tokens)
+
     def set_held(self, held: int, evicted: int) -> None:
-        """After an eviction: every row and layer holds `held` tokens, `evicted` were evicted before them."""
+        """After an eviction: every row's tables span `held` logical tokens (each layer holds them from its
+        `first_held` on: all of them but in an upper retention tier), `evicted` were evicted before them."""
         self._num_tokens = held
         self._end_step()
         for layer in self._paged_layers():
@@ -803,7 +826,7 @@ class PagedCache(Cache):
         n = hit * self.block_size
         for group in held:  # a cache built without config starts its (full-attention) group here
             if group not in self._by_group:
-                self._tables_for(self.pool.groups[group].window)
+                self._tables_for(self.pool.groups[group].window, self.pool.groups[group].tier)
         for rt in self._groups:
             lo, blocks = held[rt.group]
             rt.attach_row(lo, blocks, n)

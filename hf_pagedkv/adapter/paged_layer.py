@@ -26,6 +26,8 @@ class LayerOwner(Protocol):
 
     def read_layer(self, layer: PagedLayer, lo: int) -> tuple[torch.Tensor, torch.Tensor]: ...  # tokens lo.. held
 
+    def first_held(self, layer: PagedLayer) -> int: ...  # first token a full-attention layer holds (retention tier)
+
     def reset(self) -> None: ...
 
 
@@ -93,7 +95,9 @@ class PagedLayer(CacheLayerMixin):
         return self._cache.read_layer(self, self._held_from())[1] if self.num_tokens else None
 
     def _held_from(self) -> int:
-        return 0 if self.sliding_window is None else max(0, self.num_tokens - (self.sliding_window - 1))
+        if self.sliding_window is None:
+            return self._cache.first_held(self)
+        return max(0, self.num_tokens - (self.sliding_window - 1))
 
     @values.setter
     def values(self, value) -> None:
@@ -155,10 +159,14 @@ class PagedLayer(CacheLayerMixin):
         the new tokens (``kv_offset = evicted``): a causal mask then shows every held token to every new one and
         the new ones to each other causally, which is exactly what the cache keeps (keys carry their original RoPE).
         NOTE: a 2D padding mask is indexed by those virtual positions too, so a left-padded batch after an
-        eviction may show pad tokens kept in a sink block; retention is exact for unpadded rows.
+        eviction may show pad tokens kept in a sink block; retention is exact for unpadded rows. A layer of a
+        retention tier that holds fewer tokens (`PyramidKV`) holds the last of the logical positions its group's
+        table spans, from `first_held` on; transformers builds one mask for every full-attention layer from the
+        first one's sizes, and the ``"hf_pagedkv"`` attention reads its last columns for the others.
         """
         if self.sliding_window is None:
-            return self.num_tokens + query_length, self.num_evicted
+            lo = self._cache.first_held(self)
+            return self.num_tokens - lo + query_length, self.num_evicted + lo
         w = self.sliding_window
         return min(self.num_tokens, w - 1) + query_length, max(self.num_tokens - w + 1, 0)
 

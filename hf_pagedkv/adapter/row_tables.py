@@ -14,6 +14,8 @@ class RowTables:
         group (`int`): the pool's layer group (`BlockPool.groups`).
         window (`int`, *optional*): the group's sliding window in tokens; `None` for full attention.
         block_size (`int`): tokens per block.
+        tier (`int`, *optional*, defaults to 0): the retention tier of a full-attention group (`PyramidKV`); a tier
+            > 0 holds a suffix of what tier 0 holds, aligned to blocks, after dropping the leading positions.
 
     `table` is `[batch, capacity]` int64 on the CPU, indexed by absolute block position: ``table[r, j]`` is the
     block holding tokens ``j * B .. (j + 1) * B - 1`` of row `r`. Invariants (`check`): every row holds the same
@@ -22,10 +24,11 @@ class RowTables:
     are stale and never read (a sliding layer reads only its window).
     """
 
-    def __init__(self, group: int, window: int | None, block_size: int) -> None:
+    def __init__(self, group: int, window: int | None, block_size: int, tier: int = 0) -> None:
         self.group = group  # index of the pool's layer group; fixed
         self.window = window  # sliding window in tokens, or None; fixed
         self.block_size = block_size  # tokens per block; fixed
+        self.tier = tier  # retention tier (0 but for the upper tiers of a `PyramidKV` cache); fixed
         self.rows: list[BlockTable] = []  # one table per batch row; this list object is registered with the pool
         self.table = torch.zeros((0, 0), dtype=torch.long)  # mirror [batch, capacity]; changed with `rows` only
 
@@ -35,9 +38,12 @@ class RowTables:
         return self.rows[0].num_dropped if self.rows else 0
 
     def window_start(self, num_tokens: int) -> int:
-        """First token a layer of this group reads when it holds `num_tokens` before a step: 0 for full
-        attention, the last ``window - 1`` tokens for a sliding window (as `DynamicSlidingWindowLayer`)."""
-        return 0 if self.window is None else max(0, num_tokens - (self.window - 1))
+        """First token a layer of this group reads when it holds `num_tokens` before a step: for full attention 0,
+        or the first held token of a retention tier that dropped leading positions (`PyramidKV`); the last
+        ``window - 1`` tokens for a sliding window (as `DynamicSlidingWindowLayer`)."""
+        if self.window is None:
+            return self.num_dropped * self.block_size
+        return max(0, num_tokens - (self.window - 1))
 
     def droppable(self, num_tokens: int) -> int:
         """Block positions wholly before the window of a step that starts at `num_tokens` (0 for full attention)."""

@@ -53,6 +53,12 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if record is not None:
         record(query, scaling if scaling is not None else query.shape[-1] ** -0.5)
     view = PagedView.of(key)
+    if view is not None and attention_mask is not None and attention_mask.dim() == 4 \
+            and attention_mask.shape[-1] > key.shape[-2]:
+        # NOTE: a layer of a retention tier holding fewer tokens (PyramidKV) holds the last of the positions the
+        # model's first full-attention layer holds, whose sizes transformers built the one mask from
+        # (`PagedLayer.get_mask_sizes`): its keys are the mask's last columns
+        attention_mask = attention_mask[..., -key.shape[-2]:]
     if view is None:
         return sdpa_attention_function()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                          is_causal=is_causal, **kwargs)

@@ -67,7 +67,11 @@ def check_group_invariants(group: BlockGroup) -> None:
                     + (f" ({row.num_dropped} dropped by the window)" if row.num_dropped else "")
                 )
             # a sliding window of w keeps tokens >= n - (w - 1) readable: only blocks wholly before them may go
-            may_drop = 0 if group.window is None else max(0, row.num_tokens - group.window + 1) // B
+            # (a retention tier > 0 holds a suffix of what tier 0 holds: it may drop all but its last position)
+            if group.window is not None:
+                may_drop = max(0, row.num_tokens - group.window + 1) // B
+            else:
+                may_drop = max(0, want - 1) if group.tier else 0
             if row.num_dropped > may_drop:
                 raise InvariantError(
                     f"invariant 3 (only blocks outside the window are dropped) broken{where}: a table of "

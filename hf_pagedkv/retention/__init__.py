@@ -8,6 +8,8 @@ from hf_pagedkv.retention.retention_stats import RetentionStats
 from hf_pagedkv.retention.query_window import QueryWindow
 from hf_pagedkv.retention.sink_window import SinkWindow
 from hf_pagedkv.retention.snap_kv import SnapKV
+from hf_pagedkv.retention.pyramid_kv import PyramidKV
 
 __all__ = ["EvictionPlan", "ImportancePolicy", "KeyDiff", "KeyNorm", "QueryWindow", "RetentionPolicy", "RetentionStats",
            "SinkWindow", "SnapKV"]
+__all__ += ["PyramidKV"]

@@ -24,13 +24,13 @@ class RetentionOwner(Protocol):
     block_size: int
     seq_id: int
 
-    def retention_tables(self) -> RowTables | None: ...  # the cache's one layer group (full attention), if any
+    def retention_tables(self) -> list[RowTables]: ...  # its full-attention layer groups (tier 0 first), if any
 
     def retention_layers(self) -> list: ...  # its PagedLayers
 
     def read_layer(self, layer, lo: int) -> tuple[torch.Tensor, torch.Tensor]: ...  # held K/V of a layer
 
-    def set_held(self, held: int, evicted: int) -> None: ...  # tokens now held / evicted per row, in every layer
+    def set_held(self, held: int, evicted: int) -> None: ...  # tokens now held (tier 0) / evicted per row
 
 
 class Evictor:
@@ -42,6 +42,12 @@ class Evictor:
     move up, no tensor is touched, every offset inside a block stays) or compacts every (layer, head) to the same
     number of tokens in fresh blocks (importance policies), then frees the old ones. Rows with identical block tables
     (beams before they diverge, `num_return_sequences`) are compacted once and keep sharing the result.
+
+    A tiered policy (`PyramidKV`) splits the full-attention layers into layer groups (`RetentionPolicy.layer_tiers`),
+    each with its own tables, and gives each group its own keep count (`RetentionPolicy.tier_budgets`): tier 0 keeps
+    the most; a tier keeping ``d * block_size`` fewer tokens writes them at the last logical positions of the same
+    span and drops its first `d` block positions (as a sliding window does), so every group's table ends at the
+    same position, the step planner extends them together, and the blocks beyond each tier's budget are freed.
 
     Invariants: every row and layer has evicted `num_evicted` tokens; the first `num_intact_blocks` logical blocks
     still hold the tokens of their original positions (only those may be published to the prefix index); a crop
@@ -102,22 +108,26 @@ class Evictor:
         Raises:
             PoolExhaustedError: a compaction needs fresh blocks a fixed pool does not have (nothing changed).
         """
-        rt = cache.retention_tables()
-        if rt is None or not rt.rows:  # nothing stored yet
+        groups = cache.retention_tables()
+        if not groups or not groups[0].rows:  # nothing stored yet
             return
         B = cache.block_size
-        held = rt.rows[0].num_tokens
+        held = groups[0].rows[0].num_tokens  # tier 0 holds every logical position of the span
         plan = self.policy.plan(held, held + self.num_evicted, new, B, step=self.num_steps)
         if plan.drop_positions:
-            self._drop(cache, rt, plan.drop_positions)
+            for rt in groups:  # (only untiered policies drop blocks: one group)
+                self._drop(cache, rt, plan.drop_positions)
         elif plan.keep_tokens is not None and 0 < plan.keep_tokens < held:
-            self._check_observed(cache, len(rt.rows))
-            self._compact(cache, rt, plan.keep_tokens)
+            self._check_observed(cache, len(groups[0].rows))
+            layers = cache.retention_layers()
+            sizes = [sum(layer.group == rt.group for layer in layers) for rt in groups]
+            self._compact(cache, groups, self.policy.tier_budgets(plan.keep_tokens, held, sizes, B))
         if self.observed is not None and not self.policy.observes(self.num_steps):
             self.observed.clear()  # used (or not needed: nothing to compress); the next step records nothing
         bound = self.policy.max_held(new, B)
-        for row in rt.rows:
-            row.max_positions = None if bound is None else num_blocks_for(bound, B)
+        for rt in groups:
+            for row in rt.rows:
+                row.max_positions = None if bound is None else num_blocks_for(bound, B)
 
     def _check_observed(self, cache: RetentionOwner, num_rows: int) -> None:
         """Raise `ValueError` (before anything changes) if a query-aware policy lacks a layer's queries."""
@@ -152,18 +162,39 @@ class Evictor:
         n = len(positions) * B
         self.num_intact_blocks = min(self.num_intact_blocks if self.num_intact_blocks is not None else positions[0],
                                      positions[0])
-        self._evicted(cache, held - n, n, freed)
+        self._evicted(cache, held - n, n, {rt.group: freed})
 
-    def _compact(self, cache: RetentionOwner, rt: RowTables, keep: int) -> None:
-        """Each (row, layer, head) keeps the policy's `keep` tokens, written into fresh blocks (slot `i`: the head's
-        `i`-th kept token); then the old blocks are freed."""
-        pool, B, g = cache.pool, cache.block_size, rt.group
-        held, nb = rt.rows[0].num_tokens, num_blocks_for(keep, B)
-        by_table: dict[tuple, list[int]] = {}  # identical rows are compacted once and share the result
-        for r, row in enumerate(rt.rows):
-            by_table.setdefault(tuple(row.blocks), []).append(r)
+    def _compact(self, cache: RetentionOwner, groups: list[RowTables], keeps: list[int]) -> None:
+        """Each (row, layer, head) of group ``groups[i]`` keeps the policy's ``keeps[i]`` tokens, written into fresh
+        blocks (slot `j`: the head's `j`-th kept token); then the old blocks are freed. ``keeps[0]`` is the most, and
+        a group keeping ``d * block_size`` fewer drops its first `d` logical block positions instead."""
+        pool, B = cache.pool, cache.block_size
+        held, span = groups[0].rows[0].num_tokens, keeps[0]
+        assert all(0 < k <= span and (span - k) % B == 0 for k in keeps), f"tier budgets {keeps} of {span}"
+        by_table: dict[tuple, list[int]] = {}  # identical rows (in every group) are compacted once and share the result
+        for r in range(len(groups[0].rows)):
+            by_table.setdefault(tuple(tuple(rt.rows[r].blocks) for rt in groups), []).append(r)
         writers = [members[0] for members in by_table.values()]
-        pool.reserve(nb * len(writers), g)  # all or nothing: raises before anything changed
+        need = [num_blocks_for(k, B) * len(writers) for k in keeps]
+        for rt, n in zip(groups, need):  # all groups or none: raises before anything changed
+            if not pool.can_reserve(n, rt.group):
+                pool.reserve(n, rt.group)
+        for rt, n in zip(groups, need):
+            pool.reserve(n, rt.group)
+        rows_idx, layers, freed = torch.tensor(writers), cache.retention_layers(), {}
+        for rt, keep in zip(groups, keeps):
+            freed[rt.group] = self._compact_group(cache, rt, [layer for layer in layers if layer.group == rt.group],
+                                                  keep, span, by_table, rows_idx)
+        self.num_intact_blocks = 0
+        self._evicted(cache, span, held - span, freed, {rt.group: k for rt, k in zip(groups, keeps)})
+
+    def _compact_group(self, cache: RetentionOwner, rt: RowTables, layers: list, keep: int, span: int,
+                       by_table: dict[tuple, list[int]], rows_idx: torch.Tensor) -> list[int]:
+        """`_compact` in one layer group (its blocks reserved): the kept tokens of `layers` into fresh blocks at the
+        logical positions ``span - keep .. span - 1``; returns the block ids let go."""
+        pool, B, g = cache.pool, cache.block_size, rt.group
+        nb, dropped = num_blocks_for(keep, B), (span - keep) // B
+        writers = [members[0] for members in by_table.values()]
         fresh = {}
         for w in writers:
             fresh[w] = pool.allocate(nb, after=fresh[writers[0]][-1] if fresh else None, group=g)
@@ -171,12 +202,12 @@ class Evictor:
         blocks = torch.tensor([fresh[w] for w in writers], dtype=torch.long)  # [writers, nb]
         slots = (blocks[:, pos // B] * B + pos % B).reshape(-1)  # [writers * keep], row-major
         store = pool.groups[g].store
-        rows_idx, targets, planned = torch.tensor(writers), {}, False
-        for layer in cache.retention_layers():
+        targets, planned = {}, False
+        for layer in layers:
             if not layer.is_initialized:
                 continue
             device = layer.spec.device
-            k, v = cache.read_layer(layer, 0)  # [batch, num_kv_heads, held, dim] each
+            k, v = cache.read_layer(layer, rt.window_start(layer.num_tokens))  # [batch, heads, held, dim] each
             observed = None
             if self.observed is not None:
                 q = self.observed.queries[layer.layer_idx]  # [batch, num_heads, w, head_dim]
@@ -188,7 +219,8 @@ class Evictor:
             k = k.gather(2, idx[..., None].expand(-1, -1, -1, k.shape[-1]))  # [writers, num_kv_heads, keep, dim]
             v = v.gather(2, idx[..., None].expand(-1, -1, -1, v.shape[-1]))
             if device not in targets:  # (a quantized store encodes the kept tokens in their new blocks)
-                targets[device] = store.prepare_write(slots, device, new_step=not planned, start=0, num_new=keep)
+                targets[device] = store.prepare_write(slots, device, new_step=not planned, start=dropped * B,
+                                                      num_new=keep)
                 planned = True
             store.write(layer.layer_idx, targets[device], k.contiguous(), v.contiguous())
         fills = [min(B, keep - j * B) for j in range(nb)]
@@ -200,24 +232,28 @@ class Evictor:
                 old = rt.rows[r]
                 freed += old.blocks
                 pool.free(old.blocks, g)
-                row = BlockTable()
+                row = BlockTable(num_dropped=dropped)
                 row.append(new)
-                row.num_tokens = keep
+                row.num_tokens = span
                 if i:
                     pool.incref(new, g)
                 rt.rows[r] = row
                 rt.set_row(r, 0)
-        self.num_intact_blocks = 0
-        self._evicted(cache, keep, held - keep, freed)
+        return freed
 
-    def _evicted(self, cache: RetentionOwner, held: int, n: int, freed: list[int]) -> None:
+    def _evicted(self, cache: RetentionOwner, held: int, n: int, freed: dict[int, list[int]],
+                 kept: dict[int, int] | None = None) -> None:
+        """`n` tokens evicted per row, `held` held (tier 0); `freed`: per layer group, the block ids let go; `kept`:
+        per group, the tokens it kept (a tier may keep fewer than `held`)."""
         self.num_evicted += n
         self.num_evictions += 1
-        self.num_blocks_freed += len(freed)
+        self.num_blocks_freed += sum(len(ids) for ids in freed.values())
         self.num_held_after_eviction = held
         cache.set_held(held, self.num_evicted)
-        cache.pool.events.emit("evict", sorted(Counter(freed)), seq=cache.seq_id, policy=self.policy.name,
-                               tokens=n)
+        for g, ids in freed.items():  # one event per group (block ids are per group; the group named for tiers)
+            tokens = n + (held - kept[g] if kept else 0)  # what this group's rows let go
+            cache.pool.events.emit("evict", sorted(Counter(ids)), seq=cache.seq_id, policy=self.policy.name,
+                                   tokens=tokens, group=g if len(freed) > 1 else None)
 
     # -- checks ------------------------------------------------------------------------------------------------------
     def check_crop(self, new_len: int) -> None:
@@ -229,6 +265,9 @@ class Evictor:
                 "Crop at most the tokens added since (assisted decoding crops only its last step)."
             )
 
-    def stats(self, held: int) -> RetentionStats:
-        return RetentionStats(self.policy.name, held + self.num_evicted, held, self.num_evictions,
-                              self.num_blocks_freed)
+    def stats(self, held: int, per_layer: tuple[int, ...] = ()) -> RetentionStats:
+        """`held`: tokens the rows' tables span (tier 0's); `per_layer`: with tiers, what each layer holds (then
+        `tokens_held` is their mean, rounded down)."""
+        mean = sum(per_layer) // len(per_layer) if per_layer else held
+        return RetentionStats(self.policy.name, held + self.num_evicted, mean, self.num_evictions,
+                              self.num_blocks_freed, per_layer)

@@ -56,6 +56,24 @@ class RetentionPolicy:
         """
         raise NotImplementedError(f"{type(self).__name__} evicts whole blocks; it has no token selection.")
 
+    #: tiers of full-attention layers, each its own layer group with its own budget (`PyramidKV`); 1: one group
+    tiers = 1
+
+    def layer_tiers(self, num_layers: int) -> list[int]:
+        """The tier (0 for the lowest layers) of each of a model's `num_layers` full-attention layers, in order;
+        every layer in tier 0 unless the policy is tiered.
+
+        Raises:
+            ValueError: the policy cannot be used with that many layers (a tiered policy says why).
+        """
+        return [0] * num_layers
+
+    def tier_budgets(self, keep: int, held: int, tier_sizes: list[int], block_size: int) -> list[int]:
+        """Tokens each tier keeps per (row, layer, head) when the plan says `keep` (of `held`); `tier_sizes`: the
+        layers of each tier. Tier 0 keeps the most, the others fewer by whole blocks (the `Evictor` aligns their
+        tables); an untiered policy keeps `keep` everywhere."""
+        return [keep] * len(tier_sizes)
+
     def max_held(self, new: int, block_size: int) -> int | None:
         """The most tokens a row may hold after a step of `new` tokens (for invariant 3), or None (no bound)."""
         return None

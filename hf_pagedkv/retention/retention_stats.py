@@ -12,9 +12,13 @@ class RetentionStats:
     Attributes:
         policy (`str` or `None`): the policy's name (`SinkWindow.name`, ...), None without a retention policy.
         tokens_seen (`int`): every token the row has been given (`get_seq_length()`, what positions count from).
-        tokens_held (`int`): tokens stored now (what attention reads before the next step's new tokens).
+        tokens_held (`int`): tokens stored now (what attention reads before the next step's new tokens); with a
+            tiered policy (`PyramidKV`), the mean over layers, rounded down.
         num_evictions (`int`): forward steps that evicted something.
-        blocks_freed (`int`): block references let go by evictions, summed over rows (shared blocks count per row).
+        blocks_freed (`int`): block references let go by evictions, summed over rows and layer groups (shared
+            blocks count per row).
+        tokens_held_per_layer (`tuple[int, ...]`): with a tiered policy, the tokens each layer holds (in layer
+            order); empty when every layer holds `tokens_held`.
     """
 
     policy: str | None
@@ -22,6 +26,7 @@ class RetentionStats:
     tokens_held: int
     num_evictions: int
     blocks_freed: int
+    tokens_held_per_layer: tuple[int, ...] = ()
 
     @property
     def tokens_evicted(self) -> int:

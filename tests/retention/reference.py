@@ -148,11 +148,12 @@ def reference_snapkv_scores(query: torch.Tensor, key: torch.Tensor, scaling: flo
     return out
 
 
-def snapkv_reference(model, x: torch.Tensor, prompt: int, keep: int, window: int, sink: int, kernel: int = 5,
-                     pooling: str = "avg") -> torch.Tensor:
+def snapkv_reference(model, x: torch.Tensor, prompt: int, keep: int | dict[int, int], window: int, sink: int,
+                     kernel: int = 5, pooling: str = "avg") -> torch.Tensor:
     """Logits of `x` `[batch, n]` in one pass without a cache where, from token `prompt` on, every layer's KV head
     sees only the `keep` prompt tokens SnapKV keeps for it (scored from a capture run of the prompt) plus the causal
-    part of the later tokens; the prompt's own tokens see the causal prompt."""
+    part of the later tokens; the prompt's own tokens see the causal prompt. `keep` may differ per layer (a dict
+    layer index -> tokens kept: PyramidKV)."""
     _register_reference_attention()
     before = model.config._attn_implementation
     n = x.shape[1]
@@ -167,7 +168,8 @@ def snapkv_reference(model, x: torch.Tensor, prompt: int, keep: int, window: int
             protected[:sink] = True
             protected[max(0, prompt - window):] = True
             score = torch.where(protected, torch.full_like(score, float("inf")), score)
-            kept = score.argsort(dim=-1, descending=True, stable=True)[..., :keep]  # [batch, H, keep]
+            n_keep = keep[layer] if isinstance(keep, dict) else keep
+            kept = score.argsort(dim=-1, descending=True, stable=True)[..., :n_keep]  # [batch, H, keep]
             visible = torch.ones(x.shape[0], k.shape[1], n, n, dtype=torch.bool).tril()  # causal
             visible[:, :, prompt:, :prompt] = False
             seen = torch.zeros(x.shape[0], k.shape[1], prompt, dtype=torch.bool).scatter_(-1, kept, True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_pagedkv import KeyDiff, KeyNorm, SinkWindow, SnapKV
+from hf_pagedkv import KeyDiff, KeyNorm, PyramidKV, SinkWindow, SnapKV
 from hf_pagedkv.retention.spec import parse_retention
 from hf_pagedkv.tools.cli import main
 
@@ -15,6 +15,8 @@ def test_specs_parse_to_their_policies():
     assert parse_retention("key_diff:0.5") == KeyDiff(compression_ratio=0.5)
     assert parse_retention("snapkv:0.5") == parse_retention("snap_kv:0.5") == SnapKV(compression_ratio=0.5)
     assert parse_retention("snapkv:256") == SnapKV(budget=256)
+    assert parse_retention("pyramidkv:0.5") == parse_retention("pyramid_kv:0.5") == PyramidKV(compression_ratio=0.5)
+    assert parse_retention("pyramidkv:512") == PyramidKV(budget=512) != SnapKV(budget=512)
     for bad in ("sink", "sink_window:4", "key_norm:x", "key_norm:10"):  # 10 < sinks + recent tokens + 1
         with pytest.raises(ValueError, match="--retention"):
             parse_retention(bad)
@@ -29,6 +31,8 @@ def test_the_planner_sizes_a_sequence_by_what_it_keeps(capsys):
     assert main(argv + ["--retention", "key_norm:0.75"]) == 0
     assert "holds at most 25,001" in capsys.readouterr().out
     assert main(argv + ["--retention", "snapkv:0.5"]) == 0
+    assert "holds at most 50,001" in capsys.readouterr().out
+    assert main(argv + ["--retention", "pyramidkv:0.5"]) == 0  # the same tokens on average over the layers
     assert "holds at most 50,001" in capsys.readouterr().out
     main(argv + ["--retention", "snapkv:1024"])  # the prompt is compressed once: no bound claimed (100k: no fit)
     assert "holds at most" not in capsys.readouterr().out

@@ -12,8 +12,10 @@ named from its settings; a finished run is skipped (`--overwrite` redoes it):
   exactly the first `sink_tokens` tokens and its last ``budget - sink_tokens`` tokens, at their true positions.
 - **passkey**: a seeded passkey hidden in a local haystack (`eval/tasks/passkey`), the question appended after
   the compressed context; accuracy per method and compression ratio against the uncompressed `full` cache. Methods:
-  `full`, `sink_window`, `key_norm`, `key_diff` and `snap_kv` (`SnapKV`, query-aware: the model runs with
-  ``attn_implementation="hf_pagedkv"`` for the whole task, so every method reads through the same attention).
+  `full`, `sink_window`, `key_norm`, `key_diff`, `snap_kv` (`SnapKV`, query-aware: the model runs with
+  ``attn_implementation="hf_pagedkv"`` for the whole task, so every method reads through the same attention) and
+  `kv_zip` (`KVzip`, query-agnostic: after the context's prefill, `compress_context` runs its reconstruction pass
+  and compresses; then the question comes as the next step).
   Each example's context is computed once and published in a prefix-caching pool; every method's cache attaches
   to it and computes the last ``recent_tokens``-plus tokens itself (SnapKV's observation window), then compresses
   the whole context before the question, exactly as after a one-step prefill.
@@ -41,7 +43,8 @@ import yaml
 from transformers import set_seed
 
 import hf_pagedkv
-from hf_pagedkv import BlockPool, KeyDiff, KeyNorm, PagedCache, SinkWindow, SnapKV, cache_kwargs
+from hf_pagedkv import (BlockPool, KeyDiff, KeyNorm, KVzip, PagedCache, SinkWindow, SnapKV, cache_kwargs,
+                        compress_context)
 
 from .config import EvalConfig
 from .data import load_text, tokenize_prefix
@@ -66,7 +69,7 @@ def policy_for(method: str, cfg: LongContextConfig, budget: int | None = None, r
         return SinkWindow(sink_tokens=cfg.sink_tokens, window=max(1, budget - cfg.block_size))
     if method == "window_only":
         return SinkWindow(sink_tokens=0, window=budget)
-    cls = {"key_norm": KeyNorm, "key_diff": KeyDiff, "snap_kv": SnapKV}[method]
+    cls = {"key_norm": KeyNorm, "key_diff": KeyDiff, "snap_kv": SnapKV, "kv_zip": KVzip}[method]
     if ratio is not None:
         return cls(compression_ratio=ratio, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens)
     return cls(budget=budget, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens)
@@ -169,6 +172,8 @@ def answer(model, tokenizer, cache: PagedCache, example: dict, cfg: LongContextC
     dev = model.device
     prompt = prompt_of(example, cfg)
     out = model(torch.tensor([prompt[cache.get_seq_length():]], device=dev), **cache_kwargs(cache))
+    if isinstance(cache.retention_policy, KVzip):  # query-agnostic: a reconstruction pass scores the context
+        compress_context(model, cache, prompt, tokenizer=tokenizer)
     if not cfg.question_in_prompt:
         out = model(torch.tensor([example["question_ids"]], device=dev), **cache_kwargs(cache))
     tokens = []
@@ -200,7 +205,7 @@ def run_passkey(model, tokenizer, cfg: LongContextConfig) -> tuple[list[dict], d
     examples = passkey_prepare.make_examples(cfg, tokenizer, text)
     records = []
     before = model.config._attn_implementation
-    if "snap_kv" in cfg.methods:  # SnapKV gets the queries from this attention; every method runs through it
+    if {"snap_kv", "kv_zip"} & set(cfg.methods):  # the queries come from this attention; every method runs in it
         model.set_attn_implementation("hf_pagedkv")
     try:
         for ex in examples:

@@ -19,7 +19,8 @@ from .config import resolve_data_dir
 PPL_METHODS = ("full", "sink_window", "window_only", "key_norm", "key_diff", "recompute")
 #: Methods of the passkey task (the budget there is a compression ratio of the context). `snap_kv` (query-aware)
 #: runs the model with ``attn_implementation="hf_pagedkv"``, which hands the prefill's last queries to the cache.
-PASSKEY_METHODS = ("full", "sink_window", "key_norm", "key_diff", "snap_kv")
+#: `kv_zip` (query-agnostic) runs `compress_context` (KVzip's reconstruction pass) after the context's prefill.
+PASSKEY_METHODS = ("full", "sink_window", "key_norm", "key_diff", "snap_kv", "kv_zip")
 TASKS = ("perplexity", "passkey")
 _NOT_IN_NAME = ("output_dir", "overwrite", "data_dir", "num_threads")
 

@@ -658,6 +658,56 @@ class PagedCache(Cache):
             return RetentionStats(None, self._num_tokens, self._num_tokens, 0, 0)
         return self._evictor.stats(self._num_tokens)
 
+    @property
+    def retention_policy(self):
+        """The cache's `RetentionPolicy`, or None."""
+        return None if self._evictor is None else self._evictor.policy
+
+    def begin_context_scoring(self) -> None:
+        """KVzip (`hf_pagedkv.compress_context` calls it): from the next forward step on, the ``"hf_pagedkv"``
+        attention of every layer scores the tokens held now (the context) by the attention they receive
+        (`ContextScores`), until `end_context_scoring`.
+
+        Raises:
+            ValueError: no retention policy, one that is not scored by a reconstruction pass (`KVzip`), an empty
+                cache, or one that already evicted tokens.
+            CacheReleasedError: the cache was released.
+        """
+        self.check_usable()
+        if self._evictor is None:
+            raise ValueError("compress_context needs a cache built with a reconstruction policy, e.g. "
+                             "PagedCache(config=model.config, retention=hf_pagedkv.KVzip(compression_ratio=0.5)).")
+        if not self._num_tokens:
+            raise ValueError("compress_context: the cache holds no tokens; prefill the context first, e.g. "
+                             "model(context_ids, past_key_values=cache).")
+        self._evictor.begin_scoring(self._num_tokens)
+
+    def end_context_scoring(self, tokens_to_remove: int, compress: bool = True) -> dict[int, torch.Tensor]:
+        """End what `begin_context_scoring` started: crop the `tokens_to_remove` tokens added since (the
+        reconstruction pass), then, if `compress`, compact every (row, layer, KV head) to the policy's best-scored
+        tokens (`KVzip.keep_for`) in fresh blocks and free the old ones.
+
+        Returns:
+            The scores per layer index, `torch.Tensor` `[batch, num_kv_heads, context]` float32 each (the highest
+            attention weight each context token received).
+
+        Raises:
+            ValueError: a layer scored nothing (the model's attention is not ``"hf_pagedkv"``); nothing was evicted
+                then (the crop is done).
+            PoolExhaustedError: the compaction needs fresh blocks a fixed pool does not have (nothing evicted).
+        """
+        self.check_usable()
+        if self._evictor is None:
+            raise ValueError("end_context_scoring: this cache has no retention policy.")
+        scores = self._evictor.end_scoring()
+        if tokens_to_remove:
+            self.crop(-tokens_to_remove)
+        if compress:
+            with self.pool.lock:
+                self._evictor.compress(self, scores)
+            self._after_change()
+        return scores
+
     def retention_tables(self) -> RowTables | None:
         """The block tables a retention policy acts on (the full-attention group, the only one it supports); None
         before a cache built without config has seen its first layer."""

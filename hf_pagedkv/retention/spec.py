@@ -4,20 +4,23 @@ from __future__ import annotations
 
 from hf_pagedkv.retention.key_diff import KeyDiff
 from hf_pagedkv.retention.key_norm import KeyNorm
+from hf_pagedkv.retention.kv_zip import KVzip
 from hf_pagedkv.retention.policy import RetentionPolicy
 from hf_pagedkv.retention.sink_window import SinkWindow
 from hf_pagedkv.retention.snap_kv import SnapKV
 
 SPEC_HELP = ("sink_window:SINK:WINDOW (StreamingLLM), key_norm:BUDGET or key_norm:RATIO, key_diff:BUDGET or "
-             "key_diff:RATIO, snapkv:BUDGET or snapkv:RATIO (SnapKV; needs attn_implementation=\"hf_pagedkv\") "
+             "key_diff:RATIO, snapkv:BUDGET or snapkv:RATIO (SnapKV; needs attn_implementation=\"hf_pagedkv\"), "
+             "kv_zip:BUDGET or kv_zip:RATIO (KVzip; needs the same attention and compress_context) "
              "(BUDGET: tokens kept; RATIO: a float in (0, 1), the fraction of the prompt removed)")
-_IMPORTANCE = {"key_norm": KeyNorm, "key_diff": KeyDiff, "snapkv": SnapKV, "snap_kv": SnapKV}
+_IMPORTANCE = {"key_norm": KeyNorm, "key_diff": KeyDiff, "snapkv": SnapKV, "snap_kv": SnapKV, "kv_zip": KVzip,
+               "kvzip": KVzip}
 
 
 def parse_retention(spec: str) -> RetentionPolicy:
     """``"sink_window:4:1024"`` -> `SinkWindow(4, 1024)`; ``"key_norm:512"`` -> `KeyNorm(budget=512)`;
     ``"key_diff:0.5"`` -> `KeyDiff(compression_ratio=0.5)`; ``"snapkv:0.5"`` (or ``"snap_kv:0.5"``) ->
-    `SnapKV(compression_ratio=0.5)`.
+    `SnapKV(compression_ratio=0.5)`; ``"kv_zip:0.5"`` (or ``"kvzip:0.5"``) -> `KVzip(compression_ratio=0.5)`.
 
     Raises:
         ValueError: an unknown policy name or malformed numbers (the message lists the forms, `SPEC_HELP`).

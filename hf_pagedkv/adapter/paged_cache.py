@@ -650,6 +650,10 @@ class PagedCache(Cache):
         if bad:
             raise InvariantError(f"retention: layers {bad} disagree with the cache on tokens held/evicted "
                                  f"({self._num_tokens} held, {evicted} evicted)")
+        problems = [] if self._evictor is None else self._evictor.check_scoring(self, self.num_rows)
+        if problems:
+            raise InvariantError(f"retention: the reconstruction scores (KVzip) do not follow the rows: "
+                                 f"{'; '.join(problems)}")
 
     # -- retention (hf_pagedkv/retention: the Evictor works through these) ------------------------------------------
     def retention_stats(self) -> RetentionStats:

@@ -72,6 +72,18 @@ class ContextScores:
             best = torch.maximum(best, w.amax(dim=(2, 3)))
         self.scores[layer_idx] = best
 
+    def check(self, num_rows: int, num_kv_heads: dict[int, int]) -> list[str]:
+        """The broken parts of the invariant for a cache of `num_rows` rows whose layer `i` has ``num_kv_heads[i]``
+        KV heads (empty: it holds)."""
+        problems = []
+        for layer, s in self.scores.items():
+            if tuple(s.shape) != (num_rows, num_kv_heads.get(layer, -1), self.num_context):
+                problems.append(f"layer {layer}: scores of shape {tuple(s.shape)}, expected "
+                                f"{(num_rows, num_kv_heads.get(layer), self.num_context)}")
+            elif s.numel() and not (0 <= float(s.min()) and float(s.max()) <= 1):
+                problems.append(f"layer {layer}: scores outside [0, 1]")
+        return problems
+
     def missing(self, layer_indices: list[int]) -> list[int]:
         """The layers of `layer_indices` whose attention scored nothing."""
         return [i for i in layer_indices if i not in self.scores]

@@ -282,6 +282,13 @@ class Evictor:
                                tokens=n)
 
     # -- checks ------------------------------------------------------------------------------------------------------
+    def check_scoring(self, cache: RetentionOwner, num_rows: int) -> list[str]:
+        """What breaks the reconstruction scores' invariant (`ContextScores.check`); empty when none are kept."""
+        if self.scoring is None:
+            return []
+        heads = {layer.layer_idx: layer.spec.num_kv_heads for layer in cache.retention_layers() if layer.is_initialized}
+        return self.scoring.check(num_rows, heads)
+
     def check_crop(self, new_len: int) -> None:
         """Raise `ValueError` if a crop to `new_len` held tokens reaches into what an eviction left."""
         if self.num_evictions and new_len < self.num_held_after_eviction:

@@ -186,3 +186,19 @@ def test_bad_settings_are_refused_and_the_spec_knows_it():
     assert parse_retention("kvzip:256") == KVzip(budget=256)
     with pytest.raises(ValueError, match="reconstruction pass"):
         KVzip(budget=64).scores(torch.zeros(1, 2, 70, 8), None)
+
+
+def test_context_scores_keep_a_running_max_and_check_their_shape():
+    from hf_pagedkv.retention.context_scores import ContextScores
+
+    scores = ContextScores(num_context=3)
+    keys = torch.zeros(1, 1, 5, 2)  # 3 context keys, then the step's 2 tokens; equal logits: uniform weights
+    scores.tag(keys, layer_idx=0)
+    from hf_pagedkv.retention.query_window import recorder_of
+
+    recorder_of(keys)(torch.zeros(1, 2, 2, 2), 1.0)  # 2 query heads over 1 KV head, 2 queries
+    assert torch.allclose(scores.scores[0], torch.full((1, 1, 3), 1 / 4))  # the first query sees 4 keys: 1/4 each
+    assert scores.check(1, {0: 1}) == []
+    assert scores.check(2, {0: 1}) and scores.check(1, {0: 3})  # another batch or head count is reported
+    with pytest.raises(ValueError, match="must come before"):
+        scores.record(0, lambda: torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 2, 2), 1.0)  # 4 keys: 2 are the step's

@@ -69,8 +69,9 @@ class PagedCache(Cache):
             (default) means the pool's setting, full precision for a new pool. The last, partial block of each row
             stays in full precision; `layers[i].keys` / `.values` return de-quantized tensors.
         retention (`RetentionPolicy`, *optional*): evict tokens before each forward step and give their blocks
-            back (`SinkWindow`, `KeyNorm`, `KeyDiff`, `SnapKV` in `hf_pagedkv.retention`; `SnapKV` needs
-            ``attn_implementation="hf_pagedkv"``); `get_seq_length()` keeps counting
+            back (`SinkWindow`, `KeyNorm`, `KeyDiff`, `SnapKV`, `KVzip` in `hf_pagedkv.retention`; `SnapKV` and
+            `KVzip` need ``attn_implementation="hf_pagedkv"``, and `KVzip` compresses only through
+            `hf_pagedkv.compress_context`); `get_seq_length()` keeps counting
             every token seen, `retention_stats()` says how many are held. Full-attention models only for now.
 
     Raises:

@@ -13,9 +13,11 @@ named from its settings; a finished run is skipped (`--overwrite` redoes it):
 - **passkey**: a seeded passkey hidden in a local haystack (`eval/tasks/passkey`), the question appended after
   the compressed context; accuracy per method and compression ratio against the uncompressed `full` cache. Methods:
   `full`, `sink_window`, `key_norm`, `key_diff` and `snap_kv` (`SnapKV`, query-aware: the model runs with
-  ``attn_implementation="hf_pagedkv"`` for the whole task, so every method reads through the same attention) and
+  ``attn_implementation="hf_pagedkv"`` for the whole task, so every method reads through the same attention),
   `pyramid_kv` (`PyramidKV`, the same scores with budgets shrinking with depth; its tiers are layer groups of their
-  own, so it computes the context itself instead of attaching to the shared one).
+  own, so it computes the context itself instead of attaching to the shared one) and
+  `kv_zip` (`KVzip`, query-agnostic: after the context's prefill, `compress_context` runs its reconstruction pass
+  and compresses; then the question comes as the next step).
   Each example's context is computed once and published in a prefix-caching pool; every method's cache attaches
   to it and computes the last ``recent_tokens``-plus tokens itself (SnapKV's observation window), then compresses
   the whole context before the question, exactly as after a one-step prefill.
@@ -43,7 +45,8 @@ import yaml
 from transformers import set_seed
 
 import hf_pagedkv
-from hf_pagedkv import BlockPool, KeyDiff, KeyNorm, PagedCache, SinkWindow, SnapKV, cache_kwargs
+from hf_pagedkv import (BlockPool, KeyDiff, KeyNorm, KVzip, PagedCache, SinkWindow, SnapKV, cache_kwargs,
+                        compress_context)
 from hf_pagedkv import PyramidKV
 
 from .config import EvalConfig
@@ -69,7 +72,8 @@ def policy_for(method: str, cfg: LongContextConfig, budget: int | None = None, r
         return SinkWindow(sink_tokens=cfg.sink_tokens, window=max(1, budget - cfg.block_size))
     if method == "window_only":
         return SinkWindow(sink_tokens=0, window=budget)
-    cls = {"key_norm": KeyNorm, "key_diff": KeyDiff, "snap_kv": SnapKV, "pyramid_kv": PyramidKV}[method]
+    cls = {"key_norm": KeyNorm, "key_diff": KeyDiff, "snap_kv": SnapKV, "pyramid_kv": PyramidKV,
+           "kv_zip": KVzip}[method]
     if ratio is not None:
         return cls(compression_ratio=ratio, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens)
     return cls(budget=budget, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens)
@@ -172,6 +176,8 @@ def answer(model, tokenizer, cache: PagedCache, example: dict, cfg: LongContextC
     dev = model.device
     prompt = prompt_of(example, cfg)
     out = model(torch.tensor([prompt[cache.get_seq_length():]], device=dev), **cache_kwargs(cache))
+    if isinstance(cache.retention_policy, KVzip):  # query-agnostic: a reconstruction pass scores the context
+        compress_context(model, cache, prompt, tokenizer=tokenizer)
     if not cfg.question_in_prompt:
         out = model(torch.tensor([example["question_ids"]], device=dev), **cache_kwargs(cache))
     tokens = []
@@ -203,7 +209,7 @@ def run_passkey(model, tokenizer, cfg: LongContextConfig) -> tuple[list[dict], d
     examples = passkey_prepare.make_examples(cfg, tokenizer, text)
     records = []
     before = model.config._attn_implementation
-    if {"snap_kv", "pyramid_kv"} & set(cfg.methods):  # they get the queries from this attention; every method too
+    if {"snap_kv", "pyramid_kv", "kv_zip"} & set(cfg.methods):  # they get queries from this attention; so does all
         model.set_attn_implementation("hf_pagedkv")
     try:
         for ex in examples:

@@ -18,7 +18,8 @@ PPL_METHODS = ("full", "sink_window", "window_only", "key_norm", "key_diff", "re
 #: Methods of the passkey task (the budget there is a compression ratio of the context). `snap_kv` (query-aware)
 #: runs the model with ``attn_implementation="hf_pagedkv"``, which hands the prefill's last queries to the cache;
 #: so does `pyramid_kv` (`PyramidKV`: SnapKV's scores, budgets shrinking with depth over 4 tiers of layers).
-PASSKEY_METHODS = ("full", "sink_window", "key_norm", "key_diff", "snap_kv", "pyramid_kv")
+#: `kv_zip` (query-agnostic) runs `compress_context` (KVzip's reconstruction pass) after the context's prefill.
+PASSKEY_METHODS = ("full", "sink_window", "key_norm", "key_diff", "snap_kv", "pyramid_kv", "kv_zip")
 TASKS = ("perplexity", "passkey")
 _NOT_IN_NAME = ("output_dir", "overwrite", "data_dir", "num_threads")
 

@@ -9,7 +9,8 @@ from hf_pagedkv.errors import CacheOffloadedError, CacheReleasedError, Invariant
 from hf_pagedkv.adapter.generation import generate
 from hf_pagedkv.adapter.paged_layer import PagedLayer
 from hf_pagedkv.pool.prefix_index import BlockHash
-from hf_pagedkv.retention import KeyDiff, KeyNorm, RetentionPolicy, RetentionStats, SinkWindow, SnapKV
+from hf_pagedkv.retention import (KVzip, KeyDiff, KeyNorm, RetentionPolicy, RetentionStats, SinkWindow, SnapKV,
+                                  compress_context)
 from hf_pagedkv.retention import PyramidKV
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "CacheOffloadedError",
     "CacheReleasedError",
     "InvariantError",
+    "KVzip",
     "KeyDiff",
     "KeyNorm",
     "PagedCache",
@@ -31,6 +33,7 @@ __all__ = [
     "SnapKV",
     "PyramidKV",
     "cache_kwargs",
+    "compress_context",
     "generate",
 ]
 __version__ = "0.1.0"

@@ -69,8 +69,9 @@ class PagedCache(Cache):
             (default) means the pool's setting, full precision for a new pool. The last, partial block of each row
             stays in full precision; `layers[i].keys` / `.values` return de-quantized tensors.
         retention (`RetentionPolicy`, *optional*): evict tokens before each forward step and give their blocks
-            back (`SinkWindow`, `KeyNorm`, `KeyDiff`, `SnapKV`, `PyramidKV` in `hf_pagedkv.retention`; `SnapKV`
-            and `PyramidKV` need ``attn_implementation="hf_pagedkv"``); `get_seq_length()` keeps counting
+            back (`SinkWindow`, `KeyNorm`, `KeyDiff`, `SnapKV`, `PyramidKV`, `KVzip` in `hf_pagedkv.retention`;
+            `SnapKV`, `PyramidKV` and `KVzip` need ``attn_implementation="hf_pagedkv"``, and `KVzip` compresses
+            only through `hf_pagedkv.compress_context`); `get_seq_length()` keeps counting
             every token seen, `retention_stats()` says how many are held. Full-attention models only for now. A
             tiered policy (`PyramidKV`) splits the full-attention layers into layer groups of their own, one per
             tier (`RetentionPolicy.layer_tiers`), so each tier's budget frees its own blocks.
@@ -667,6 +668,10 @@ class PagedCache(Cache):
         if bad:
             raise InvariantError(f"retention: layers {bad} disagree with the cache on tokens held/evicted "
                                  f"({self._num_tokens} held, {evicted} evicted)")
+        problems = [] if self._evictor is None else self._evictor.check_scoring(self, self.num_rows)
+        if problems:
+            raise InvariantError(f"retention: the reconstruction scores (KVzip) do not follow the rows: "
+                                 f"{'; '.join(problems)}")
 
     # -- retention (hf_pagedkv/retention: the Evictor works through these) ------------------------------------------
     def retention_stats(self) -> RetentionStats:
@@ -678,6 +683,56 @@ class PagedCache(Cache):
             return self._evictor.stats(self._num_tokens)
         per_layer = tuple(layer.num_tokens - self.first_held(layer) for layer in self._paged_layers())
         return self._evictor.stats(self._num_tokens, per_layer)
+
+    @property
+    def retention_policy(self):
+        """The cache's `RetentionPolicy`, or None."""
+        return None if self._evictor is None else self._evictor.policy
+
+    def begin_context_scoring(self) -> None:
+        """KVzip (`hf_pagedkv.compress_context` calls it): from the next forward step on, the ``"hf_pagedkv"``
+        attention of every layer scores the tokens held now (the context) by the attention they receive
+        (`ContextScores`), until `end_context_scoring`.
+
+        Raises:
+            ValueError: no retention policy, one that is not scored by a reconstruction pass (`KVzip`), an empty
+                cache, or one that already evicted tokens.
+            CacheReleasedError: the cache was released.
+        """
+        self.check_usable()
+        if self._evictor is None:
+            raise ValueError("compress_context needs a cache built with a reconstruction policy, e.g. "
+                             "PagedCache(config=model.config, retention=hf_pagedkv.KVzip(compression_ratio=0.5)).")
+        if not self._num_tokens:
+            raise ValueError("compress_context: the cache holds no tokens; prefill the context first, e.g. "
+                             "model(context_ids, past_key_values=cache).")
+        self._evictor.begin_scoring(self._num_tokens)
+
+    def end_context_scoring(self, tokens_to_remove: int, compress: bool = True) -> dict[int, torch.Tensor]:
+        """End what `begin_context_scoring` started: crop the `tokens_to_remove` tokens added since (the
+        reconstruction pass), then, if `compress`, compact every (row, layer, KV head) to the policy's best-scored
+        tokens (`KVzip.keep_for`) in fresh blocks and free the old ones.
+
+        Returns:
+            The scores per layer index, `torch.Tensor` `[batch, num_kv_heads, context]` float32 each (the highest
+            attention weight each context token received).
+
+        Raises:
+            ValueError: a layer scored nothing (the model's attention is not ``"hf_pagedkv"``); nothing was evicted
+                then (the crop is done).
+            PoolExhaustedError: the compaction needs fresh blocks a fixed pool does not have (nothing evicted).
+        """
+        self.check_usable()
+        if self._evictor is None:
+            raise ValueError("end_context_scoring: this cache has no retention policy.")
+        scores = self._evictor.end_scoring()
+        if tokens_to_remove:
+            self.crop(-tokens_to_remove)
+        if compress:
+            with self.pool.lock:
+                self._evictor.compress(self, scores)
+            self._after_change()
+        return scores
 
     def retention_tables(self) -> list[RowTables]:
         """The block tables a retention policy acts on: the full-attention layer groups (one, or one per tier of

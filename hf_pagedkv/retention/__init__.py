@@ -1,8 +1,11 @@
 """Retention policies: evict tokens before each forward step and give their blocks back to the pool."""
 
+from hf_pagedkv.retention.compress import compress_context, repeat_prompt_ids
+from hf_pagedkv.retention.context_scores import ContextScores
 from hf_pagedkv.retention.importance import ImportancePolicy
 from hf_pagedkv.retention.key_diff import KeyDiff
 from hf_pagedkv.retention.key_norm import KeyNorm
+from hf_pagedkv.retention.kv_zip import KVzip
 from hf_pagedkv.retention.policy import EvictionPlan, RetentionPolicy
 from hf_pagedkv.retention.retention_stats import RetentionStats
 from hf_pagedkv.retention.query_window import QueryWindow
@@ -10,6 +13,6 @@ from hf_pagedkv.retention.sink_window import SinkWindow
 from hf_pagedkv.retention.snap_kv import SnapKV
 from hf_pagedkv.retention.pyramid_kv import PyramidKV
 
-__all__ = ["EvictionPlan", "ImportancePolicy", "KeyDiff", "KeyNorm", "QueryWindow", "RetentionPolicy", "RetentionStats",
-           "SinkWindow", "SnapKV"]
+__all__ = ["ContextScores", "EvictionPlan", "ImportancePolicy", "KVzip", "KeyDiff", "KeyNorm", "QueryWindow",
+           "RetentionPolicy", "RetentionStats", "SinkWindow", "SnapKV", "compress_context", "repeat_prompt_ids"]
 __all__ += ["PyramidKV"]

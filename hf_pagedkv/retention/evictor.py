@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from hf_pagedkv.pool.block_table import BlockTable, num_blocks_for
+from hf_pagedkv.retention.context_scores import ContextScores
 from hf_pagedkv.retention.policy import RetentionPolicy
 from hf_pagedkv.retention.query_window import QueryWindow
 from hf_pagedkv.retention.retention_stats import RetentionStats
@@ -54,7 +55,8 @@ class Evictor:
     may not go below `num_held_after_eviction` (evicted tokens cannot come back, and compacted heads differ).
 
     A query-aware policy (`SnapKV`) also gets, through `offer_queries`, the queries of the steps it `observes`
-    (`QueryWindow`, filled by the ``"hf_pagedkv"`` attention); they are dropped once used.
+    (`QueryWindow`, filled by the ``"hf_pagedkv"`` attention); they are dropped once used. `KVzip` instead scores the
+    held context while `begin_scoring` .. `compress` run (`ContextScores`, filled by the same attention).
     """
 
     def __init__(self, policy: RetentionPolicy) -> None:
@@ -74,12 +76,14 @@ class Evictor:
         self.num_held_after_eviction = 0  # tokens held right after the last eviction (the lowest crop target)
         # the observed steps' last queries per layer, for a query-aware policy (else None); filled by the attention
         self.observed = QueryWindow(self.policy.recent_tokens) if self.policy.needs_queries else None
+        self.scoring: ContextScores | None = None  # KVzip's reconstruction scores, between begin_scoring and compress
 
     def copy(self) -> Evictor:
         """An independent copy (for `PagedCache.fork`)."""
         other = Evictor(self.policy)
         other.__dict__.update(self.__dict__)
         other.observed = None if self.observed is None else self.observed.copy()
+        other.scoring = None if self.scoring is None else self.scoring.copy()
         return other
 
     def offer_queries(self, keys: torch.Tensor, layer_idx: int) -> None:
@@ -87,11 +91,65 @@ class Evictor:
         attention for its queries (`QueryWindow.tag`) if the policy needs this step's."""
         if self.observed is not None and self.num_steps and self.policy.observes(self.num_steps - 1):
             self.observed.tag(keys, layer_idx)
+        if self.scoring is not None:
+            self.scoring.tag(keys, layer_idx)
 
     def select_rows(self, idx: list[int]) -> None:
         """The cache's rows became copies of rows `idx`: recorded queries follow them."""
         if self.observed is not None:
             self.observed.select_rows(idx)
+        if self.scoring is not None:
+            self.scoring.select_rows(idx)
+
+    # -- scoring by a reconstruction pass (KVzip, `hf_pagedkv.compress_context`) --------------------------------------
+    def begin_scoring(self, held: int) -> None:
+        """From now on, the attention of every step scores the `held` tokens the rows hold now (`ContextScores`).
+
+        Raises:
+            ValueError: the policy is not scored this way (`reconstructs`), or the rows already evicted tokens.
+        """
+        if not self.policy.reconstructs:
+            raise ValueError(f"retention={self.policy!r} does not compress by a reconstruction pass; use "
+                             "hf_pagedkv.KVzip(...) for compress_context.")
+        if self.num_evicted:
+            raise ValueError(f"the cache already evicted {self.num_evicted} tokens per row: compress_context "
+                             "compresses a context once, right after its prefill.")
+        self.scoring = ContextScores(held)
+
+    def end_scoring(self) -> dict[int, torch.Tensor]:
+        """Stop scoring; the scores per layer index, `[batch, num_kv_heads, held]` each (empty if none)."""
+        scores, self.scoring = ({} if self.scoring is None else self.scoring.scores), None
+        return scores
+
+    def compress(self, cache: RetentionOwner, scores: dict[int, torch.Tensor]) -> None:
+        """Compact every (row, layer, head) to the policy's `keep_for(held)` best-`scores` tokens, as `evict` does
+        for a compaction.
+
+        Raises:
+            ValueError: a layer has no scores (its attention is not ``"hf_pagedkv"``), or they do not cover exactly
+                the held tokens of every row (nothing changed then).
+            PoolExhaustedError: as `evict`.
+        """
+        groups = cache.retention_tables()
+        if not groups or not groups[0].rows:
+            raise ValueError("compress_context: the cache holds no tokens; prefill the context first.")
+        rows, held = len(groups[0].rows), groups[0].rows[0].num_tokens
+        layers = cache.retention_layers()
+        missing = [layer.layer_idx for layer in layers if layer.is_initialized and layer.layer_idx not in scores]
+        if missing:
+            raise ValueError(
+                f"retention={self.policy!r} scores the context by the attention of a reconstruction pass, but the "
+                f"attention of layers {missing[:8]}{'...' if len(missing) > 8 else ''} scored nothing: load the "
+                'model with attn_implementation="hf_pagedkv" (or call model.set_attn_implementation("hf_pagedkv")). '
+                "Nothing was evicted.")
+        bad = {tuple(s.shape[::2]) for s in scores.values()} - {(rows, held)}
+        if bad:
+            raise ValueError(f"retention={self.policy!r}: scores of (rows, tokens) {sorted(bad)} do not match the "
+                             f"{rows} rows of {held} tokens the cache holds; nothing was evicted.")
+        keep = self.policy.keep_for(held)
+        if 0 < keep < held:
+            sizes = [sum(layer.group == rt.group for layer in layers) for rt in groups]
+            self._compact(cache, groups, self.policy.tier_budgets(keep, held, sizes, cache.block_size), scores)
 
     # -- per step ----------------------------------------------------------------------------------------------------
     def before_step(self, cache: RetentionOwner, new: int) -> None:
@@ -164,10 +222,13 @@ class Evictor:
                                      positions[0])
         self._evicted(cache, held - n, n, {rt.group: freed})
 
-    def _compact(self, cache: RetentionOwner, groups: list[RowTables], keeps: list[int]) -> None:
+    def _compact(self, cache: RetentionOwner, groups: list[RowTables], keeps: list[int],
+                 scores: dict[int, torch.Tensor] | None = None) -> None:
         """Each (row, layer, head) of group ``groups[i]`` keeps the policy's ``keeps[i]`` tokens, written into fresh
         blocks (slot `j`: the head's `j`-th kept token); then the old blocks are freed. ``keeps[0]`` is the most, and
-        a group keeping ``d * block_size`` fewer drops its first `d` logical block positions instead."""
+        a group keeping ``d * block_size`` fewer drops its first `d` logical block positions instead. `scores`
+        (layer -> `[rows, num_kv_heads, held]`) are what `select` gets for a policy scored by a reconstruction pass
+        (`KVzip`)."""
         pool, B = cache.pool, cache.block_size
         held, span = groups[0].rows[0].num_tokens, keeps[0]
         assert all(0 < k <= span and (span - k) % B == 0 for k in keeps), f"tier budgets {keeps} of {span}"
@@ -184,12 +245,13 @@ class Evictor:
         rows_idx, layers, freed = torch.tensor(writers), cache.retention_layers(), {}
         for rt, keep in zip(groups, keeps):
             freed[rt.group] = self._compact_group(cache, rt, [layer for layer in layers if layer.group == rt.group],
-                                                  keep, span, by_table, rows_idx)
+                                                  keep, span, by_table, rows_idx, scores)
         self.num_intact_blocks = 0
         self._evicted(cache, span, held - span, freed, {rt.group: k for rt, k in zip(groups, keeps)})
 
     def _compact_group(self, cache: RetentionOwner, rt: RowTables, layers: list, keep: int, span: int,
-                       by_table: dict[tuple, list[int]], rows_idx: torch.Tensor) -> list[int]:
+                       by_table: dict[tuple, list[int]], rows_idx: torch.Tensor,
+                       scores: dict[int, torch.Tensor] | None = None) -> list[int]:
         """`_compact` in one layer group (its blocks reserved): the kept tokens of `layers` into fresh blocks at the
         logical positions ``span - keep .. span - 1``; returns the block ids let go."""
         pool, B, g = cache.pool, cache.block_size, rt.group
@@ -209,7 +271,10 @@ class Evictor:
             device = layer.spec.device
             k, v = cache.read_layer(layer, rt.window_start(layer.num_tokens))  # [batch, heads, held, dim] each
             observed = None
-            if self.observed is not None:
+            if scores is not None:
+                s = scores[layer.layer_idx]  # [rows, num_kv_heads, held]
+                observed = s.index_select(0, rows_idx.to(s.device)) if len(writers) < s.shape[0] else s
+            elif self.observed is not None:
                 q = self.observed.queries[layer.layer_idx]  # [batch, num_heads, w, head_dim]
                 observed = (q.index_select(0, rows_idx.to(q.device)) if len(writers) < q.shape[0] else q,
                             self.observed.scaling[layer.layer_idx])
@@ -256,6 +321,13 @@ class Evictor:
                                    tokens=tokens, group=g if len(freed) > 1 else None)
 
     # -- checks ------------------------------------------------------------------------------------------------------
+    def check_scoring(self, cache: RetentionOwner, num_rows: int) -> list[str]:
+        """What breaks the reconstruction scores' invariant (`ContextScores.check`); empty when none are kept."""
+        if self.scoring is None:
+            return []
+        heads = {layer.layer_idx: layer.spec.num_kv_heads for layer in cache.retention_layers() if layer.is_initialized}
+        return self.scoring.check(num_rows, heads)
+
     def check_crop(self, new_len: int) -> None:
         """Raise `ValueError` if a crop to `new_len` held tokens reaches into what an eviction left."""
         if self.num_evictions and new_len < self.num_held_after_eviction:

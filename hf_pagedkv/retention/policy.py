@@ -31,6 +31,9 @@ class RetentionPolicy:
     #: a query-aware policy scores tokens by the attention of recorded queries (`QueryWindow`, given through the
     #: ``"hf_pagedkv"`` attention implementation) and says which steps it `observes`
     needs_queries = False
+    #: a policy that compresses only through a reconstruction pass (`KVzip`, `hf_pagedkv.compress_context`),
+    #: which it gets as `select`'s `observed` scores; it implements `keep_for(held)`
+    reconstructs = False
 
     def plan(self, held: int, seen: int, new: int, block_size: int, step: int = 0) -> EvictionPlan:
         """What to evict before forward step number `step` (0 for the first) that adds `new` tokens to rows holding

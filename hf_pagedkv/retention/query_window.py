@@ -16,6 +16,12 @@ def recorder_of(keys: torch.Tensor) -> Callable[[torch.Tensor, float], None] | N
     return getattr(keys, _ATTR, None)
 
 
+def attach_recorder(keys: torch.Tensor, record: Callable[[torch.Tensor, float], None]) -> None:
+    """Ask the ``"hf_pagedkv"`` attention that receives `keys` to call ``record(query, scaling)`` before it attends
+    (`QueryWindow.tag`, `ContextScores.tag`)."""
+    setattr(keys, _ATTR, record)
+
+
 class QueryWindow:
     """The queries of the last `window` tokens of one forward step, per layer, as the attention saw them.
 
@@ -35,7 +41,7 @@ class QueryWindow:
 
     def tag(self, keys: torch.Tensor, layer_idx: int) -> None:
         """Ask the attention of layer `layer_idx` for its queries (through the keys the cache returns to it)."""
-        setattr(keys, _ATTR, functools.partial(self.record, layer_idx))
+        attach_recorder(keys, functools.partial(self.record, layer_idx))
 
     def record(self, layer_idx: int, query: torch.Tensor, scaling: float) -> None:
         """Keep the last `window` queries of `query` `[batch, num_heads, q, head_dim]` (a copy: the step's query

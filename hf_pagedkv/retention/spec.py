@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from hf_pagedkv.retention.key_diff import KeyDiff
 from hf_pagedkv.retention.key_norm import KeyNorm
+from hf_pagedkv.retention.kv_zip import KVzip
 from hf_pagedkv.retention.policy import RetentionPolicy
 from hf_pagedkv.retention.pyramid_kv import PyramidKV
 from hf_pagedkv.retention.sink_window import SinkWindow
@@ -11,9 +12,11 @@ from hf_pagedkv.retention.snap_kv import SnapKV
 
 SPEC_HELP = ("sink_window:SINK:WINDOW (StreamingLLM), key_norm:BUDGET or key_norm:RATIO, key_diff:BUDGET or "
              "key_diff:RATIO, snapkv:BUDGET or snapkv:RATIO (SnapKV; needs attn_implementation=\"hf_pagedkv\"), "
-             "pyramidkv:BUDGET or pyramidkv:RATIO (PyramidKV, 4 tiers; the same attention) "
+             "pyramidkv:BUDGET or pyramidkv:RATIO (PyramidKV, 4 tiers; the same attention), "
+             "kv_zip:BUDGET or kv_zip:RATIO (KVzip; needs the same attention and compress_context) "
              "(BUDGET: tokens kept; RATIO: a float in (0, 1), the fraction of the prompt removed)")
-_IMPORTANCE = {"key_norm": KeyNorm, "key_diff": KeyDiff, "snapkv": SnapKV, "snap_kv": SnapKV}
+_IMPORTANCE = {"key_norm": KeyNorm, "key_diff": KeyDiff, "snapkv": SnapKV, "snap_kv": SnapKV, "kv_zip": KVzip,
+               "kvzip": KVzip}
 _IMPORTANCE.update(pyramidkv=PyramidKV, pyramid_kv=PyramidKV)
 
 
@@ -21,7 +24,7 @@ def parse_retention(spec: str) -> RetentionPolicy:
     """``"sink_window:4:1024"`` -> `SinkWindow(4, 1024)`; ``"key_norm:512"`` -> `KeyNorm(budget=512)`;
     ``"key_diff:0.5"`` -> `KeyDiff(compression_ratio=0.5)`; ``"snapkv:0.5"`` (or ``"snap_kv:0.5"``) ->
     `SnapKV(compression_ratio=0.5)`; ``"pyramidkv:0.5"`` (or ``"pyramid_kv:0.5"``) ->
-    `PyramidKV(compression_ratio=0.5)`.
+    `PyramidKV(compression_ratio=0.5)`; ``"kv_zip:0.5"`` (or ``"kvzip:0.5"``) -> `KVzip(compression_ratio=0.5)`.
 
     Raises:
         ValueError: an unknown policy name or malformed numbers (the message lists the forms, `SPEC_HELP`).

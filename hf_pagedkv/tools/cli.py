@@ -76,12 +76,18 @@ def _generate(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"hf-pagedkv generate: {e}", file=sys.stderr)
             return 2
-        if retention.needs_queries:  # SnapKV: the "hf_pagedkv" attention hands the prefill's queries to the cache
-            model.set_attn_implementation("hf_pagedkv")
+        if retention.needs_queries or retention.reconstructs:  # SnapKV, KVzip: the "hf_pagedkv" attention hands
+            model.set_attn_implementation("hf_pagedkv")  # the queries to the cache
     cache = PagedCache(block_size=args.block_size, config=model.config, quant=quant, retention=retention)
     t0 = time.perf_counter()
     set_seed(args.seed)  # the same seed for the --check run: sampling draws the same tokens from the same logits
     with torch.inference_mode():
+        if retention is not None and retention.reconstructs and input_ids.shape[1] > 1:
+            # KVzip: the prompt but its last token is the context, compressed once; generate feeds the last token
+            from hf_pagedkv.retention.compress import compress_context
+
+            model(input_ids[:, :-1], **cache_kwargs(cache), logits_to_keep=1)
+            compress_context(model, cache, input_ids[:, :-1], tokenizer=tokenizer)
         out = model.generate(input_ids, **cache_kwargs(cache), **gen)
     seconds = time.perf_counter() - t0
     new_tokens = out.sequences[0, input_ids.shape[1]:]

@@ -53,7 +53,8 @@ def test_memory_matched_columns(tiny, tmp_path):
 
 def test_passkey_examples_and_run(tiny, tmp_path):
     model, tokenizer = tiny
-    cfg = LongContextConfig(task="passkey", methods=["full", "sink_window", "key_norm", "snap_kv"], contexts=[256],
+    cfg = LongContextConfig(task="passkey", methods=["full", "sink_window", "key_norm", "snap_kv", "kv_zip"],
+                            contexts=[256],
                             depths=[10, 90], ratios=[0.5], num_keys=2, recent_tokens=16, data_dir=str(DATA_DIR),
                             output_dir=str(tmp_path))
     from eval.config import EvalConfig
@@ -71,7 +72,7 @@ def test_passkey_examples_and_run(tiny, tmp_path):
     before = model.config._attn_implementation
     metrics = run(cfg, model, tokenizer)
     assert model.config._attn_implementation == before  # snap_kv's "hf_pagedkv" attention was only for the run
-    assert set(metrics["passkey"]) == {"full", "sink_window@0.5", "key_norm@0.5", "snap_kv@0.5"}
+    assert set(metrics["passkey"]) == {"full", "sink_window@0.5", "key_norm@0.5", "snap_kv@0.5", "kv_zip@0.5"}
     assert all(0 <= m["accuracy"] <= 1 and m["examples"] == 4 for m in metrics["passkey"].values())
     records = [json.loads(line) for line in open(cfg.run_dir() / "predictions.jsonl")]
     full = [r for r in records if r["method"] == "full"]
@@ -81,6 +82,10 @@ def test_passkey_examples_and_run(tiny, tmp_path):
     assert all(r["tokens_held"] == int(len(ex["context_ids"]) * 0.5) + len(ex["question_ids"])
                for r, ex in zip(snap, examples))
     assert all(s["bytes_in_use"] < f["bytes_in_use"] for s, f in zip(snap, full))
+    zipped = [r for r in records if r["method"] == "kv_zip"]  # compressed by its reconstruction pass, then the question
+    assert all(r["tokens_held"] == int(len(ex["context_ids"]) * 0.5) + len(ex["question_ids"])
+               for r, ex in zip(zipped, examples))
+    assert all(z["bytes_in_use"] == s["bytes_in_use"] for z, s in zip(zipped, snap))  # the same budget's blocks
     assert "kvpress's convention" in (cfg.run_dir() / "report.md").read_text()
     inside = LongContextConfig(**{**cfg.to_dict(), "question_in_prompt": True, "methods": ["full", "snap_kv"]})
     assert "-qin-" in inside.run_dir().name and "-qin-" not in cfg.run_dir().name

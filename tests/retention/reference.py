@@ -156,12 +156,11 @@ def snapkv_reference(model, x: torch.Tensor, prompt: int, keep: int | dict[int, 
     layer index -> tokens kept: PyramidKV)."""
     _register_reference_attention()
     before = model.config._attn_implementation
-    n = x.shape[1]
     try:
         model.set_attn_implementation("test_capture")
         with torch.no_grad():
             model(x[:, :prompt], use_cache=False)
-        masks = {}
+        kept = {}
         for layer, (q, k, scaling) in _CAPTURED.items():
             score = reference_snapkv_scores(q, k, scaling, window, kernel, pooling)  # [batch, H, prompt]
             protected = torch.zeros(prompt, dtype=torch.bool)
@@ -169,12 +168,28 @@ def snapkv_reference(model, x: torch.Tensor, prompt: int, keep: int | dict[int, 
             protected[max(0, prompt - window):] = True
             score = torch.where(protected, torch.full_like(score, float("inf")), score)
             n_keep = keep[layer] if isinstance(keep, dict) else keep
-            kept = score.argsort(dim=-1, descending=True, stable=True)[..., :n_keep]  # [batch, H, keep]
-            visible = torch.ones(x.shape[0], k.shape[1], n, n, dtype=torch.bool).tril()  # causal
-            visible[:, :, prompt:, :prompt] = False
-            seen = torch.zeros(x.shape[0], k.shape[1], prompt, dtype=torch.bool).scatter_(-1, kept, True)
-            visible[:, :, prompt:, :prompt] = seen[:, :, None, :]
-            masks[layer] = visible
+            kept[layer] = score.argsort(dim=-1, descending=True, stable=True)[..., :n_keep]  # [batch, H, keep]
+    finally:
+        model.set_attn_implementation(before)
+        _CAPTURED.clear()
+    return kept_heads_reference(model, x, prompt, kept)
+
+
+def kept_heads_reference(model, x: torch.Tensor, prompt: int, kept: dict[int, torch.Tensor]) -> torch.Tensor:
+    """Logits of `x` `[batch, n]` in one pass without a cache where, from token `prompt` on, KV head `h` of layer
+    `l` sees only the prompt tokens ``kept[l][:, h]`` (`[batch, num_kv_heads, keep]` indices) plus the causal part
+    of the later tokens; the prompt's own tokens see the causal prompt. Positions are the true ones."""
+    _register_reference_attention()
+    before = model.config._attn_implementation
+    n = x.shape[1]
+    masks = {}
+    for layer, idx in kept.items():
+        batch, H, _ = idx.shape
+        visible = torch.ones(batch, H, n, n, dtype=torch.bool).tril()  # causal
+        seen = torch.zeros(batch, H, prompt, dtype=torch.bool).scatter_(-1, idx, True)
+        visible[:, :, prompt:, :prompt] = seen[:, :, None, :]
+        masks[layer] = visible
+    try:
         _HEAD_MASKS.clear()
         _HEAD_MASKS.update(masks)
         model.set_attn_implementation("test_head_masked")
@@ -182,5 +197,38 @@ def snapkv_reference(model, x: torch.Tensor, prompt: int, keep: int | dict[int, 
             return model(x, use_cache=False).logits
     finally:
         model.set_attn_implementation(before)
-        _CAPTURED.clear()
         _HEAD_MASKS.clear()
+
+
+def reference_kvzip_scores(model, context: torch.Tensor, prompt: list[int]) -> dict[int, torch.Tensor]:
+    """KVzip's scores `{layer: [batch, kv_heads, n]}` written out plainly: the model under eager attention, without
+    a cache, over the context, the repeat prompt and the context again (`output_attentions`); each context token's
+    highest attention weight from any query after the context, over the query heads of its KV head."""
+    batch, n = context.shape
+    x = torch.cat([context, torch.tensor(prompt, dtype=torch.long)[None].expand(batch, -1), context], 1)
+    before = model.config._attn_implementation
+    H = model.config.num_key_value_heads
+    try:
+        model.set_attn_implementation("eager")
+        with torch.no_grad():
+            attentions = model(x, use_cache=False, output_attentions=True).attentions  # [batch, heads, T, T] each
+    finally:
+        model.set_attn_implementation(before)
+    out = {}
+    for layer, a in enumerate(attentions):
+        w = a[:, :, n:, :n].amax(dim=2)  # [batch, num_heads, n]: the reconstruction queries' highest weight
+        out[layer] = w.view(batch, H, -1, n).amax(dim=2)  # [batch, H, n]: over the KV head's query heads
+    return out
+
+
+def reference_kvzip_kept(scores: dict[int, torch.Tensor], keep: int, sink: int, recent: int) -> dict[int, torch.Tensor]:
+    """The kept indices `{layer: [batch, kv_heads, keep]}` (ascending) of the best `scores`, sinks and recent first."""
+    kept = {}
+    for layer, s in scores.items():
+        n = s.shape[-1]
+        protected = torch.zeros(n, dtype=torch.bool)
+        protected[:sink] = True
+        protected[max(0, n - recent):] = True
+        s = torch.where(protected, torch.full_like(s, float("inf")), s)
+        kept[layer] = s.argsort(dim=-1, descending=True, stable=True)[..., :keep].sort(dim=-1).values
+    return kept

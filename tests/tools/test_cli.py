@@ -273,16 +273,17 @@ def test_eval_help_names_its_command_and_each_default_once(argv, prog, capsys):
     assert "(default: wikitext-2-raw/wiki.test.raw for perplexity, qmsum/test.jsonl for summarization)" in flat
 
 
-def test_generate_with_a_query_aware_retention_policy(monkeypatch, capsys):
+@pytest.mark.parametrize("spec, name", [("snapkv:0.5", "SnapKV"), ("kv_zip:0.5", "KVzip")])
+def test_generate_with_a_query_aware_retention_policy(monkeypatch, capsys, spec, name):
     cli = _cli_with_tiny_model(monkeypatch)
     model = cli.load_model()[0]
     before = model.config._attn_implementation
     try:
         argv = ["generate", "--no-chat", "--prompt", "The history of the city " * 12, "--max-new-tokens", "4",
-                "--retention", "snapkv:0.5"]
+                "--retention", spec]
         assert cli.main(argv) == 0
         out = capsys.readouterr().out
-        assert "retention SnapKV(" in out and "(1 evictions)" in out  # the prompt was compressed once
+        assert f"retention {name}(" in out and "(1 evictions)" in out  # the prompt was compressed once
         assert model.config._attn_implementation == "hf_pagedkv"  # the CLI switched to the attention SnapKV needs
     finally:
         model.set_attn_implementation(before)

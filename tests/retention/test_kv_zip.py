@@ -1,0 +1,204 @@
+"""`KVzip`, the query-agnostic policy: `compress_context` runs a reconstruction pass (a repeat prompt, then the context
+again) through the cache, the ``"hf_pagedkv"`` attention scores each context token by the highest attention weight it
+receives, the reconstruction tokens are cropped and each (layer, KV head) keeps its best tokens compactly -- checked
+against eager attention weights computed without a cache, and against a run whose every layer hides exactly each
+head's evicted positions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_pagedkv import BlockPool, KVzip, PagedCache, SnapKV, cache_kwargs, compress_context
+from hf_pagedkv.pool.block_table import num_blocks_for
+from hf_pagedkv.retention.spec import parse_retention
+from tests.conftest import ids, tiny_model
+from tests.retention.reference import (kept_heads_reference, reference_kvzip_kept, reference_kvzip_scores,
+                                       run_steps)
+from tests.tolerances import CROSS_STEP_LOGIT_ATOL
+
+B = 4
+N = 24  # context tokens
+PROMPT = [5, 6, 7]  # the repeat prompt's ids (any tokens: the tiny model is random)
+#: |weight difference| between the scores (fp32 matmul + softmax in the cache) and eager attention's fp32 weights:
+#: the same softmax over the same logits, summed in another order; weights are in [0, 1], so fp32 rounding of a few
+#: ulps of 1 (1.2e-7 each) stays far below 1e-5
+SCORE_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def llama(one_thread):
+    """The tiny Llama (4 query heads over 2 KV heads: GQA) with the "hf_pagedkv" attention, restored afterwards."""
+    model = tiny_model("llama")
+    before = model.config._attn_implementation
+    model.set_attn_implementation("hf_pagedkv")
+    yield model
+    model.set_attn_implementation(before)
+
+
+def prefilled(model, x, policy, **kwargs) -> PagedCache:
+    cache = PagedCache(block_size=B, config=model.config, retention=policy, debug=True, **kwargs)
+    run_steps(model, x, [x.shape[1]], cache)
+    return cache
+
+
+@pytest.mark.parametrize("chunk", [1024, 7, 5])  # one step; steps of 7 (in sdpa) and of 5 (read in place)
+def test_scores_equal_eager_attention_weights_and_the_cache_keeps_exactly_the_best(llama, chunk):
+    x = ids(2, N, seed=21)  # two different rows
+    policy = KVzip(compression_ratio=0.5, sink_tokens=2, recent_tokens=3, chunk_tokens=chunk)
+    cache = prefilled(llama, x, policy)
+    full_keys = [layer.keys.clone() for layer in cache.layers]  # [2, H, N, d] each, before the compression
+    full_values = [layer.values.clone() for layer in cache.layers]
+    scores = compress_context(llama, cache, x, prompt_ids=PROMPT)
+    want = reference_kvzip_scores(llama, x, PROMPT)
+    assert sorted(scores) == sorted(want)
+    for layer in want:
+        assert scores[layer].shape == (2, 2, N)
+        assert (scores[layer] - want[layer]).abs().max() < SCORE_ATOL, layer
+    # the reconstruction tokens are gone; every (row, layer, head) holds its 12 best context tokens, in order
+    keep = 12
+    kept = reference_kvzip_kept(want, keep, sink=2, recent=3)
+    stats = cache.retention_stats()
+    assert (cache.get_seq_length(), stats.tokens_seen, stats.tokens_held, stats.num_evictions) == (N, N, keep, 1)
+    for layer, (k, v) in enumerate(zip(full_keys, full_values)):
+        idx = kept[layer][..., None].expand(-1, -1, -1, k.shape[-1])  # [2, H, keep, d]
+        assert torch.equal(cache.layers[layer].keys, k.gather(2, idx))  # the kept keys, bit for bit
+        assert torch.equal(cache.layers[layer].values, v.gather(2, idx))
+    pool = cache.pool.stats()
+    assert pool.blocks_in_use == 2 * num_blocks_for(keep, B)  # the budget's blocks only: the rest went back
+    assert pool.bytes_in_use == pool.blocks_in_use * pool.bytes_per_block
+    cache.check_invariants()
+    cache.release()
+    assert cache.pool.stats().blocks_in_use == 0
+
+
+def test_the_question_after_the_compressed_context_equals_the_head_masked_reference(llama):
+    steps = [N, 5, 1, 1, 3]  # the context, a multi-token question, decoding, a multi-token step
+    x = ids(2, sum(steps), seed=22)
+    policy = KVzip(budget=10, sink_tokens=1, recent_tokens=2, chunk_tokens=8)
+    cache = prefilled(llama, x[:, :N], policy)
+    prefill = run_steps(llama, x[:, :N], [N], PagedCache(block_size=B, config=llama.config))
+    compress_context(llama, cache, x[:, :N], prompt_ids=PROMPT)
+    got = run_steps(llama, x[:, N:], steps[1:], cache, before=lambda c, s, q: c.check_invariants())
+    kept = reference_kvzip_kept(reference_kvzip_scores(llama, x[:, :N], PROMPT), 10, sink=1, recent=2)
+    want = kept_heads_reference(llama, x, N, kept)
+    assert (prefill - want[:, :N]).abs().max() < CROSS_STEP_LOGIT_ATOL  # the reference's context is the plain one
+    assert (got - want[:, N:]).abs().max() < CROSS_STEP_LOGIT_ATOL  # every step after the compression
+    full = run_steps(llama, x, steps, PagedCache(block_size=B, config=llama.config))
+    assert (got - full[:, N:]).abs().max() > 1e-2  # the eviction really changed what attention saw
+    stats = cache.retention_stats()
+    assert (stats.tokens_seen, stats.tokens_held) == (sum(steps), 10 + sum(steps[1:]))
+    assert cache.pool.stats().blocks_in_use == 2 * num_blocks_for(10 + sum(steps[1:]), B)
+    cache.check_invariants()
+    cache.release()
+
+
+def test_generate_continues_from_the_compressed_cache(llama):
+    x = ids(1, N + 4, seed=23)  # the context, then a 4-token question
+    cache = prefilled(llama, x[:, :N], KVzip(budget=12, sink_tokens=2, recent_tokens=2, chunk_tokens=10))
+    compress_context(llama, cache, x[0, :N], prompt_ids=PROMPT)
+    out = llama.generate(x, **cache_kwargs(cache), max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True)
+    kept = reference_kvzip_kept(reference_kvzip_scores(llama, x[:, :N], PROMPT), 12, sink=2, recent=2)
+    want = kept_heads_reference(llama, x, N, kept)[:, -1]  # the question's last logits, head-masked
+    assert (out.logits[0] - want).abs().max() < CROSS_STEP_LOGIT_ATOL
+    assert out.sequences.shape == (1, N + 7) and torch.equal(out.sequences[:, : N + 4], x)
+    stats = cache.retention_stats()
+    assert (stats.tokens_seen, stats.tokens_held) == (N + 6, 12 + 6)  # generate fed only the question and 2 tokens
+    cache.check_invariants()
+    cache.release()
+
+
+def test_refusals_change_nothing(llama):
+    x = ids(1, N, seed=24)
+    pool = BlockPool(block_size=B)
+    cache = PagedCache(pool=pool, config=llama.config, retention=KVzip(budget=12, recent_tokens=2), debug=True)
+    with pytest.raises(ValueError, match="holds no tokens"):
+        compress_context(llama, cache, x, prompt_ids=PROMPT)
+    run_steps(llama, x, [N], cache)
+    tables = cache.block_tables()
+    llama.set_attn_implementation("sdpa")
+    try:
+        with pytest.raises(ValueError, match='attn_implementation="hf_pagedkv"'):
+            compress_context(llama, cache, x, prompt_ids=PROMPT)
+    finally:
+        llama.set_attn_implementation("hf_pagedkv")
+    with pytest.raises(ValueError, match="is \\(1, 20\\)"):
+        compress_context(llama, cache, x[:, :20], prompt_ids=PROMPT)
+    with pytest.raises(ValueError, match="must be"):
+        compress_context(llama, cache, torch.zeros(1, 2, 3, dtype=torch.long))
+    assert cache.block_tables() == tables and cache.get_seq_length() == N
+    cache.check_invariants()
+    compress_context(llama, cache, x, prompt_ids=PROMPT)
+    with pytest.raises(ValueError, match="already evicted"):
+        compress_context(llama, cache, x, prompt_ids=PROMPT)
+    assert cache.retention_stats().tokens_held == 12
+    cache.check_invariants()
+    cache.release()
+    assert pool.stats().blocks_in_use == 0
+    for retention in (None, SnapKV(budget=12, recent_tokens=4)):
+        other = PagedCache(block_size=B, config=llama.config, retention=retention)
+        run_steps(llama, x, [N], other)
+        with pytest.raises(ValueError, match="KVzip"):
+            compress_context(llama, other, x)
+        other.release()
+    with pytest.raises(ValueError, match="PagedCache"):
+        compress_context(llama, object(), x)
+
+
+def test_an_error_in_the_reconstruction_pass_crops_it_and_keeps_the_context(llama):
+    x = ids(1, N, seed=25)
+    cache = prefilled(llama, x, KVzip(budget=12, recent_tokens=2, chunk_tokens=8))
+    tables = cache.block_tables()
+    bad = [5] * 8 + [llama.config.vocab_size + 5]  # the first step (8 tokens) runs, the second fails in the embedding
+    with pytest.raises(IndexError):
+        compress_context(llama, cache, x, prompt_ids=bad)
+    assert cache.block_tables() == tables and cache.retention_stats().tokens_held == N  # the 8 tokens were cropped
+    cache.check_invariants()
+    compress_context(llama, cache, x, prompt_ids=PROMPT)  # and it can still be compressed
+    assert cache.retention_stats().tokens_held == 12
+    cache.release()
+
+
+def test_without_compress_context_nothing_is_evicted(llama):
+    x = ids(1, N + 3, seed=26)
+    cache = prefilled(llama, x[:, :N], KVzip(compression_ratio=0.5, recent_tokens=2))
+    got = run_steps(llama, x[:, N:], [2, 1], cache)
+    want = run_steps(llama, x, [N, 2, 1], PagedCache(block_size=B, config=llama.config))[:, N:]
+    assert torch.equal(got, want)  # the same steps as a cache without retention
+    assert cache.retention_stats().tokens_evicted == 0
+    cache.release()
+
+
+def test_bad_settings_are_refused_and_the_spec_knows_it():
+    with pytest.raises(ValueError, match="exactly one"):
+        KVzip()
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        KVzip(budget=64, chunk_tokens=0)
+    with pytest.raises(ValueError, match="budget"):
+        KVzip(budget=10, sink_tokens=4, recent_tokens=16)
+    with pytest.raises(ValueError, match="compression_ratio"):
+        KVzip(compression_ratio=1.5)
+    assert KVzip(budget=100).keep_for(300) == 100 and KVzip(budget=100).keep_for(50) == 50
+    assert KVzip(compression_ratio=0.75).keep_for(400) == 100
+    assert KVzip(compression_ratio=0.99, sink_tokens=4, recent_tokens=16).keep_for(400) == 21  # the protected ones
+    assert parse_retention("kv_zip:0.5") == KVzip(compression_ratio=0.5)
+    assert parse_retention("kvzip:256") == KVzip(budget=256)
+    with pytest.raises(ValueError, match="reconstruction pass"):
+        KVzip(budget=64).scores(torch.zeros(1, 2, 70, 8), None)
+
+
+def test_context_scores_keep_a_running_max_and_check_their_shape():
+    from hf_pagedkv.retention.context_scores import ContextScores
+
+    scores = ContextScores(num_context=3)
+    keys = torch.zeros(1, 1, 5, 2)  # 3 context keys, then the step's 2 tokens; equal logits: uniform weights
+    scores.tag(keys, layer_idx=0)
+    from hf_pagedkv.retention.query_window import recorder_of
+
+    recorder_of(keys)(torch.zeros(1, 2, 2, 2), 1.0)  # 2 query heads over 1 KV head, 2 queries
+    assert torch.allclose(scores.scores[0], torch.full((1, 1, 3), 1 / 4))  # the first query sees 4 keys: 1/4 each
+    assert scores.check(1, {0: 1}) == []
+    assert scores.check(2, {0: 1}) and scores.check(1, {0: 3})  # another batch or head count is reported
+    with pytest.raises(ValueError, match="must come before"):
+        scores.record(0, lambda: torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 2, 2), 1.0)  # 4 keys: 2 are the step's

@@ -1,0 +1,65 @@
+"""`KVzip` through `generate()` on the real SmolLM2-135M-Instruct, kvpress's convention: a ~300-token document with a
+passkey is prefilled, compressed by the reconstruction pass to half, and only then is the question given --
+`generate` continues from the compressed cache exactly as steps fed by hand do, and half the context's memory is
+given back. (Whether the key survives is the eval's question, `eval.long_context --methods kv_zip`: on this example
+it does not, see the README.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eval.config import EvalConfig
+from eval.data import load_text
+from eval.long_context_config import LongContextConfig
+from eval.tasks.passkey.prepare import make_examples
+from hf_pagedkv import BlockPool, KVzip, PagedCache, cache_kwargs, compress_context
+from tests.eval_helpers import DATA_DIR
+from tests.tolerances import CROSS_STEP_LOGIT_ATOL
+
+pytestmark = pytest.mark.model
+
+
+def test_generate_after_compress_context_continues_from_the_kept_tokens(smollm):
+    model, tok = smollm
+    cfg = LongContextConfig(task="passkey", contexts=[320], depths=[50], num_keys=1, data_dir=str(DATA_DIR))
+    ex = make_examples(cfg, tok, load_text(EvalConfig(data_dir=str(DATA_DIR))))[0]
+    context = torch.tensor([ex["context_ids"]])
+    x = torch.tensor([ex["context_ids"] + ex["question_ids"]])
+    n, q = context.shape[1], x.shape[1] - context.shape[1]
+    before = model.config._attn_implementation
+    model.set_attn_implementation("hf_pagedkv")
+    try:
+        pools, caches, scores = [], [], []
+        for _ in range(2):  # one for generate, one fed by hand
+            pools.append(BlockPool(block_size=16))
+            caches.append(PagedCache(pool=pools[-1], config=model.config, retention=KVzip(compression_ratio=0.5),
+                                     debug=True))
+            with torch.no_grad():
+                model(context, **cache_kwargs(caches[-1]))
+                scores.append(compress_context(model, caches[-1], context, tokenizer=tok))
+            assert caches[-1].get_seq_length() == n and caches[-1].retention_stats().tokens_held == n // 2
+        with torch.no_grad():
+            out = model.generate(x, **cache_kwargs(caches[0]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True)
+            step = model(x[:, n:], **cache_kwargs(caches[1]))  # the question as a new step, then greedy by hand
+            by_hand, logits = [], [step.logits[:, -1]]
+            for _ in range(5):
+                by_hand.append(logits[-1].argmax(-1, keepdim=True))
+                logits.append(model(by_hand[-1], **cache_kwargs(caches[1])).logits[:, -1])
+            by_hand.append(logits[-1].argmax(-1, keepdim=True))
+    finally:
+        model.set_attn_implementation(before)
+    assert all(torch.equal(a, b) for a, b in zip(scores[0].values(), scores[1].values()))  # the same pass
+    assert len(scores[0]) == model.config.num_hidden_layers
+    assert all(s.shape == (1, model.config.num_key_value_heads, n) and 0 <= s.min() and s.max() <= 1
+               for s in scores[0].values())
+    assert torch.equal(out.sequences[:, x.shape[1]:], torch.cat(by_hand, 1))  # generate fed only the question
+    assert all((a - b).abs().max() < CROSS_STEP_LOGIT_ATOL for a, b in zip(out.logits, logits))
+    for cache, pool in zip(caches, pools):
+        stats = cache.retention_stats()
+        assert (stats.tokens_seen, stats.tokens_held, stats.num_evictions) == (n + q + 5, n // 2 + q + 5, 1)
+        assert pool.stats().blocks_in_use == -(-(n // 2 + q + 5) // 16)  # the kept tokens' blocks only
+        cache.check_invariants()
+        cache.release()
+        assert pool.stats().blocks_in_use == 0

@@ -1,4 +1,4 @@
-"""`RowGather`: the flat row indices of a batch-major block gather from a `SegmentedTensor`, built once per step."""
+"""`RowGather`: the flat row indices of a batch-major gather from a `SegmentedTensor`, built once per step."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import torch
 
 @dataclass(frozen=True)
 class RowGather:
-    """Where every `(row, head, block)` of a batch-major gather reads, for tensors with the same segments and `d0`
-    (every layer's keys and values of a page store: built once per step, not per layer).
+    """Where every `(row, head, chunk)` of a batch-major gather reads, for tensors with the same segments and `d0`
+    (every layer's keys and values of a page store: built once per step, not per layer). A chunk is `size`
+    consecutive entries: one token (`size` 1, what `PageStore.read_blocks` gathers) or a whole block.
 
     A segment `[d0, n_s * size, d2]` (contiguous) is read as a matrix `[d0 * n_s, size * d2]`, so chunk `c` of head
     `h` is its row ``h * n_s + c``; one `index_select` of those rows along dim 0 gives the output
@@ -24,7 +25,7 @@ class RowGather:
             (rows whose chunk lies elsewhere read a clamped one, overwritten from `patches`).
         patches (`tuple`): `(segment, out_rows, src_rows)` for every other segment touched: output rows (`[m]`) and
             the rows of that segment's matrix they hold (`[m]`).
-        size (`int`): entries per chunk (the block size).
+        size (`int`): entries per chunk (1: tokens; `block_size`: blocks).
     """
 
     batch: int

@@ -2,6 +2,7 @@
 
     python benchmarks/batch_overhead.py                         # batch 1, 8, 32, 64 at 64-token contexts
     python benchmarks/batch_overhead.py --batches 8 --steps 4   # a smoke run
+    python benchmarks/batch_overhead.py --batches 64 --profile  # plus where the time goes (CPU ms per step)
 
 Both caches run the bundled SmolLM2-135M-Instruct (30 layers, 3 KV heads x 64, fp32) on the same random prompts:
 an untimed prefill of `--context` tokens per row, one untimed warm-up step, then `--steps` greedy decode steps
@@ -9,7 +10,9 @@ timed with `time.process_time` (this process's CPU time, steadier than wall time
 caches alternate within each round and the best of `--rounds` rounds is kept. The table gives ms per decode step,
 PagedCache minus DynamicCache (the cache-side overhead, since the model's work is the same), and the speed ratio
 (DynamicCache time / PagedCache time: above 1.0 means PagedCache is faster). Tokens must be identical (exit 1
-otherwise).
+otherwise). `--profile` also prints, per case, the CPU time per decode step inside the cache's `update` (for
+PagedCache split into its stores' `read` and `write`) and inside `scaled_dot_product_attention` (the attention
+reads what `update` returned); the wrappers that measure it cost a few microseconds per call.
 """
 
 from __future__ import annotations
@@ -25,7 +28,34 @@ from transformers import DynamicCache
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hf_pagedkv import PagedCache, cache_kwargs  # noqa: E402
+from hf_pagedkv.storage.page_store import PageStore  # noqa: E402
 from hf_pagedkv.tools.models import load_model  # noqa: E402
+
+PARTS = {}  # part name -> CPU seconds accumulated while `Profile.on` (only with --profile)
+
+
+class Profile:
+    """CPU-time accumulators around the cache's `update`, the page store's `read` / `write` and sdpa."""
+
+    on = False
+
+    @classmethod
+    def install(cls) -> None:
+        for owner, name, part in ((DynamicCache, "update", "update"), (PagedCache, "update", "update"),
+                                  (PageStore, "read", "store read"), (PageStore, "write", "store write"),
+                                  (torch.nn.functional, "scaled_dot_product_attention", "sdpa")):
+            setattr(owner, name, cls._timed(getattr(owner, name), part))
+
+    @classmethod
+    def _timed(cls, fn, part: str):
+        def timed(*args, **kwargs):
+            t0 = time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if cls.on:
+                    PARTS[part] = PARTS.get(part, 0.0) + time.process_time() - t0
+        return timed
 
 
 def decode(model, prompt: torch.Tensor, make_cache, steps: int) -> tuple[float, torch.Tensor]:
@@ -35,11 +65,14 @@ def decode(model, prompt: torch.Tensor, make_cache, steps: int) -> tuple[float, 
     with torch.inference_mode():
         tok = model(prompt, **cache_kwargs(cache), logits_to_keep=1).logits[:, -1:].argmax(-1)
         tok = model(tok, **cache_kwargs(cache), logits_to_keep=1).logits[:, -1:].argmax(-1)  # warm-up
+        PARTS.clear()
+        Profile.on = True
         t0 = time.process_time()
         for _ in range(steps):
             tok = model(tok, **cache_kwargs(cache), logits_to_keep=1).logits[:, -1:].argmax(-1)
             out.append(tok)
         dt = (time.process_time() - t0) / steps
+        Profile.on = False
     if isinstance(cache, PagedCache):
         cache.release()
     return dt, torch.cat(out, 1)
@@ -52,8 +85,11 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps per case")
     ap.add_argument("--rounds", type=int, default=3, help="rounds; the best per case is kept")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--profile", action="store_true", help="also print CPU ms per step of update, read, write, sdpa")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.profile:
+        Profile.install()
     model, _ = load_model()
     g = torch.Generator().manual_seed(0)
     batches = [int(b) for b in args.batches.split(",")]
@@ -61,6 +97,7 @@ def main(argv=None) -> int:
     caches = {"DynamicCache": lambda: DynamicCache(config=model.config),
               "PagedCache": lambda: PagedCache(config=model.config)}
     best: dict[tuple, float] = {}
+    parts: dict[tuple, dict[str, float]] = {}  # (cache, batch) -> the parts of its best round, ms per step
     status = 0
     for r in range(args.rounds):
         for b in batches:
@@ -68,7 +105,9 @@ def main(argv=None) -> int:
             tokens = {}
             for name in names:
                 dt, tokens[name] = decode(model, prompts[b], caches[name], args.steps)
-                best[(name, b)] = min(best.get((name, b), float("inf")), dt)
+                if dt < best.get((name, b), float("inf")):
+                    best[(name, b)] = dt
+                    parts[(name, b)] = {k: v / args.steps * 1e3 for k, v in PARTS.items()}
             if not torch.equal(tokens["DynamicCache"], tokens["PagedCache"]):
                 print(f"batch {b}: tokens differ between the caches", file=sys.stderr)
                 status = 1
@@ -80,6 +119,16 @@ def main(argv=None) -> int:
     for b in batches:
         d, p = best[("DynamicCache", b)] * 1e3, best[("PagedCache", b)] * 1e3
         print(f"| {b} | {d:.1f} | {p:.1f} | {p - d:+.1f} | {d / p:.2f}x |")
+    if args.profile:
+        print("\nwhere the time goes, CPU ms per decode step (the best round of each case)")
+        print("| batch | cache | step | update | store read | store write | sdpa |")
+        print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+        for b in batches:
+            for name in caches:
+                q = parts[(name, b)]
+                cells = " | ".join(f"{q[k]:.1f}" if k in q else "-" for k in ("update", "store read", "store write",
+                                                                                 "sdpa"))
+                print(f"| {b} | {name} | {best[(name, b)] * 1e3:.1f} | {cells} |")
     return status
 
 

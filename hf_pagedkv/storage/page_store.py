@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_pagedkv.storage.read_request import ReadRequest
+from hf_pagedkv.storage.row_gather import RowGather
 from hf_pagedkv.storage.segment_split import SegmentSplit
 from hf_pagedkv.storage.segmented_tensor import SegmentedTensor
 
@@ -62,10 +63,10 @@ class PageStore:
         self.specs: dict[int, LayerSpec] = {}  # layer_idx -> spec; set once per layer by `add_layer`
         self.keys: dict[int, SegmentedTensor] = {}  # layer_idx -> [num_kv_heads, num_blocks * block_size, key_dim]
         self.values: dict[int, SegmentedTensor] = {}  # layer_idx -> [.., value_dim]
-        # (id(index), chunk size) -> (index, its SegmentSplit): one step's index tensors, split once for every layer
-        # (all layers have the same segments). Cleared by `prepare_write`, `grow` and `shrink`; holding `index`
-        # keeps its id from being reused. The step's index tensors are never changed in place.
-        self._splits: dict[tuple[int, int], tuple[torch.Tensor, SegmentSplit]] = {}
+        # (id(index), chunk size[, d0]) -> (index, its SegmentSplit or RowGather): one step's index tensors, split
+        # once for every layer (all layers have the same segments). Cleared by `prepare_write`, `grow` and `shrink`;
+        # holding `index` keeps its id from being reused. The step's index tensors are never changed in place.
+        self._splits: dict[tuple[int, ...], tuple[torch.Tensor, SegmentSplit | RowGather]] = {}
 
     @property
     def bytes_per_block(self) -> int:
@@ -119,6 +120,22 @@ class PageStore:
         split = t.split(index, size)
         self._splits[key] = (source, split)
         return split
+
+    def token_gather(self, t: SegmentedTensor, blocks: torch.Tensor, offset: int, length: int) -> RowGather:
+        """The `RowGather` of tokens ``offset .. offset + length - 1`` of the rows of `blocks` (`[batch, n]`, in
+        token order), token by token, for every layer with `t`'s segments and heads: computed once per step."""
+        key = (id(blocks), offset, length, t.d0)
+        hit = self._splits.get(key)
+        if hit is not None and hit[0] is blocks:
+            return hit[1]
+        if len(self._splits) >= 16:
+            self._splits.clear()
+        B = self.block_size
+        pos = torch.arange(offset, offset + length, device=blocks.device)  # [length] token within the blocks read
+        slots = blocks[:, pos // B] * B + pos % B  # [batch, length] slot of each token
+        plan = t.row_gather(slots, 1)
+        self._splits[key] = (blocks, plan)
+        return plan
 
     def grow(self, num_blocks: int) -> None:
         """Extend every layer to `num_blocks` blocks by one new segment; existing blocks are not touched (no copy)."""
@@ -219,8 +236,10 @@ class PageStore:
 
     def read_blocks(self, layer_idx: int, blocks: torch.Tensor, offset: int,
                     length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of several rows, gathered block by block (one `index_select` of whole blocks per tensor: copies of
-        `block_size * head_dim` elements, not of single tokens).
+        """K/V of several rows, gathered into the contiguous `[batch, num_kv_heads, length, head_dim]` tensors
+        `DynamicCache`'s `torch.cat` returns: one `index_select` of `head_dim`-element rows per tensor for the whole
+        batch (exactly the tokens read, no slot past a row's last token), with row indices (`token_gather`)
+        computed once per step for every layer.
 
         Args:
             blocks (`torch.LongTensor` of shape `[batch, n]`): each row's blocks, in token order.
@@ -228,19 +247,12 @@ class PageStore:
                 (``offset + length <= n * block_size``).
 
         Returns:
-            keys, values of shape `[batch, num_kv_heads, length, head_dim]`: each row's head a contiguous
-            `[length, head_dim]` matrix, the batch and head strides swapped (a view of the block gather).
+            keys, values of shape `[batch, num_kv_heads, length, head_dim]`, contiguous (new tensors).
         """
-        batch, n = blocks.shape
-        B, flat = self.block_size, blocks.reshape(-1)
         out = []
         for store in (self.keys, self.values):
             t = store[layer_idx]  # [num_kv_heads, slots, dim]
-            heads, dim = t.shape[0], t.shape[-1]
-            split = self.split(t, flat, B, source=blocks)  # once per step for all layers
-            g = t.index_select_chunks(flat, B, split)  # [num_kv_heads, batch * n, B * dim]
-            g = g.view(heads, batch, n * B, dim).narrow(2, offset, length)
-            out.append(g.transpose(0, 1))  # [batch, num_kv_heads, length, dim]
+            out.append(t.gather_rows(self.token_gather(t, blocks, offset, length)))  # [batch, heads, length, dim]
         return out[0], out[1]
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:

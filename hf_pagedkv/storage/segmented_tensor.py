@@ -6,6 +6,7 @@ import bisect
 
 import torch
 
+from hf_pagedkv.storage.row_gather import RowGather
 from hf_pagedkv.storage.segment_split import SegmentSplit
 
 
@@ -104,6 +105,39 @@ class SegmentedTensor:
                 pos = (seg == s).nonzero().squeeze(1)  # [n_s] entries of `index` in segment s
                 parts.append((s, pos, index.index_select(0, pos) - starts[s]))
         return SegmentSplit(base, base_local, tuple(parts), size)
+
+    def row_gather(self, index: torch.Tensor, size: int, split: SegmentSplit | None = None) -> RowGather:
+        """The plan of `gather_rows` for chunk ids `index` (`[batch, n]` int64, chunks of `size` entries);
+        `split`: ``self.split(index.reshape(-1), size)`` when the caller has it. Reusable by every tensor with
+        these segments and this `d0`."""
+        batch, n = index.shape
+        split = split if split is not None else self.split(index.reshape(-1), size)
+        assert split.size == size, "the split was made for another chunk size"
+        heads = torch.arange(self.d0, device=index.device).view(1, self.d0, 1)  # [1, d0, 1]
+
+        def chunks(s: int) -> int:  # chunks in segment s: head h's chunk c is row h * chunks(s) + c of its matrix
+            return self.segments[s].shape[1] // size
+
+        base_rows = heads * chunks(split.base) + split.base_local.view(batch, 1, n)  # [batch, d0, n]
+        patches = []
+        for s, pos, local in split.patches:  # pos: entries b * n + j of the [batch * n] index, local: their chunks
+            row, col = (pos // n).view(-1, 1), (pos % n).view(-1, 1)  # [m, 1] each
+            out_rows = (row * self.d0 + heads.view(1, -1)) * n + col  # [m, d0] rows of the output matrix
+            src_rows = heads.view(1, -1) * chunks(s) + local.view(-1, 1)  # [m, d0] rows of segment s's matrix
+            patches.append((s, out_rows.reshape(-1), src_rows.reshape(-1)))
+        return RowGather(batch, self.d0, n, split.base, base_rows.reshape(-1), tuple(patches), size)
+
+    def gather_rows(self, plan: RowGather) -> torch.Tensor:
+        """Whole chunks of `size` entries for a batch, batch-major: `[batch, d0, n * size, d2]` contiguous, where
+        ``out[b, h, j * size + i] = self[h, index[b, j] * size + i]`` for the `index` the plan was made from. One
+        `index_select` along dim 0 of the base segment's `[d0 * n_s, size * d2]` matrix, plus one per other segment
+        touched (copied over its rows)."""
+        width = plan.size * self.d2
+        base = self.segments[plan.base].view(-1, width)  # [d0 * n_base, size * d2]
+        out = base.index_select(0, plan.base_rows)  # [batch * d0 * n, size * d2]
+        for s, out_rows, src_rows in plan.patches:
+            out.index_copy_(0, out_rows, self.segments[s].view(-1, width).index_select(0, src_rows))
+        return out.view(plan.batch, self.d0, plan.n * plan.size, self.d2)  # [batch, d0, n * size, d2]
 
     def _view(self, s: int, size: int) -> torch.Tensor:
         seg = self.segments[s]

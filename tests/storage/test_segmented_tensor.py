@@ -84,3 +84,54 @@ def test_page_store_splits_a_step_index_once_for_all_layers_and_forgets_it_when_
         whole = store.keys[layer].materialize()  # [heads, slots, dim]
         slots = (blocks[:, :, None] * store.block_size + torch.arange(store.block_size)).reshape(2, -1)
         assert torch.equal(got, whole[:, slots].transpose(0, 1))
+
+
+@pytest.mark.parametrize("lengths", [[12], [4, 8], [8, 4, 12]])
+@pytest.mark.parametrize("size", [1, 4])
+def test_gather_rows_is_a_contiguous_batch_major_gather_equal_to_a_plain_tensor(lengths, size):
+    t, plain = make(lengths, d0=3, d2=2, seed=len(lengths) + size)
+    n = sum(lengths) // size  # chunks (every segment length is a multiple of 4)
+    g = torch.Generator().manual_seed(size)
+    index = torch.randint(0, n, (5, 3), generator=g)  # [batch, chunks per row]: spread over every segment
+    chunks = plain.view(3, n, size, 2)  # [d0, chunks, size, d2]
+    want = chunks[:, index].permute(1, 0, 2, 3, 4).reshape(5, 3, 3 * size, 2)  # [batch, d0, 3 * size, d2]
+    plan = t.row_gather(index, size)
+    got = t.gather_rows(plan)
+    assert got.is_contiguous() and torch.equal(got, want)
+    assert len(plan.patches) == len({s for s in torch.bucketize(index.reshape(-1) * size, torch.tensor(
+        t.starts[1:]), right=True).tolist()} - {plan.base})  # one patch per other segment touched
+    other, plain_other = make(lengths, d0=3, d2=5, seed=9)  # same segments and d0, another d2: the plan is reused
+    want_other = plain_other.view(3, n, size, 5)[:, index].permute(1, 0, 2, 3, 4).reshape(5, 3, 3 * size, 5)
+    assert torch.equal(other.gather_rows(plan), want_other)
+
+
+def test_page_store_reads_exactly_the_tokens_asked_contiguous_and_plans_the_gather_once_per_step():
+    from tests.storage.test_page_store import make_store  # noqa: PLC0415  (the page-store helpers)
+    store = make_store(num_blocks=2)
+    store.grow(5)  # segments of 2 and 3 blocks
+    for d in (store.keys, store.values):
+        for t in d.values():
+            t.index_copy_(1, torch.arange(t.length), torch.randn(t.shape).to(t.dtype))
+    B = store.block_size
+    blocks = torch.tensor([[0, 3, 4], [2, 1, 0], [4, 4, 4]])  # rows across the segment boundary, one repeating
+    built = []
+    real = type(store.keys[0]).row_gather
+
+    def counting(self, index, size, split=None):
+        built.append(size)
+        return real(self, index, size, split)
+
+    type(store.keys[0]).row_gather = counting
+    try:
+        for offset, length in ((0, 3 * B), (1, 2 * B), (B - 1, B + 2)):
+            built.clear()
+            for layer in store.specs:
+                k, v = store.read_blocks(layer, blocks, offset, length)
+                pos = torch.arange(offset, offset + length)
+                slots = blocks[:, pos // B] * B + pos % B  # [batch, length]
+                for got, t in ((k, store.keys[layer]), (v, store.values[layer])):
+                    assert got.shape == (3, t.d0, length, t.d2) and got.is_contiguous()  # DynamicCache's layout
+                    assert torch.equal(got, t.materialize()[:, slots].transpose(0, 1))
+            assert built == [1]  # one plan for every layer, keys and values
+    finally:
+        type(store.keys[0]).row_gather = real

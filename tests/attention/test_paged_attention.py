@@ -381,7 +381,8 @@ def _code_read(key_codec: str, value_codec: str, batch: int, offset: float, seed
     full = tuple(torch.cat((t, s), 2) for t, s in zip(tail, sink))  # [H, batch, tail | sink, D]
     read = CodeRead(0, 0, n * B + 3, B, (D, D), (kc, vc), (kcodes, vcodes), (kscales, vscales), full, 1)
     ref = []
-    for codec, codes, scales, t, s in ((kc, kcodes, kscales, tail[0], sink[0]), (vc, vcodes, vscales, tail[1], sink[1])):
+    for codec, codes, scales, t, s in ((kc, kcodes, kscales, tail[0], sink[0]),
+                                       (vc, vcodes, vscales, tail[1], sink[1])):
         dec = codec.decode(codes, scales, torch.empty(H, batch, n, B, D)).reshape(H, batch, n * B, D)
         dec[:, :, :1] = s  # the sink token replaces its codes
         ref.append(torch.cat((dec, t), 2))
@@ -416,7 +417,7 @@ def test_folded_key_scores_equal_decoded_scores():
     from hf_pagedkv.attention.paged_attention import _key_scores
 
     for name in ("int4", "int8", "int2"):
-        read, _, _ = _code_read(name if name != "int2" else "int2", "int4", batch=3, offset=2.0)
+        read, _, _ = _code_read(name, "int4", batch=3, offset=2.0)
         kc = read.codecs[0]
         codes, scales = read.codes[0], read.scales[0]
         H, batch, n, _ = codes.shape

@@ -123,22 +123,20 @@ def fp_attention(qh: torch.Tensor, parts: list, bias: torch.Tensor | None) -> to
 
 
 def code_attention(qh: torch.Tensor, read: CodeRead, bias: torch.Tensor | None, tile_tokens: int) -> torch.Tensor:
-    """Attention over a quantized read, the scales folded into the two products, one tile of codes at a time.
+    """Attention over a quantized read, de-quantizing one tile of codes at a time inside the two products.
 
-    Keys (quantized per channel: a scale `s_b` and zero `z_b` per block `b` and channel, KIVI's grouping) are never
-    de-quantized: the scores of block `b` are ``q . (s_b * c_t + z_b) = (q * s_b) . c_t + q . z_b``, so the codes
-    are only converted to the compute dtype and the query is scaled once per block, `[rows, head_dim]`, in one
-    batched product over every block of the tile (`_key_scores`). NOTE: a Python loop of one small product per
-    block was slower than decoding the keys (320 against 266 us at 2048 SmolLM2 tokens, one thread); one batched
-    product over `[blocks, rows, head_dim] x [blocks, head_dim, block_size]` is not (the scaled query, the product
-    and the zero term 147 us against 236 us for the decode's multiply-add and one product; best of 10, warm). Values (quantized per token: a scale and zero per token and channel
-    group) are not decoded either: the output is ``sum_t p_t (s_t c_t + z_t) = sum_t (p_t s_t) c_t + sum_t p_t z_t``,
-    so the probabilities are scaled instead. The scores of the whole read, `[H, batch, rows, end - pos0]`
+    Keys (quantized per channel: a scale and zero per block and channel, KIVI's grouping) are decoded one tile at a
+    time into a reused buffer and multiplied with the query in one product per tile. NOTE: folding the key scales
+    into the query instead (``q . (s * c + z) = (q * s) . c + q . z``) needs one small product per block, because
+    the scales change from block to block; on CPU those `bmm`s of `[rows, head_dim] x [head_dim, block_size]` cost
+    more than the decode pass they save (measured 320 against 266 us for 2048 SmolLM2 tokens, one thread).
+    Values (quantized per token: a scale and zero per token and channel group) are not decoded: the output is
+    ``sum_t p_t (s_t c_t + z_t) = sum_t (p_t s_t) c_t + sum_t p_t z_t``, so the probabilities are scaled and the
+    codes only converted to the compute dtype. The scores of the whole read, `[H, batch, rows, end - pos0]`
     (`rows / head_dim` of the keys' size), get one softmax, so no online rescaling is needed. Sink tokens and the
     tail (staged partial block, the step's tokens) enter in full precision. Codecs without an affine form
-    (bitsandbytes' NF4, the reference codec) are decoded tile by tile instead. The products are reassociated, so the
-    result equals "de-quantize, then softmax" up to fp rounding (fp32: about 1e-7 relative, a few times more for
-    keys whose zero is large against their range; the tests bound it by 1e-5).
+    (bitsandbytes' NF4, the reference codec) decode the value tiles too. The value products are reassociated, so
+    the result equals "de-quantize, then softmax" up to fp rounding (fp32: about 1e-7 relative).
 
     Args:
         qh (`torch.Tensor` of shape `[H, batch, rows, key_dim]`): the scaled query, rows per key/value head.
@@ -156,19 +154,14 @@ def code_attention(qh: torch.Tensor, read: CodeRead, bias: torch.Tensor | None, 
     step = min(n, max(1, tile_tokens // B))  # blocks per tile
     flat = qh.new_empty(H * batch * step * B * max(dk, dv))  # the tile buffer, shared by keys and values
     kcodec, vcodec = read.codecs
-    kfold = kcodec.is_affine and kcodec.bits is not None and kcodec.axis == "channel"  # keys: scale the query
-    vfold = vcodec.is_affine and (vcodec.bits is None or vcodec.axis == "token")  # values: scale p, not the codes
+    fold = vcodec.is_affine and (vcodec.bits is None or vcodec.axis == "token")  # values: scale p, not the codes
     scores = qh.new_empty((H, batch, R, width + ns))  # [H, batch, rows, columns | sink tokens]
     for j0 in range(0, n, step):
         j1 = min(n, j0 + step)
         T = (j1 - j0) * B
         buf = flat[: H * batch * T * dk].view(H, batch, j1 - j0, B, dk)
-        codes, sc = _blocks(read, 0, j0, j1)
-        if kfold:
-            _key_scores(qh, kcodec, codes, sc, buf, scores[..., j0 * B: j1 * B])
-        else:
-            k = kcodec.decode(codes, sc, buf)  # [H, batch, nt, B, dk]
-            scores[..., j0 * B: j1 * B] = torch.matmul(qh, k.view(H, batch, T, dk).transpose(-1, -2))
+        k = kcodec.decode(*_blocks(read, 0, j0, j1), buf)  # [H, batch, nt, B, dk]
+        scores[..., j0 * B: j1 * B] = torch.matmul(qh, k.view(H, batch, T, dk).transpose(-1, -2))  # [.., rows, T]
     scores[..., n * B:] = torch.matmul(qh, read.full[0].transpose(-1, -2))  # the tail, then the sink tokens
     cut = max(skip, read.sink_end)  # before the window: never attended; sink tokens: read in full precision
     if cut:
@@ -185,10 +178,10 @@ def code_attention(qh: torch.Tensor, read: CodeRead, bias: torch.Tensor | None, 
         buf = flat[: H * batch * T * dv].view(H, batch, j1 - j0, B, dv)
         codes, sc = _blocks(read, 1, j0, j1)
         pt = p[..., j0 * B: j1 * B]  # [H, batch, rows, T]
-        if not vfold:
+        if not fold:
             out += torch.matmul(pt, vcodec.decode(codes, sc, buf).view(H, batch, T, dv))
             continue
-        v = vcodec.unpack(codes, buf).view(H, batch, T, dv)  # integer values in token order: [H, batch, T, dv]
+        v = vcodec.unpack(codes, buf).reshape(H, batch, T, dv)  # integer values in token order: [H, batch, T, dv]
         scale, zero = vcodec.affine(sc, qh.dtype)  # [H, batch, nt, B * groups] each (or None: identity)
         if scale is None:
             out += torch.matmul(pt, v)
@@ -196,8 +189,7 @@ def code_attention(qh: torch.Tensor, read: CodeRead, bias: torch.Tensor | None, 
         groups = scale.shape[-1] // B
         scale = scale.reshape(H, batch, 1, T, groups)  # [H, batch, 1, T, groups]
         if groups == 1:
-            out.view(H * batch, R, dv).baddbmm_((pt * scale[..., 0]).view(H * batch, R, T),
-                                                v.view(H * batch, T, dv))  # += sum_t (p_t s_t) c_t
+            out += torch.matmul(pt * scale[..., 0], v)  # sum_t (p_t s_t) c_t
         else:
             g = dv // groups
             for j in range(groups):  # a few channel groups (head_dim / value_group_size), not blocks
@@ -206,32 +198,6 @@ def code_attention(qh: torch.Tensor, read: CodeRead, bias: torch.Tensor | None, 
             z = torch.matmul(pt, zero.reshape(H, batch, T, groups))  # sum_t p_t z_t: [H, batch, rows, groups]
             out += z.repeat_interleave(dv // groups, dim=-1) if groups > 1 else z
     return out.div_(l)
-
-
-def _key_scores(qh: torch.Tensor, codec, codes: torch.Tensor, scales: torch.Tensor, buf: torch.Tensor,
-                dst: torch.Tensor) -> None:
-    """Scores of per-channel affine key codes with the scales folded into the query (see `code_attention`)::
-
-        q . k_t = sum_d q_d (s_bd c_td + z_bd) = (q * s_b) . c_t + q . z_b      (block b holds token t)
-
-    Args:
-        qh (`torch.Tensor` of shape `[H, batch, rows, dk]`): the scaled query.
-        codec (`Codec`): the key codec, affine with ``axis="channel"``.
-        codes, scales (`torch.Tensor`): the tile's key codes `[H, batch, nt, code_size]` and scales.
-        buf (`torch.Tensor` of shape `[H, batch, nt, B, dk]`): scratch for the integer code values.
-        dst (`torch.Tensor` of shape `[H, batch, rows, nt * B]`): where the scores go (a column slice).
-    """
-    H, batch, nt, B, dk = buf.shape
-    R = qh.shape[2]
-    c = codec.unpack(codes, buf)  # [H, batch, nt, B, dk] integer values
-    scale, zero = codec.affine(scales, qh.dtype)  # [H, batch, nt, dk] each (zero: None for a symmetric codec)
-    w = qh.unsqueeze(2) * scale.unsqueeze(3)  # [H, batch, nt, rows, dk]: the query scaled for each block
-    s = torch.matmul(w, c.transpose(-1, -2))  # [H, batch, nt, rows, B]: one batched product over the blocks
-    out = dst.view(H, batch, R, nt, B).transpose(2, 3)  # [H, batch, nt, rows, B], a view of the scores
-    if zero is None:
-        out.copy_(s)
-    else:
-        torch.add(s, torch.matmul(zero, qh.transpose(-1, -2)).unsqueeze(-1), out=out)  # + q . z_b per block
 
 
 def _blocks(read: CodeRead, half: int, j0: int, j1: int) -> tuple[torch.Tensor, torch.Tensor]:

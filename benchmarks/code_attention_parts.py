@@ -6,8 +6,9 @@ heads, 3 query rows per head, head_dim 64, 32-token blocks), on random codes, wa
 Each part is timed alone (best of `--reps` repetitions of `--calls` calls: the machine is shared, and noise only
 adds time), so the parts need not sum to the whole call (which also pays Python and dispatch, about 3 us per torch
 call here, and memory traffic between parts). "decode" + "q @ decoded k^T" is the key path `code_attention` takes;
-"fold" is the alternative measured against it and not kept (`fold_key_scores`: the per-block key scales folded into
-the query, ``(q * s_b) . c_t + q . z_b``, one batched product over every block).
+"fold" and the table lookup are alternatives measured against it and not kept
+(`fold_key_scores`: the per-block key scales folded into the query, ``(q * s_b) . c_t + q . z_b``, one batched
+product over every block; int4 unpack by a `[256, 2]` table indexed by the packed byte).
 """
 
 from __future__ import annotations
@@ -82,6 +83,10 @@ def main(argv=None) -> int:
     codes, sc = read.codes[0], read.scales[0]
     run("keys: unpack codes to fp32", lambda: kc.unpack(codes, buf))
     run("keys: decode (unpack + scale and zero)", lambda: kc.decode(codes, sc, buf))
+    if kbits == 4:  # not kept: both nibbles of each byte as floats from a [256, 2] table, one lookup
+        table = torch.stack((torch.arange(256) & 15, torch.arange(256) >> 4), 1).float()  # [256, 2]
+        run("keys, not kept: int4 unpack by table lookup (index_select)",
+            lambda: table.index_select(0, codes.reshape(-1).int()))
     k = buf.view(H, batch, T, D)
     run("keys: q @ decoded k^T", lambda: torch.matmul(qh, k.transpose(-1, -2)))
     scores = torch.empty(H, batch, R, T + 2)
@@ -99,7 +104,7 @@ def main(argv=None) -> int:
     run("whole code_attention call", lambda: code_attention(qh, read, None, 2048))
     print(f"code_attention parts, {args.quant}, {args.tokens} tokens, batch {batch}, one thread, best of {args.reps}")
     for name, us in t.items():
-        print(f"  {name:58s} {us:8.1f} us")
+        print(f"  {name:66s} {us:8.1f} us")
     return 0
 
 

@@ -360,3 +360,50 @@ def test_codec_affine_parts_rebuild_decode(name, axis):
     g, _ = codec.grouped(values)
     got = g * codec.stats_view(scale, 8, 8) + (0 if zero is None else codec.stats_view(zero, 8, 8))
     assert (got.reshape(x.shape) - want).abs().max().item() <= 1e-6
+
+
+def _code_read(key_codec: str, value_codec: str, batch: int, offset: float, seed: int = 0):
+    """A `CodeRead` of random K/V (4 encoded 8-token blocks, 3 tail tokens, 1 sink token) and its reference K/V
+    `[H, batch, 36, dim]` as "de-quantize, then attend" sees them: decoded codes, the tail, the sink in fp32."""
+    from hf_pagedkv.storage.code_read import CodeRead
+    from hf_pagedkv.storage.codecs import make_codec
+
+    g = torch.Generator().manual_seed(seed)
+    H, n, B, D = 2, 4, 8, 16
+    kc, vc = make_codec(key_codec, "channel"), make_codec(value_codec, "token", group_size=D)
+    # keys with per-channel offsets `offset` times their spread (outlier channels: zeros large against the range)
+    x = torch.randn(H, batch, n, B, D, generator=g) + offset * torch.randn(H, 1, 1, 1, D, generator=g)
+    y = torch.randn(H, batch, n, B, D, generator=g)
+    (kcodes, kscales), (vcodes, vscales) = kc.encode(x), vc.encode(y)
+    tail = [torch.randn(H, batch, 3, D, generator=g) for _ in range(2)]
+    sink = [torch.randn(H, batch, 1, D, generator=g) for _ in range(2)]
+    full = tuple(torch.cat((t, s), 2) for t, s in zip(tail, sink))  # [H, batch, tail | sink, D]
+    read = CodeRead(0, 0, n * B + 3, B, (D, D), (kc, vc), (kcodes, vcodes), (kscales, vscales), full, 1)
+    ref = []
+    for codec, codes, scales, t, s in ((kc, kcodes, kscales, tail[0], sink[0]),
+                                       (vc, vcodes, vscales, tail[1], sink[1])):
+        dec = codec.decode(codes, scales, torch.empty(H, batch, n, B, D)).reshape(H, batch, n * B, D)
+        dec[:, :, :1] = s  # the sink token replaces its codes
+        ref.append(torch.cat((dec, t), 2))
+    return read, ref[0], ref[1]
+
+
+@pytest.mark.parametrize("key_codec,value_codec", [("int4", "int4"), ("int8", "int4"), ("int8", "int8"),
+                                                   ("ref-int4", "ref-int4")])
+@pytest.mark.parametrize("offset", [0.0, 8.0])
+def test_code_attention_within_fp32_of_decoding(key_codec, value_codec, offset):
+    """`code_attention` (keys decoded per tile, value scales folded into the probabilities) equals "de-quantize,
+    then softmax" on the same codes: the reference is computed in float64 from the decoded fp32 K/V, and both the
+    in-place read and fp32 `sdpa` on the decoded K/V must lie within 1e-5 of it (fp32 rounding of sums over 16
+    channels and 35 tokens: ~1e-6 measured; the offset makes the keys' zeros 8x their spread)."""
+    from hf_pagedkv.attention.paged_attention import code_attention
+
+    read, k, v = _code_read(key_codec, value_codec, batch=2, offset=offset)
+    qh = torch.randn(2, 2, 3, 16, generator=torch.Generator().manual_seed(1)) * 0.25  # [H, batch, rows, D]
+    want = torch.softmax(qh.double() @ k.double().transpose(-1, -2), -1) @ v.double()  # [H, batch, rows, D]
+    for tile in (8, 16, 64):  # several tiles, a tile that ends mid-read, one tile
+        got = code_attention(qh, read, None, tile)
+        assert (got.double() - want).abs().max().item() <= 1e-5, tile
+    sdpa = torch.nn.functional.scaled_dot_product_attention(qh, k, v, scale=1.0)
+    assert (sdpa.double() - want).abs().max().item() <= 1e-5
+

@@ -54,3 +54,17 @@ def tiny_model():
     from hf_pagedkv.tools.models import load_model
 
     return load_model(tiny_model_dir())
+
+
+def passkey_example(tokenizer, context_len: int, depth: int = 50) -> dict:
+    """The eval's first seeded passkey example (`eval.tasks.passkey.prepare.make_examples`) of `context_len` tokens
+    with the needle at `depth` percent, from the committed WikiText-2 test haystack: `context_ids`, `question_ids`,
+    `key`, ..."""
+    from eval.config import EvalConfig
+    from eval.data import load_text
+    from eval.long_context_config import LongContextConfig
+    from eval.tasks.passkey.prepare import make_examples
+
+    cfg = LongContextConfig(task="passkey", contexts=[context_len], depths=[depth], num_keys=1,
+                            data_dir=str(DATA_DIR))
+    return make_examples(cfg, tokenizer, load_text(EvalConfig(data_dir=str(DATA_DIR))))[0]

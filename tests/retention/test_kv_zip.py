@@ -12,7 +12,7 @@ import torch
 from hf_pagedkv import BlockPool, KVzip, PagedCache, SnapKV, cache_kwargs, compress_context
 from hf_pagedkv.pool.block_table import num_blocks_for
 from hf_pagedkv.retention.spec import parse_retention
-from tests.conftest import ids, tiny_model
+from tests.conftest import ids
 from tests.retention.reference import (kept_heads_reference, reference_kvzip_kept, reference_kvzip_scores,
                                        run_steps)
 from tests.tolerances import CROSS_STEP_LOGIT_ATOL
@@ -24,16 +24,6 @@ PROMPT = [5, 6, 7]  # the repeat prompt's ids (any tokens: the tiny model is ran
 #: the same softmax over the same logits, summed in another order; weights are in [0, 1], so fp32 rounding of a few
 #: ulps of 1 (1.2e-7 each) stays far below 1e-5
 SCORE_ATOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def llama(one_thread):
-    """The tiny Llama (4 query heads over 2 KV heads: GQA) with the "hf_pagedkv" attention, restored afterwards."""
-    model = tiny_model("llama")
-    before = model.config._attn_implementation
-    model.set_attn_implementation("hf_pagedkv")
-    yield model
-    model.set_attn_implementation(before)
 
 
 def prefilled(model, x, policy, **kwargs) -> PagedCache:

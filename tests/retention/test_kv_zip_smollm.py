@@ -9,12 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eval.config import EvalConfig
-from eval.data import load_text
-from eval.long_context_config import LongContextConfig
-from eval.tasks.passkey.prepare import make_examples
 from hf_pagedkv import BlockPool, KVzip, PagedCache, cache_kwargs, compress_context
-from tests.eval_helpers import DATA_DIR
+from tests.eval_helpers import passkey_example
 from tests.tolerances import CROSS_STEP_LOGIT_ATOL
 
 pytestmark = pytest.mark.model
@@ -22,8 +18,7 @@ pytestmark = pytest.mark.model
 
 def test_generate_after_compress_context_continues_from_the_kept_tokens(smollm):
     model, tok = smollm
-    cfg = LongContextConfig(task="passkey", contexts=[320], depths=[50], num_keys=1, data_dir=str(DATA_DIR))
-    ex = make_examples(cfg, tok, load_text(EvalConfig(data_dir=str(DATA_DIR))))[0]
+    ex = passkey_example(tok, 320, depth=50)
     context = torch.tensor([ex["context_ids"]])
     x = torch.tensor([ex["context_ids"] + ex["question_ids"]])
     n, q = context.shape[1], x.shape[1] - context.shape[1]

@@ -8,21 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eval.config import EvalConfig
-from eval.data import load_text
-from eval.long_context_config import LongContextConfig
-from eval.tasks.passkey.prepare import make_examples
 from hf_pagedkv import BlockPool, PagedCache, PyramidKV, cache_kwargs
 from hf_pagedkv.pool.block_table import num_blocks_for
-from tests.eval_helpers import DATA_DIR
+from tests.eval_helpers import passkey_example
 
 pytestmark = pytest.mark.model
 
 
 def test_generate_keeps_the_passkey_with_per_tier_budgets(smollm):
     model, tok = smollm
-    cfg = LongContextConfig(task="passkey", contexts=[300], depths=[50], num_keys=1, data_dir=str(DATA_DIR))
-    ex = make_examples(cfg, tok, load_text(EvalConfig(data_dir=str(DATA_DIR))))[0]
+    ex = passkey_example(tok, 300, depth=50)
     x = torch.tensor([ex["context_ids"] + ex["question_ids"]])
     n = x.shape[1]
     policy = PyramidKV(compression_ratio=0.25)

@@ -9,21 +9,11 @@ import torch
 
 from hf_pagedkv import BlockPool, KeyNorm, PagedCache, SnapKV, cache_kwargs
 from hf_pagedkv.pool.block_table import num_blocks_for
-from tests.conftest import ids, tiny_model
+from tests.conftest import ids
 from tests.retention.reference import reference_snapkv_scores, run_steps, snapkv_reference
 from tests.tolerances import CROSS_STEP_LOGIT_ATOL
 
 B = 4
-
-
-@pytest.fixture(scope="module")
-def llama(one_thread):
-    """The tiny Llama (4 query heads over 2 KV heads: GQA) with the "hf_pagedkv" attention, restored afterwards."""
-    model = tiny_model("llama")
-    before = model.config._attn_implementation
-    model.set_attn_implementation("hf_pagedkv")
-    yield model
-    model.set_attn_implementation(before)
 
 
 def check(cache, start, q):

@@ -6,20 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eval.config import EvalConfig
-from eval.data import load_text
-from eval.long_context_config import LongContextConfig
-from eval.tasks.passkey.prepare import make_examples
 from hf_pagedkv import BlockPool, PagedCache, SnapKV, cache_kwargs
-from tests.eval_helpers import DATA_DIR
+from tests.eval_helpers import passkey_example
 
 pytestmark = pytest.mark.model
 
 
 def test_generate_keeps_the_passkey_with_half_the_prompt_evicted(smollm):
     model, tok = smollm
-    cfg = LongContextConfig(task="passkey", contexts=[1024], depths=[50], num_keys=1, data_dir=str(DATA_DIR))
-    ex = make_examples(cfg, tok, load_text(EvalConfig(data_dir=str(DATA_DIR))))[0]
+    ex = passkey_example(tok, 1024, depth=50)
     x = torch.tensor([ex["context_ids"] + ex["question_ids"]])
     before = model.config._attn_implementation
     model.set_attn_implementation("hf_pagedkv")

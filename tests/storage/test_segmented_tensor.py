@@ -55,13 +55,19 @@ def test_a_split_names_the_majority_segment_and_is_reused_by_tensors_with_the_sa
         a.index_select_chunks(torch.tensor([1]), 4, split=a.split(torch.tensor([1]), 2))
 
 
-def test_page_store_splits_a_step_index_once_for_all_layers_and_forgets_it_when_segments_change():
+def _two_segment_store():
+    """A page store grown into segments of 2 and 3 blocks, every slot of every layer filled with random K/V."""
     from tests.storage.test_page_store import make_store  # noqa: PLC0415  (the page-store helpers)
     store = make_store(num_blocks=2)
-    store.grow(5)  # segments of 2 and 3 blocks
+    store.grow(5)
     for d in (store.keys, store.values):
         for t in d.values():
             t.index_copy_(1, torch.arange(t.length), torch.randn(t.shape).to(t.dtype))
+    return store
+
+
+def test_page_store_splits_a_step_index_once_for_all_layers_and_forgets_it_when_segments_change():
+    store = _two_segment_store()
     blocks = torch.tensor([[0, 3], [2, 1]])  # both rows cross the segment boundary
     calls = []
     real_split = type(store.keys[0]).split
@@ -106,12 +112,7 @@ def test_gather_rows_is_a_contiguous_batch_major_gather_equal_to_a_plain_tensor(
 
 
 def test_page_store_reads_exactly_the_tokens_asked_contiguous_and_plans_the_gather_once_per_step():
-    from tests.storage.test_page_store import make_store  # noqa: PLC0415  (the page-store helpers)
-    store = make_store(num_blocks=2)
-    store.grow(5)  # segments of 2 and 3 blocks
-    for d in (store.keys, store.values):
-        for t in d.values():
-            t.index_copy_(1, torch.arange(t.length), torch.randn(t.shape).to(t.dtype))
+    store = _two_segment_store()
     B = store.block_size
     blocks = torch.tensor([[0, 3, 4], [2, 1, 0], [4, 4, 4]])  # rows across the segment boundary, one repeating
     built = []

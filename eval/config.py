@@ -296,4 +296,7 @@ def resolve(argv: list[str] | None = None, base: EvalConfig | None = None,
     values.update({k: v for k, v in vars(args).items() if k in names})
     if isinstance(values.get("configs"), list):  # `--configs fp,k8v4` as well as `--configs fp k8v4`
         values["configs"] = [c for item in values["configs"] for c in str(item).split(",") if c]
-    return EvalConfig(**values), args
+    try:
+        return EvalConfig(**values), args
+    except ValueError as exc:  # a setting out of range: argparse's usage error, not a traceback
+        parser.error(str(exc))

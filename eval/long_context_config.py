@@ -161,4 +161,7 @@ def resolve(argv: list[str] | None = None, prog: str = "python -m eval.long_cont
         except ValueError as exc:
             parser.error(str(exc))
     settings.update({k: v for k, v in vars(args).items() if k not in ("config_file", "verbose")})
-    return LongContextConfig(**settings), args
+    try:
+        return LongContextConfig(**settings), args
+    except ValueError as exc:  # a setting out of range: argparse's usage error, not a traceback
+        parser.error(str(exc))

@@ -13,6 +13,7 @@ class LeftPadding:
     tokens, then only real ones. Immutable; the cache drops it once its steps planned the padding."""
 
     tokens: tuple[int, ...]  # leading padding tokens per row of the mask
+    length: int = 0  # the mask's columns: the prompt's tokens per row (padding included)
 
     @classmethod
     def from_mask(cls, attention_mask) -> LeftPadding:
@@ -37,20 +38,26 @@ class LeftPadding:
             raise ValueError("set_padding: attention_mask must describe left padding (0s then 1s in each row, the "
                              "last column all 1s); right padding, holes and rows without a real token are not "
                              "supported.")
-        return cls(tuple((~real).sum(1).tolist()))
+        return cls(tuple((~real).sum(1).tolist()), attention_mask.shape[1])
 
     @property
     def num_tokens(self) -> int:
         """The most padding tokens of any row: steps past it add no padding."""
         return max(self.tokens, default=0)
 
-    def for_batch(self, batch: int) -> list[int]:
+    def for_batch(self, batch: int, num_new: int | None = None) -> list[int]:
         """Padding tokens of each of `batch` rows: the mask's rows, or each repeated `k` times for ``batch = k *
         rows`` (as `generate` expands them for `num_return_sequences` and `num_beams`).
 
         Raises:
-            ValueError: `batch` is not a multiple of the mask's rows.
+            ValueError: `batch` is not a multiple of the mask's rows; the prefill's first step has more tokens per
+                row (`num_new`) than the mask has columns (the mask is not this prompt's). A first step with fewer
+                tokens is read as the first chunk of a chunked prefill of the mask's length.
         """
+        if num_new is not None and self.length and num_new > self.length:
+            raise ValueError(f"set_padding got an attention_mask of {self.length} columns, but the prefill step has "
+                             f"{num_new} tokens per row: pass the attention mask of this very prompt (the "
+                             "attention_mask of the input_ids given to generate or to the model). Nothing was stored.")
         rows = len(self.tokens)
         if batch % rows:
             raise ValueError(f"set_padding got an attention_mask of {rows} rows, but the forward step has a batch of "

@@ -219,7 +219,10 @@ class PagedCache(Cache):
 
         Raises:
             ValueError: the mask is not 2-D, not left padding (0s then 1s in each row), or has a row without a
-                real token; the cache already holds tokens (nothing changed then).
+                real token; the cache already holds tokens (nothing changed then). At the prefill (raised by its first
+                step, nothing stored): more tokens per row than the mask's columns. NOTE: a first step with fewer
+                tokens is read as the first chunk of a chunked prefill, so a mask of another, longer prompt is not
+                caught: pass the mask of the very prompt.
             CacheReleasedError: the cache was released.
 
         Example:
@@ -837,7 +840,8 @@ class PagedCache(Cache):
             self._publish_at_next_step = None
             self.publish(prompt)
         # may raise ValueError before anything changed
-        padding = None if self._padding is None else self._padding.for_batch(key_states.shape[0])
+        padding = None if self._padding is None else self._padding.for_batch(
+            key_states.shape[0], key_states.shape[2] if not self._num_tokens else None)
         with self.pool.lock:
             num_rows = self.num_rows
             self._match_batch(key_states.shape[0])

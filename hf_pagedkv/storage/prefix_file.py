@@ -22,6 +22,7 @@ This module knows the format only; which blocks go in and where they land is `hf
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -72,8 +73,9 @@ def write_prefix_file(path: str | os.PathLike, index: dict, tensors: dict[str, t
 
     Raises:
         ValueError: `path` is not a path (or is empty).
-        OSError: `path` is a directory, its folder is missing or not writable, or the disk is full (`path`
-            unchanged); the message names `path`.
+        OSError: `path` is a directory or another file that is not a regular one (a device, a pipe: the atomic
+            replace would put a regular file in its place), its folder is missing or not writable, or the disk is
+            full (`path` unchanged); the message names `path`.
     """
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise ValueError(f"path={path!r}: give the prefix-cache file to write, e.g. 'prefix.safetensors'.")
@@ -81,6 +83,10 @@ def write_prefix_file(path: str | os.PathLike, index: dict, tensors: dict[str, t
     if path.is_dir():
         raise IsADirectoryError(f"{str(path)!r} is a directory; give the prefix-cache file to write in it, e.g. "
                                 f"{str(path / 'prefix.safetensors')!r}.")
+    if path.exists() and not path.is_file():
+        raise OSError(errno.EINVAL, f"{str(path)!r} exists and is not a regular file (a device or a pipe): saving "
+                      "replaces the file atomically, which would replace it; give a regular file's path, e.g. "
+                      "'prefix.safetensors'.")
     cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
     full = {**index, "format": FORMAT, "version": VERSION,
             "checksums": {name: tensor_checksum(t) for name, t in cpu.items()}}

@@ -315,3 +315,16 @@ def test_eager_attention_real_positions_are_bit_identical():
         got = model(x, attention_mask=mask, **cache_kwargs(cache)).logits
     assert torch.equal(got[mask.bool()], want[mask.bool()])
     cache.release()
+
+
+def test_a_mask_shorter_than_the_prompt_is_refused_and_nothing_is_stored():
+    cache = PagedCache(block_size=B, debug=True)
+    cache.set_padding(padded_mask([8, 0], 12))
+    with pytest.raises(ValueError, match="attention_mask of 12 columns, but the prefill step has 16 tokens"):
+        cache.update(*kv(2, 0, 16, 1.0), 0)
+    assert cache.pool.stats().blocks_in_use == 0 and cache.get_seq_length() == 0
+    cache.check_invariants()
+    cache.set_padding(padded_mask([8, 0], 16))  # the right mask: the cache is still usable
+    cache.update(*kv(2, 0, 16, 1.0), 0)
+    assert cache.block_tables()[0][:2] == [cache.pool.pad_block()] * 2
+    cache.release()

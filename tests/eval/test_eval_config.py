@@ -121,3 +121,18 @@ def test_tokenize_prefix_equals_whole_text_tokenization():
     part = tokenize_prefix(text, tokenizer, 1000)
     assert len(part) >= 1000
     assert part == whole[: len(part)]
+
+
+@pytest.mark.parametrize("which, argv, match", [
+    ("drift", ["--num-windows", "0"], "EvalConfig.num_windows must be a positive int"),
+    ("long_context", ["--num-windows", "0"], "LongContextConfig.num_windows must be a positive int"),
+    ("long_context", ["--task", "bogus"], "LongContextConfig.task must be one of"),
+])
+def test_a_setting_out_of_range_on_the_command_line_is_a_usage_error(capsys, which, argv, match):
+    from eval.long_context_config import resolve as resolve_long
+
+    with pytest.raises(SystemExit) as exc:
+        (resolve if which == "drift" else resolve_long)(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err

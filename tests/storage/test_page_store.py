@@ -258,6 +258,22 @@ def test_writing_a_prefix_file_to_no_path_is_refused(bad):
         write_prefix_file(bad, {}, {})
 
 
+@pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="needs os.mkfifo (POSIX)")
+def test_writing_a_prefix_file_over_a_device_or_a_pipe_is_refused_and_leaves_it(tmp_path):
+    import os  # noqa: PLC0415
+    import stat  # noqa: PLC0415
+
+    from hf_pagedkv.storage.prefix_file import write_prefix_file  # noqa: PLC0415
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(OSError, match="is not a regular file"):
+        write_prefix_file(fifo, {}, {})
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]
+    with pytest.raises(OSError, match="is not a regular file"):
+        write_prefix_file(os.devnull, {}, {})
+    assert stat.S_ISCHR(os.stat(os.devnull).st_mode)  # still the device
+
+
 def test_writing_a_prefix_file_names_the_path_asked_for(tmp_path):
     from hf_pagedkv.storage.prefix_file import write_prefix_file  # noqa: PLC0415
     with pytest.raises(IsADirectoryError, match="is a directory"):

@@ -211,6 +211,15 @@ def _cli_with_tiny_model(monkeypatch):
 GENERATE = ["generate", "--no-chat", "--prompt", "The history of the city", "--max-new-tokens", "12"]
 
 
+def test_generate_check_with_a_retention_policy_reports_the_difference_and_does_not_fail(monkeypatch, capsys):
+    cli = _cli_with_tiny_model(monkeypatch)
+    argv = ["generate", "--no-chat", "--prompt", "The history of the city " * 6, "--max-new-tokens", "6",
+            "--retention", "sink_window:4:8", "--block-size", "4", "--check"]
+    assert cli.main(argv) == 0  # evicting tokens changes the logits by design: reported, not a failure
+    out = capsys.readouterr().out
+    assert "(expected with --retention sink_window:4:8: evicted tokens)" in out
+
+
 def test_generate_quant_option(monkeypatch, capsys):
     cli = _cli_with_tiny_model(monkeypatch)
     assert cli.main(GENERATE + ["--quant", "k8v4", "--check"]) == 0  # a quantized check reports, never fails

@@ -48,7 +48,8 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--memory", help="memory to fit in, one rank's device with --tp, e.g. 24GiB (default: CUDA device "
                                     "0's memory; without CUDA, this machine's RAM / --tp, as CPU ranks share it)")
     p.add_argument("--retention", metavar="SPEC", help="plan for a retention policy: each sequence holds at most "
-                   "what it keeps (sink_window:SINK:WINDOW, key_norm:BUDGET|RATIO, key_diff:BUDGET|RATIO)")
+                   "what it keeps, and the pool is sized for the peak while it compresses (sink_window:SINK:WINDOW, "
+                   "key_norm/key_diff/snapkv/pyramidkv/kv_zip:BUDGET|RATIO)")
     p.add_argument("--host-memory", help="a host-memory tier for offloaded caches and evicted prefix blocks, e.g. "
                                          "64GiB: prints the blocks, tokens and sequences it holds")
     p.add_argument("--prefix-cache-memory", default=None,
@@ -135,6 +136,7 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.dtype == "auto":
         args.dtype = _auto_dtype(args.model)
     if getattr(args, "retention", None):  # a retention policy bounds what each sequence holds
+        from hf_pagedkv.retention.importance import ImportancePolicy
         from hf_pagedkv.retention.spec import parse_retention
 
         try:
@@ -147,8 +149,17 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         held = (bound if bound is not None else int(args.max_seq_len * (1 - ratio)) + 1 if ratio is not None
                 else args.max_seq_len)  # SnapKV(budget=...): the prompt is compressed once, what follows is kept
         if held < args.max_seq_len:
-            print(f"retention {policy}: each sequence of {args.max_seq_len:,} tokens holds at most {held:,}")
-            args.max_seq_len = held
+            print(f"retention {policy}: each sequence of {args.max_seq_len:,} tokens holds at most {held:,} "
+                  "once compressed")
+            peak = held
+            if isinstance(policy, ImportancePolicy):  # (SinkWindow drops whole blocks before a step: no peak)
+                # the prefill holds the whole prompt, and the compaction writes the kept tokens into fresh blocks
+                # before it frees the old ones; KVzip's reconstruction pass first holds the context twice
+                peak = (2 if policy.reconstructs else 1) * args.max_seq_len + held
+                print(f"while it compresses, a sequence holds up to {peak:,} tokens (the whole prompt"
+                      f"{' twice, for the reconstruction pass,' if policy.reconstructs else ''} plus the kept tokens "
+                      "in fresh blocks): the plan below is sized for that peak")
+            args.max_seq_len = peak
     try:
         plan = plan_capacity(model, args.max_seq_len, args.batch, quant=args.quant, dtype=args.dtype,
                              block_size=args.block_size, value_group_size=args.value_group_size, memory=memory,

@@ -188,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.num_threads < 0:
         parser.error(f"--num-threads must be >= 0 (0: torch's default), got {args.num_threads}")
+    if not 0 <= args.seed < 2**32:  # what numpy's seeding (transformers' set_seed) accepts
+        parser.error(f"--seed must be in [0, 2**32), got {args.seed}")
     # the storage format and the policy, checked before the model loads (it takes a while)
     try:
         BlockPool(block_size=args.block_size, quant=args.quant)

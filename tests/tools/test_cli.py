@@ -254,6 +254,8 @@ def test_generate_sampling_options_and_threads(monkeypatch, capsys):
     (["--do-sample", "--temperature", "0"], "--temperature must be positive"),
     (["--do-sample", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
     (["--num-threads", "-1"], "--num-threads must be >= 0"),
+    (["--seed", "-1"], "--seed must be in [0, 2**32)"),
+    (["--seed", str(2**32)], "--seed must be in [0, 2**32)"),
     (["--quant", "k9v9"], "invalid choice: 'k9v9'"),
 ])
 def test_generate_bad_options(argv, message, monkeypatch, capsys):

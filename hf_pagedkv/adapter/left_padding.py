@@ -38,7 +38,7 @@ class LeftPadding:
             raise ValueError("set_padding: attention_mask must describe left padding (0s then 1s in each row, the "
                              "last column all 1s); right padding, holes and rows without a real token are not "
                              "supported.")
-        return cls(tuple((~real).sum(1).tolist()), attention_mask.shape[1])
+        return cls(tuple((~real).sum(1).tolist()), mask.shape[1])
 
     @property
     def num_tokens(self) -> int:

@@ -328,3 +328,12 @@ def test_a_mask_shorter_than_the_prompt_is_refused_and_nothing_is_stored():
     cache.update(*kv(2, 0, 16, 1.0), 0)
     assert cache.block_tables()[0][:2] == [cache.pool.pad_block()] * 2
     cache.release()
+
+
+def test_a_mask_given_as_nested_lists_is_read_as_the_tensor():
+    cache = PagedCache(block_size=B, debug=True)
+    cache.set_padding(padded_mask([8, 0], 12).tolist())
+    cache.update(*kv(2, 0, 12, 1.0), 0)
+    assert cache.block_tables()[0][:2] == [cache.pool.pad_block()] * 2
+    cache.check_invariants()
+    cache.release()

@@ -180,7 +180,7 @@ def _looks_local(name: str) -> bool:
 
 
 # -- layering: defaults < YAML < CLI -------------------------------------------------------------------------------
-def load_yaml(path: str | os.PathLike, cls: type = None) -> dict:
+def load_yaml(path: str | os.PathLike, cls: type | None = None) -> dict:
     """Read a YAML mapping of the fields of `cls` (`EvalConfig` by default; `LongContextConfig` too). An empty file
     is an empty mapping (the defaults).
 

@@ -79,9 +79,10 @@ class PagedCache(Cache):
     Raises:
         ValueError: `block_size` not a positive int or different from the pool's; `pool` not a `BlockPool`;
             `num_blocks`/`max_memory` given with `pool`; `quant` invalid or different from the pool's; `debug`
-            not a bool; `config` not a transformers config; a layer type it does not store (by name); at the first `update`, a `max_memory` pool not sized yet and no
-            `config` (the number of layers is unknown); `retention` not a policy, or given for a model with
-            sliding-window layers; a tiered `retention` without `config`, or that the model's layers do not fit.
+            not a bool; `config` not a transformers config; a layer type it does not store (by name); at the first
+            `update`, a `max_memory` pool not sized yet and no `config` (the number of layers is unknown);
+            `retention` not a policy, or given for a model with sliding-window layers; a tiered `retention` without
+            `config`, or that the model's layers do not fit.
 
     Example:
 
@@ -261,7 +262,8 @@ class PagedCache(Cache):
         write.
 
         Raises:
-            ValueError: `tokens_to_remove` is not an int or is positive, or reaches before what sliding-window layers still hold.
+            ValueError: `tokens_to_remove` is not an int or is positive, or reaches before what sliding-window
+                layers still hold.
             CacheReleasedError: the cache was released.
         """
         self.check_usable()

@@ -84,10 +84,6 @@ class ContextScores:
                 problems.append(f"layer {layer}: scores outside [0, 1]")
         return problems
 
-    def missing(self, layer_indices: list[int]) -> list[int]:
-        """The layers of `layer_indices` whose attention scored nothing."""
-        return [i for i in layer_indices if i not in self.scores]
-
     def select_rows(self, idx: list[int]) -> None:
         """Rows become copies of rows `idx` (the cache's `reorder_cache` / `batch_select_indices`)."""
         for layer, s in self.scores.items():

@@ -148,8 +148,7 @@ class Evictor:
                              f"{rows} rows of {held} tokens the cache holds; nothing was evicted.")
         keep = self.policy.keep_for(held)
         if 0 < keep < held:
-            sizes = [sum(layer.group == rt.group for layer in layers) for rt in groups]
-            self._compact(cache, groups, self.policy.tier_budgets(keep, held, sizes, cache.block_size), scores)
+            self._compact(cache, groups, self._tier_keeps(cache, groups, keep, held), scores)
 
     # -- per step ----------------------------------------------------------------------------------------------------
     def before_step(self, cache: RetentionOwner, new: int) -> None:
@@ -177,9 +176,7 @@ class Evictor:
                 self._drop(cache, rt, plan.drop_positions)
         elif plan.keep_tokens is not None and 0 < plan.keep_tokens < held:
             self._check_observed(cache, len(groups[0].rows))
-            layers = cache.retention_layers()
-            sizes = [sum(layer.group == rt.group for layer in layers) for rt in groups]
-            self._compact(cache, groups, self.policy.tier_budgets(plan.keep_tokens, held, sizes, B))
+            self._compact(cache, groups, self._tier_keeps(cache, groups, plan.keep_tokens, held))
         if self.observed is not None and not self.policy.observes(self.num_steps):
             self.observed.clear()  # used (or not needed: nothing to compress); the next step records nothing
         bound = self.policy.max_held(new, B)
@@ -221,6 +218,12 @@ class Evictor:
         self.num_intact_blocks = min(self.num_intact_blocks if self.num_intact_blocks is not None else positions[0],
                                      positions[0])
         self._evicted(cache, held - n, n, {rt.group: freed})
+
+    def _tier_keeps(self, cache: RetentionOwner, groups: list[RowTables], keep: int, held: int) -> list[int]:
+        """The tokens each of `groups` keeps for a uniform keep count `keep` of `held` (`tier_budgets`)."""
+        layers = cache.retention_layers()
+        sizes = [sum(layer.group == rt.group for layer in layers) for rt in groups]
+        return self.policy.tier_budgets(keep, held, sizes, cache.block_size)
 
     def _compact(self, cache: RetentionOwner, groups: list[RowTables], keeps: list[int],
                  scores: dict[int, torch.Tensor] | None = None) -> None:

@@ -74,8 +74,16 @@ class ImportancePolicy(RetentionPolicy):
             return EvictionPlan(keep_tokens=self.budget if held > self.budget else None)
         if step != 1 or held == 0 or seen != held:  # once: seen > held after the compaction
             return EvictionPlan()
-        keep = max(int(held * (1 - self.compression_ratio)), min(held, self.sink_tokens + self.recent_tokens + 1))
+        keep = self.keep_for(held)
         return EvictionPlan(keep_tokens=keep if keep < held else None)
+
+    def keep_for(self, held: int) -> int:
+        """Tokens each (row, layer, KV head) keeps when `held` are compacted: `budget`, or
+        ``int(held * (1 - compression_ratio))`` but at least ``sink_tokens + recent_tokens + 1``; at most `held`
+        (then nothing is evicted)."""
+        if self.budget is not None:
+            return min(held, self.budget)
+        return min(held, max(int(held * (1 - self.compression_ratio)), self.sink_tokens + self.recent_tokens + 1))
 
     def max_held(self, new: int, block_size: int) -> int | None:
         return None if self.budget is None else self.budget + new

@@ -72,12 +72,6 @@ class KVzip(ImportancePolicy):
     def max_held(self, new: int, block_size: int) -> int | None:
         return None  # the context is compressed once; what comes after is kept
 
-    def keep_for(self, held: int) -> int:
-        """Tokens each (layer, KV head) keeps of a context of `held` tokens (`held` itself: nothing to evict)."""
-        if self.budget is not None:
-            return min(held, self.budget)
-        return min(held, max(int(held * (1 - self.compression_ratio)), self.sink_tokens + self.recent_tokens + 1))
-
     def scores(self, keys: torch.Tensor, observed: torch.Tensor | None = None) -> torch.Tensor:
         """The reconstruction scores of the held tokens.
 

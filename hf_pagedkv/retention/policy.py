@@ -32,7 +32,7 @@ class RetentionPolicy:
     #: ``"hf_pagedkv"`` attention implementation) and says which steps it `observes`
     needs_queries = False
     #: a policy that compresses only through a reconstruction pass (`KVzip`, `hf_pagedkv.compress_context`),
-    #: which it gets as `select`'s `observed` scores; it implements `keep_for(held)`
+    #: which it gets as `select`'s `observed` scores; it keeps `keep_for(held)` tokens (`ImportancePolicy`)
     reconstructs = False
 
     def plan(self, held: int, seen: int, new: int, block_size: int, step: int = 0) -> EvictionPlan:

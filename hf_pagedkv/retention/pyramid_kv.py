@@ -72,16 +72,12 @@ class PyramidKV(SnapKV):
         Args:
             num_layers (`int`): full-attention layers.
             held (`int`): prompt tokens held before the compression.
-            keep (`int`, *optional*): the uniform budget; by default `budget`, or ``int(held * (1 - ratio))`` (at
-                least ``sink_tokens + recent_tokens + 1``).
+            keep (`int`, *optional*): the uniform budget; by default `keep_for(held)`.
 
         Returns:
             `list[float]` of `num_layers` budgets, non-increasing, averaging `keep` (or `held` when nothing is evicted).
         """
-        if keep is None:
-            keep = self.budget if self.budget is not None else max(
-                int(held * (1 - self.compression_ratio)), self.sink_tokens + self.recent_tokens + 1)
-        keep = min(keep, held)
+        keep = self.keep_for(held) if keep is None else min(keep, held)
         P = self.sink_tokens + self.recent_tokens
         S = keep - P
         bottom = S / self.beta

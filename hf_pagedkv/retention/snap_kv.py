@@ -82,11 +82,7 @@ class SnapKV(ImportancePolicy):
         """Compact the prompt once, before the second step (`step == 1`), to `budget` or by the ratio."""
         if step != 1 or held == 0 or seen != held:
             return EvictionPlan()
-        if self.budget is not None:
-            keep = self.budget
-        else:
-            keep = max(int(held * (1 - self.compression_ratio)),
-                       min(held, self.sink_tokens + self.recent_tokens + 1))
+        keep = self.keep_for(held)
         return EvictionPlan(keep_tokens=keep if keep < held else None)
 
     def max_held(self, new: int, block_size: int) -> int | None:

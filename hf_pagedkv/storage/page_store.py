@@ -63,9 +63,10 @@ class PageStore:
         self.specs: dict[int, LayerSpec] = {}  # layer_idx -> spec; set once per layer by `add_layer`
         self.keys: dict[int, SegmentedTensor] = {}  # layer_idx -> [num_kv_heads, num_blocks * block_size, key_dim]
         self.values: dict[int, SegmentedTensor] = {}  # layer_idx -> [.., value_dim]
-        # (id(index), chunk size[, d0]) -> (index, its SegmentSplit or RowGather): one step's index tensors, split
-        # once for every layer (all layers have the same segments). Cleared by `prepare_write`, `grow` and `shrink`;
-        # holding `index` keeps its id from being reused. The step's index tensors are never changed in place.
+        # (id(index),) -> (index, its SegmentSplit); (id(blocks), offset, length, d0) -> (blocks, its RowGather): one
+        # step's index tensors, split once for every layer (all layers have the same segments; `_memo`). Cleared by
+        # `prepare_write`, `grow` and `shrink`; holding the index keeps its id from being reused. The step's index
+        # tensors are never changed in place.
         self._splits: dict[tuple[int, ...], tuple[torch.Tensor, SegmentSplit | RowGather]] = {}
 
     @property
@@ -106,36 +107,32 @@ class PageStore:
             for n in self.segment_blocks:
                 t.append_segment(n * self.block_size, self._fill(spec))
 
-    def split(self, t: SegmentedTensor, index: torch.Tensor, size: int = 1,
-              source: torch.Tensor | None = None) -> SegmentSplit:
-        """`t.split(index, size)`, computed once per step for all layers: per index tensor, or per the tensor
-        `source` that `index` was reshaped from (a new view each call)."""
-        source = index if source is None else source
-        key = (id(source), size)
+    def _memo(self, key: tuple, source: torch.Tensor, build):
+        """`build()` once per step for every layer: memoized under `key` while `source` (the step's index tensor
+        the result is made from) is alive."""
         hit = self._splits.get(key)
         if hit is not None and hit[0] is source:
             return hit[1]
         if len(self._splits) >= 16:
             self._splits.clear()
-        split = t.split(index, size)
-        self._splits[key] = (source, split)
-        return split
+        value = build()
+        self._splits[key] = (source, value)
+        return value
+
+    def split(self, t: SegmentedTensor, index: torch.Tensor) -> SegmentSplit:
+        """`t.split(index)`, computed once per step for all layers."""
+        return self._memo((id(index),), index, lambda: t.split(index))
 
     def token_gather(self, t: SegmentedTensor, blocks: torch.Tensor, offset: int, length: int) -> RowGather:
         """The `RowGather` of tokens ``offset .. offset + length - 1`` of the rows of `blocks` (`[batch, n]`, in
         token order), token by token, for every layer with `t`'s segments and heads: computed once per step."""
-        key = (id(blocks), offset, length, t.d0)
-        hit = self._splits.get(key)
-        if hit is not None and hit[0] is blocks:
-            return hit[1]
-        if len(self._splits) >= 16:
-            self._splits.clear()
-        B = self.block_size
-        pos = torch.arange(offset, offset + length, device=blocks.device)  # [length] token within the blocks read
-        slots = blocks[:, pos // B] * B + pos % B  # [batch, length] slot of each token
-        plan = t.row_gather(slots, 1)
-        self._splits[key] = (blocks, plan)
-        return plan
+        def build() -> RowGather:
+            B = self.block_size
+            pos = torch.arange(offset, offset + length, device=blocks.device)  # [length] token within the blocks
+            slots = blocks[:, pos // B] * B + pos % B  # [batch, length] slot of each token
+            return t.row_gather(slots, 1)
+
+        return self._memo((id(blocks), offset, length, t.d0), blocks, build)
 
     def grow(self, num_blocks: int) -> None:
         """Extend every layer to `num_blocks` blocks by one new segment; existing blocks are not touched (no copy)."""

@@ -67,17 +67,9 @@ def _generate(args: argparse.Namespace) -> int:
         gen.update({k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p)) if v is not None})
 
     quant = QuantConfig.resolve(args.quant)
-    retention = None
-    if args.retention is not None:
-        from hf_pagedkv.retention.spec import parse_retention
-
-        try:
-            retention = parse_retention(args.retention)
-        except ValueError as e:
-            print(f"hf-pagedkv generate: {e}", file=sys.stderr)
-            return 2
-        if retention.needs_queries or retention.reconstructs:  # SnapKV, KVzip: the "hf_pagedkv" attention hands
-            model.set_attn_implementation("hf_pagedkv")  # the queries to the cache
+    retention = args.retention_policy  # parsed (and checked) by `main` before the model loaded
+    if retention is not None and (retention.needs_queries or retention.reconstructs):
+        model.set_attn_implementation("hf_pagedkv")  # SnapKV, KVzip: this attention hands the queries to the cache
     cache = PagedCache(block_size=args.block_size, config=model.config, quant=quant, retention=retention)
     t0 = time.perf_counter()
     set_seed(args.seed)  # the same seed for the --check run: sampling draws the same tokens from the same logits
@@ -195,11 +187,12 @@ def main(argv: list[str] | None = None) -> int:
         BlockPool(block_size=args.block_size, quant=args.quant)
     except ValueError as e:
         parser.error(f"--quant/--block-size: {e}")
+    args.retention_policy = None
     if args.retention is not None:
         from hf_pagedkv.retention.spec import parse_retention
 
         try:
-            parse_retention(args.retention)
+            args.retention_policy = parse_retention(args.retention)
         except ValueError as e:
             parser.error(str(e))  # it names --retention and the spec
     return _generate(args)

@@ -189,8 +189,8 @@ class PagedCache(Cache):
         out = self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
         if key_states.shape[-2] >= TRIM_MIN_TOKENS and key_states.device.type == "cpu":
             trim_heap()  # the previous layer's temporaries are freed: give their pages back (storage/heap.py)
-        if self._evictor is not None:  # a query-aware policy asks this layer's attention for its queries
-            self._evictor.offer_queries(out[0], layer_idx)
+        if self._evictor is not None and not self.layers[layer_idx].is_sliding:  # a query-aware policy asks
+            self._evictor.offer_queries(out[0], layer_idx)  # this full-attention layer's attention for its queries
         return out
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -622,9 +622,12 @@ class PagedCache(Cache):
         group = self.pool.group_for(window, tier)
         rt = self._by_group.get(group)
         if rt is None:
-            if window is not None and self._evictor is not None:
+            if window is not None and self._evictor is not None and self._evictor.policy.reconstructs:
+                # NOTE: the reconstruction pass (as long as the context) moves the sliding windows past the
+                # context, and the crop after it cannot bring their blocks back
                 raise ValueError(f"retention={self._evictor.policy!r} is not supported yet on models with "
-                                 f"sliding-window layers (window {window}); use it with full-attention models.")
+                                 f"sliding-window layers (window {window}): its reconstruction pass would move "
+                                 "their windows. Use SnapKV, PyramidKV, KeyDiff, KeyNorm or SinkWindow there.")
             if self._num_tokens:
                 raise RuntimeError("A layer of a new layer group appeared after this PagedCache stored tokens; "
                                    "build the cache with config=model.config so every layer is known up front.")
@@ -746,7 +749,16 @@ class PagedCache(Cache):
         return [rt for rt in self._groups if rt.window is None]
 
     def retention_layers(self) -> list[PagedLayer]:
-        return self._paged_layers()
+        """The layers a retention policy scores and compacts: the full-attention ones."""
+        return [layer for layer in self._paged_layers() if not layer.is_sliding]
+
+    def sliding_tables(self) -> list[RowTables]:
+        """The sliding-window layer groups' tables: after an eviction they keep their window at the new logical
+        positions (`hf_pagedkv.retention.WindowRealign`)."""
+        return [rt for rt in self._groups if rt.window is not None]
+
+    def sliding_layers(self) -> list[PagedLayer]:
+        return [layer for layer in self._paged_layers() if layer.is_sliding]
 
     def first_held(self, layer: PagedLayer) -> int:
         """The first logical token full-attention `layer` holds: 0, or in a retention tier that holds fewer tokens

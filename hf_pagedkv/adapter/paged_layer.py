@@ -167,8 +167,9 @@ class PagedLayer(CacheLayerMixin):
         if self.sliding_window is None:
             lo = self._cache.first_held(self)
             return self.num_tokens - lo + query_length, self.num_evicted + lo
-        w = self.sliding_window
-        return min(self.num_tokens, w - 1) + query_length, max(self.num_tokens - w + 1, 0)
+        w = self.sliding_window  # (after an eviction its window sits at the logical positions just before the
+        # new tokens, `WindowRealign`: the offset adds the evicted tokens back, so the sliding mask sees true positions)
+        return min(self.num_tokens, w - 1) + query_length, self.num_evicted + max(self.num_tokens - w + 1, 0)
 
     def get_seq_length(self) -> int:
         """Tokens seen by this layer (held plus evicted by a retention policy: new tokens get their true positions)."""

@@ -140,7 +140,7 @@ def hit_length(pool, groups: list[RowTables], hashes: list) -> int:
 def publish_rows(pool, groups: list[RowTables], rows: list[list[int]], written: int, key: bytes,
                  max_blocks: int | None = None) -> int:
     """Publish the full blocks of each row (row `r` holds the K/V of ``rows[r][:written]``) in every layer group
-    (a sliding group publishes the full blocks it still holds), at most the first `max_blocks` held blocks of a row
+    (a sliding group publishes the full blocks it still holds), of a row only the held positions below `max_blocks`
     (a retention policy's intact blocks: later ones hold other tokens). A row that names the pad block holds left
     padding (`PagedCache.set_padding`): its blocks are aligned to the padding, not to its tokens, so it publishes
     nothing. Returns the blocks newly published.
@@ -157,9 +157,7 @@ def publish_rows(pool, groups: list[RowTables], rows: list[list[int]], written: 
         hashes = hash_blocks(ids[:n], pool.block_size, key)
         for rt in groups:
             row = rt.rows[r]
-            mine = hashes[row.num_dropped:]
-            if max_blocks is not None:
-                mine = mine[:max_blocks]
+            mine = hashes[row.num_dropped: max_blocks]  # held positions below max_blocks (None: all)
             published += pool.publish_blocks(mine, row.blocks[: len(mine)], group=rt.group)
     return published
 

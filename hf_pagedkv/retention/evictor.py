@@ -9,9 +9,10 @@ import torch
 
 from hf_pagedkv.pool.block_table import BlockTable, num_blocks_for
 from hf_pagedkv.retention.context_scores import ContextScores
-from hf_pagedkv.retention.policy import RetentionPolicy
+from hf_pagedkv.retention.policy import EvictionPlan, RetentionPolicy
 from hf_pagedkv.retention.query_window import QueryWindow
 from hf_pagedkv.retention.retention_stats import RetentionStats
+from hf_pagedkv.retention.window_realign import WindowRealign
 
 if TYPE_CHECKING:  # type-only: the owner is a PagedCache, which imports this module
     from hf_pagedkv.adapter.row_tables import RowTables
@@ -27,7 +28,11 @@ class RetentionOwner(Protocol):
 
     def retention_tables(self) -> list[RowTables]: ...  # its full-attention layer groups (tier 0 first), if any
 
-    def retention_layers(self) -> list: ...  # its PagedLayers
+    def retention_layers(self) -> list: ...  # its full-attention PagedLayers (those the policy scores)
+
+    def sliding_tables(self) -> list[RowTables]: ...  # its sliding-window layer groups (they follow evictions)
+
+    def sliding_layers(self) -> list: ...  # its sliding-window PagedLayers
 
     def read_layer(self, layer, lo: int) -> tuple[torch.Tensor, torch.Tensor]: ...  # held K/V of a layer
 
@@ -74,6 +79,7 @@ class Evictor:
         self.num_blocks_freed = 0  # block references let go by evictions (per row)
         self.num_intact_blocks: int | None = None  # leading logical blocks at their original positions; None: all
         self.num_held_after_eviction = 0  # tokens held right after the last eviction (the lowest crop target)
+        self.evicted_at_step = -1  # the step (`num_steps`) whose eviction ran; evict acts once per step
         # the observed steps' last queries per layer, for a query-aware policy (else None); filled by the attention
         self.observed = QueryWindow(self.policy.recent_tokens) if self.policy.needs_queries else None
         self.scoring: ContextScores | None = None  # KVzip's reconstruction scores, between begin_scoring and compress
@@ -148,7 +154,8 @@ class Evictor:
                              f"{rows} rows of {held} tokens the cache holds; nothing was evicted.")
         keep = self.policy.keep_for(held)
         if 0 < keep < held:
-            self._compact(cache, groups, self._tier_keeps(cache, groups, keep, held), scores)
+            keeps = self._tier_keeps(cache, groups, keep, held)
+            self._compact(cache, groups, keeps, scores, WindowRealign(cache, held, keeps[0]))
 
     # -- per step ----------------------------------------------------------------------------------------------------
     def before_step(self, cache: RetentionOwner, new: int) -> None:
@@ -170,13 +177,20 @@ class Evictor:
             return
         B = cache.block_size
         held = groups[0].rows[0].num_tokens  # tier 0 holds every logical position of the span
-        plan = self.policy.plan(held, held + self.num_evicted, new, B, step=self.num_steps)
+        # once per step: a compaction whose tier 0 kept every token evicts none, so the policy's plan alone would
+        # compact again at the next call of the same step (the mask of another layer type, then `before_step`)
+        done = self.evicted_at_step == self.num_steps
+        plan = EvictionPlan() if done else self.policy.plan(held, held + self.num_evicted, new, B, step=self.num_steps)
         if plan.drop_positions:
-            for rt in groups:  # (only untiered policies drop blocks: one group)
-                self._drop(cache, rt, plan.drop_positions)
+            assert len(groups) == 1, "only untiered policies drop blocks"
+            realign = WindowRealign(cache, held, held - len(plan.drop_positions) * B, plan.drop_positions)
+            self._drop(cache, groups[0], plan.drop_positions, realign)
         elif plan.keep_tokens is not None and 0 < plan.keep_tokens < held:
             self._check_observed(cache, len(groups[0].rows))
-            self._compact(cache, groups, self._tier_keeps(cache, groups, plan.keep_tokens, held))
+            keeps = self._tier_keeps(cache, groups, plan.keep_tokens, held)
+            self._compact(cache, groups, keeps, realign=WindowRealign(cache, held, keeps[0]))
+        if plan.drop_positions or plan.keep_tokens is not None:  # (after success: a refused eviction may be retried)
+            self.evicted_at_step = self.num_steps
         if self.observed is not None and not self.policy.observes(self.num_steps):
             self.observed.clear()  # used (or not needed: nothing to compress); the next step records nothing
         bound = self.policy.max_held(new, B)
@@ -202,11 +216,14 @@ class Evictor:
             raise ValueError(f"retention={self.policy!r}: the recorded queries have batch {sorted(bad)} but the cache "
                              f"holds {num_rows} rows; nothing was evicted.")
 
-    def _drop(self, cache: RetentionOwner, rt: RowTables, positions: list[int]) -> None:
-        """Free whole logical block positions in every row (all full: never the last, partial one)."""
+    def _drop(self, cache: RetentionOwner, rt: RowTables, positions: list[int], realign: WindowRealign) -> None:
+        """Free whole logical block positions in every row (all full: never the last, partial one); the sliding
+        groups follow (`realign`)."""
         pool, B = cache.pool, cache.block_size
         held = rt.rows[0].num_tokens
         assert positions and positions[-1] < num_blocks_for(held, B) - 1, f"drop of {positions} of {held} tokens"
+        self._reserve(pool, realign.needs())  # raises before anything changed
+        moved = realign.apply()
         freed = []
         for r, row in enumerate(rt.rows):
             ids = row.remove_positions(positions)
@@ -215,9 +232,11 @@ class Evictor:
             rt.set_row(r, 0)
             freed += ids
         n = len(positions) * B
-        self.num_intact_blocks = min(self.num_intact_blocks if self.num_intact_blocks is not None else positions[0],
-                                     positions[0])
-        self._evicted(cache, held - n, n, {rt.group: freed})
+        intact = [positions[0]] + ([] if realign.first_position is None else [realign.first_position])
+        if self.num_intact_blocks is not None:
+            intact.append(self.num_intact_blocks)
+        self.num_intact_blocks = min(intact)  # a copied sliding group's blocks hold other positions' tokens too
+        self._evicted(cache, held - n, n, {rt.group: freed, **moved})
 
     def _tier_keeps(self, cache: RetentionOwner, groups: list[RowTables], keep: int, held: int) -> list[int]:
         """The tokens each of `groups` keeps for a uniform keep count `keep` of `held` (`tier_budgets`)."""
@@ -226,12 +245,12 @@ class Evictor:
         return self.policy.tier_budgets(keep, held, sizes, cache.block_size)
 
     def _compact(self, cache: RetentionOwner, groups: list[RowTables], keeps: list[int],
-                 scores: dict[int, torch.Tensor] | None = None) -> None:
+                 scores: dict[int, torch.Tensor] | None = None, realign: WindowRealign | None = None) -> None:
         """Each (row, layer, head) of group ``groups[i]`` keeps the policy's ``keeps[i]`` tokens, written into fresh
         blocks (slot `j`: the head's `j`-th kept token); then the old blocks are freed. ``keeps[0]`` is the most, and
         a group keeping ``d * block_size`` fewer drops its first `d` logical block positions instead. `scores`
         (layer -> `[rows, num_kv_heads, held]`) are what `select` gets for a policy scored by a reconstruction pass
-        (`KVzip`)."""
+        (`KVzip`). The sliding groups follow (`realign`)."""
         pool, B = cache.pool, cache.block_size
         held, span = groups[0].rows[0].num_tokens, keeps[0]
         assert all(0 < k <= span and (span - k) % B == 0 for k in keeps), f"tier budgets {keeps} of {span}"
@@ -239,18 +258,25 @@ class Evictor:
         for r in range(len(groups[0].rows)):
             by_table.setdefault(tuple(tuple(rt.rows[r].blocks) for rt in groups), []).append(r)
         writers = [members[0] for members in by_table.values()]
-        need = [num_blocks_for(k, B) * len(writers) for k in keeps]
-        for rt, n in zip(groups, need):  # all groups or none: raises before anything changed
-            if not pool.can_reserve(n, rt.group):
-                pool.reserve(n, rt.group)
-        for rt, n in zip(groups, need):
-            pool.reserve(n, rt.group)
-        rows_idx, layers, freed = torch.tensor(writers), cache.retention_layers(), {}
+        need = {rt.group: num_blocks_for(k, B) * len(writers) for rt, k in zip(groups, keeps)}
+        self._reserve(pool, {**need, **(realign.needs() if realign is not None else {})})
+        freed = realign.apply() if realign is not None else {}
+        rows_idx, layers = torch.tensor(writers), cache.retention_layers()
         for rt, keep in zip(groups, keeps):
             freed[rt.group] = self._compact_group(cache, rt, [layer for layer in layers if layer.group == rt.group],
                                                   keep, span, by_table, rows_idx, scores)
         self.num_intact_blocks = 0
         self._evicted(cache, span, held - span, freed, {rt.group: k for rt, k in zip(groups, keeps)})
+
+    @staticmethod
+    def _reserve(pool: BlockPool, need: dict[int, int]) -> None:
+        """Reserve `need` (layer group -> blocks) in every group or none: raises `PoolExhaustedError` before any
+        reservation when one group cannot serve."""
+        for g, n in need.items():
+            if not pool.can_reserve(n, g):
+                pool.reserve(n, g)
+        for g, n in need.items():
+            pool.reserve(n, g)
 
     def _compact_group(self, cache: RetentionOwner, rt: RowTables, layers: list, keep: int, span: int,
                        by_table: dict[tuple, list[int]], rows_idx: torch.Tensor,
@@ -319,7 +345,7 @@ class Evictor:
         self.num_held_after_eviction = held
         cache.set_held(held, self.num_evicted)
         for g, ids in freed.items():  # one event per group (block ids are per group; the group named for tiers)
-            tokens = n + (held - kept[g] if kept else 0)  # what this group's rows let go
+            tokens = n + (held - kept.get(g, held) if kept else 0)  # what this group's rows let go
             cache.pool.events.emit("evict", sorted(Counter(ids)), seq=cache.seq_id, policy=self.policy.name,
                                    tokens=tokens, group=g if len(freed) > 1 else None)
 

@@ -77,14 +77,17 @@ def compacted_dynamic_reference(model, x: torch.Tensor, steps: list[int], budget
                                 recent: int, only_step: int | None = None) -> torch.Tensor:
     """Logits of `x` fed in `steps` through a `DynamicCache` whose layers are compacted by hand to `budget` tokens
     per head before each step that starts above it (only before step number `only_step`, if given); positions are
-    passed explicitly (the true ones)."""
+    passed explicitly (the true ones). A hybrid model's sliding-window layers are left as `DynamicCache` keeps them."""
     cache = DynamicCache(config=model.config)
+    full = next(i for i, layer in enumerate(cache.layers) if not layer.is_sliding)
     logits, pos = [], 0
     with torch.no_grad():
         for i, q in enumerate(steps):
-            held = cache.get_seq_length()
+            held = cache.layers[full].get_seq_length() if cache.layers[full].is_initialized else 0
             if held > budget and only_step in (None, i):
                 for layer in cache.layers:
+                    if layer.is_sliding:  # a hybrid model's sliding-window layers keep their window (DynamicCache)
+                        continue
                     idx = reference_select(layer.keys, budget, kind, sink, recent)
                     layer.keys = layer.keys.gather(2, idx[..., None].expand(-1, -1, -1, layer.keys.shape[-1]))
                     layer.values = layer.values.gather(2, idx[..., None].expand(-1, -1, -1, layer.values.shape[-1]))
@@ -110,7 +113,13 @@ def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, s
 
 
 def _head_masked_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """Plain attention where query head `h` of layer `l` sees exactly ``_HEAD_MASKS[l][:, h // G]``."""
+    """Plain attention where query head `h` of layer `l` sees exactly ``_HEAD_MASKS[l][:, h // G]``; a layer without
+    a mask (a hybrid model's sliding-window layer, which no policy compacts) attends as `sdpa` does."""
+    if module.layer_idx not in _HEAD_MASKS:
+        from hf_pagedkv._compat import sdpa_attention_function
+
+        return sdpa_attention_function()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                         **kwargs)
     G = query.shape[1] // key.shape[1]
     mask = _HEAD_MASKS[module.layer_idx].repeat_interleave(G, dim=1)  # [batch, num_heads, seq, seq]
     k, v = key.repeat_interleave(G, dim=1), value.repeat_interleave(G, dim=1)  # [batch, num_heads, seq, dim]
@@ -161,7 +170,10 @@ def snapkv_reference(model, x: torch.Tensor, prompt: int, keep: int | dict[int, 
         with torch.no_grad():
             model(x[:, :prompt], use_cache=False)
         kept = {}
+        sliding = [kind == "sliding_attention" for kind in getattr(model.config, "layer_types", None) or []]
         for layer, (q, k, scaling) in _CAPTURED.items():
+            if sliding and sliding[layer]:  # a sliding-window layer keeps its window, uncompressed
+                continue
             score = reference_snapkv_scores(q, k, scaling, window, kernel, pooling)  # [batch, H, prompt]
             protected = torch.zeros(prompt, dtype=torch.bool)
             protected[:sink] = True

@@ -86,8 +86,6 @@ def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="top tier keeps 32.4 tokens"):
         PyramidKV(budget=34, tiers=4).layer_tiers(8)
     assert PyramidKV(budget=40, tiers=4).layer_tiers(8)  # 33.7
-    with pytest.raises(ValueError, match="sliding-window"):
-        PagedCache(config=tiny_model("gemma2").config, retention=PyramidKV(budget=64, tiers=2))
 
 
 # -- through the model --------------------------------------------------------------------------------------------
@@ -288,3 +286,27 @@ def test_a_saved_prefix_cache_keeps_its_tiers(llama8, tmp_path):
     assert (got - want).abs().max() < CROSS_STEP_LOGIT_ATOL
     for c in (first, second, cache):
         c.release()
+
+
+def test_a_tier_0_that_keeps_every_token_compacts_once(one_thread):
+    """Two layers in two tiers, budget 24 of 40: tier 0 keeps all 40 (nothing is evicted from the span), tier 1 keeps
+    8. The step's later calls (`before_step`, a second mask) must not compact again (they found no queries left
+    and raised before)."""
+    torch.manual_seed(99)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    model = LlamaForCausalLM(config).eval()
+    model.set_attn_implementation("hf_pagedkv")
+    policy = PyramidKV(budget=24, recent_tokens=4, kernel_size=3, tiers=2)
+    assert policy.tier_budgets(24, 40, [1, 1], B) == [40, 8]
+    steps = [40, 5, 1, 3]
+    x = ids(1, sum(steps), seed=24)
+    cache = PagedCache(block_size=B, config=config, retention=policy, debug=True)
+    got = run_steps(model, x, steps, cache, before=check)
+    want = snapkv_reference(model, x, steps[0], {0: 40, 1: 8}, policy.recent_tokens, policy.sink_tokens,
+                            policy.kernel_size, policy.pooling)
+    assert (got - want).abs().max() < CROSS_STEP_LOGIT_ATOL
+    after = sum(steps[1:])
+    assert cache.retention_stats().tokens_held_per_layer == (40 + after, 8 + after)
+    cache.release()
+    assert cache.pool.stats().blocks_in_use == 0

@@ -2,6 +2,7 @@
 
     python benchmarks/hybrid_memory.py              # ~2-4 min on 2 CPU cores
     python benchmarks/hybrid_memory.py --quick      # one short row, a smoke run
+    python benchmarks/hybrid_memory.py --retention  # plus what retention policies hold on the hybrid model
 
 The hybrid model is Gemma3-shaped where the KV cache is concerned -- 18 layers, 15 of them sliding-window
 (window 512, pattern 6) and 3 full attention, 1 KV head of head_dim 256, fp32 -- with a small hidden size and
@@ -22,7 +23,7 @@ from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hf_pagedkv import PagedCache, cache_kwargs  # noqa: E402
+from hf_pagedkv import KeyDiff, PagedCache, SinkWindow, cache_kwargs  # noqa: E402
 from hf_pagedkv.tools.verify import dynamic_cache_bytes  # noqa: E402
 
 MB = 1e6
@@ -57,11 +58,27 @@ def run(model, prompt_len: int, new: int, block_size: int, **kw) -> tuple[int, i
     return held[0], held[1], same
 
 
+def run_retention(model, prompt_len: int, new: int, block_size: int, retention) -> tuple[int, int, int]:
+    """(bytes held by the full-attention group, by the sliding groups, tokens held per row) after one greedy
+    `generate` through `PagedCache(retention=...)` (a different output than without it: tokens were evicted)."""
+    g = torch.Generator().manual_seed(prompt_len)
+    x = torch.randint(3, model.config.vocab_size, (1, prompt_len), generator=g)
+    cache = PagedCache(block_size=block_size, config=model.config, retention=retention)
+    model.generate(x, **cache_kwargs(cache), max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    groups = cache.pool.stats().groups
+    full = sum(grp.bytes_in_use for grp in groups if grp.window is None)
+    held = (sum(grp.bytes_in_use for grp in groups) - full, cache.retention_stats().tokens_held)
+    cache.pool.check_invariants()
+    cache.release()
+    return (full, *held)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one short hybrid row only")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--retention", action="store_true", help="also the retention rows (4096 tokens)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -81,6 +98,16 @@ def main(argv=None) -> int:
         ok &= same or kw.get("do_sample", False)  # sampling: same seed, same tokens expected too, but not required
         print(f"| {name} | {dyn / MB:.1f} MB | {paged / MB:.1f} MB | {paged / dyn:.2f}x | "
               f"{'identical' if same else 'DIFFERENT'} |")
+    if args.retention:
+        print()
+        print("retention on the hybrid model, greedy, 4064 + 32 tokens: KV bytes held by layer group")
+        print("| retention | full-attention layers | sliding-window layers | total | tokens held (full layers) |")
+        print("| --- | ---: | ---: | ---: | ---: |")
+        for policy in (None, SinkWindow(sink_tokens=4, window=1024), KeyDiff(budget=1024),
+                       KeyDiff(compression_ratio=0.5)):
+            full, sliding, held = run_retention(model, 4064, 32, args.block_size, policy)
+            print(f"| {policy or 'none'} | {full / MB:.1f} MB | {sliding / MB:.1f} MB | {(full + sliding) / MB:.1f} MB "
+                  f"| {held} |")
     if not args.quick:
         from hf_pagedkv.tools.models import load_model
 

@@ -281,8 +281,8 @@ def resolve(argv: list[str] | None = None, base: EvalConfig | None = None,
     Returns:
         `(EvalConfig, argparse.Namespace)`: the resolved config and the parsed arguments (for `--verbose`).
 
-    Raises:
-        ValueError: an unknown YAML key or an out-of-range setting.
+    Exits (argparse's usage error, status 2) on an unknown YAML key, an out-of-range setting or a missing local
+    dataset file.
     """
     parser = build_parser(prog)
     args = parser.parse_args(argv)
@@ -297,6 +297,10 @@ def resolve(argv: list[str] | None = None, base: EvalConfig | None = None,
     if isinstance(values.get("configs"), list):  # `--configs fp,k8v4` as well as `--configs fp k8v4`
         values["configs"] = [c for item in values["configs"] for c in str(item).split(",") if c]
     try:
-        return EvalConfig(**values), args
+        cfg = EvalConfig(**values)
+        from eval.data import resolve_local  # (eval.data imports this module)
+
+        resolve_local(cfg)  # a local file named but missing: say so before the model loads
+        return cfg, args
     except ValueError as exc:  # a setting out of range: argparse's usage error, not a traceback
         parser.error(str(exc))

@@ -148,6 +148,10 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         ratio = getattr(policy, "compression_ratio", None)
         held = (bound if bound is not None else int(args.max_seq_len * (1 - ratio)) + 1 if ratio is not None
                 else args.max_seq_len)  # SnapKV(budget=...): the prompt is compressed once, what follows is kept
+        if model.num_sliding and held < min(args.max_seq_len, model.sliding_window - 1):
+            parser.error(f"--retention {args.retention}: keeps {held:,} tokens, but this model's sliding-window "
+                         f"layers read the last {model.sliding_window - 1:,}; on a hybrid model the full-attention "
+                         "layers must keep at least window - 1 tokens (a larger budget or a smaller ratio)")
         if held < args.max_seq_len:
             print(f"retention {policy}: each sequence of {args.max_seq_len:,} tokens holds at most {held:,} "
                   "once compressed")

@@ -71,6 +71,16 @@ def test_a_config_file_that_is_not_yaml_settings_says_so(tmp_path, capsys, conte
     assert f"--config {path}: {match}" in err and "Traceback" not in err
 
 
+def test_a_missing_local_dataset_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:  # before the model loads, not a traceback from the data loader
+        resolve(["--dataset", str(tmp_path / "nope.txt")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "nope.txt'" in err and "no such file" in err and "Traceback" not in err
+    cfg, _ = resolve(["--dataset", "wikitext"])  # a `datasets` name is not checked here
+    assert cfg.dataset_name == "wikitext"
+
+
 def test_an_empty_config_file_means_the_defaults(tmp_path):
     from eval.long_context_config import LongContextConfig
     from eval.long_context_config import resolve as resolve_long

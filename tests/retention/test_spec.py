@@ -48,3 +48,20 @@ def test_the_planner_sizes_the_pool_for_the_peak_while_a_policy_compresses(capsy
     assert "holds up to 250,001 tokens" in out and "reconstruction pass" in out
     assert main(argv + ["--retention", "sink_window:4:2048"]) == 0  # drops whole blocks: no peak beyond its bound
     assert "holds up to" not in capsys.readouterr().out
+
+
+def test_plan_with_retention_on_a_hybrid_model(tmp_path, capsys):
+    """A Gemma2-shaped config (sliding window 512): a budget of at least window - 1 plans, a smaller one is refused
+    as the cache refuses it (`WindowRealign`)."""
+    from transformers import Gemma2Config
+
+    Gemma2Config(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, hidden_size=64, head_dim=16,
+                 intermediate_size=96, vocab_size=96, sliding_window=512).save_pretrained(tmp_path)
+    argv = ["plan", "--model", str(tmp_path / "config.json"), "--max-seq-len", "4096", "--batch", "1",
+            "--memory", "1GiB"]
+    assert main(argv + ["--retention", "sink_window:4:1024"]) == 0
+    assert "holds at most" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(argv + ["--retention", "sink_window:4:256"])
+    assert e.value.code == 2
+    assert "must keep at least window - 1 tokens" in capsys.readouterr().err

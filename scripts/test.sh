@@ -55,10 +55,11 @@ if [[ "$SECOND_LANE" == "1" ]]; then
     lane2=0
     VENV="$OTHER_VENV" TRANSFORMERS_SPEC="$OTHER_TRANSFORMERS_SPEC" bash scripts/setup.sh
     lib=$("$OTHER_VENV/bin/python" -c 'import transformers; print(transformers.__version__)')
-    echo "test.sh: lane 2: contract, equivalence and real-model tests on transformers $lib ($OTHER_VENV)" >&2
+    echo "test.sh: lane 2: contract, equivalence, hybrid retention and real-model tests on transformers $lib ($OTHER_VENV)" >&2
     # NOTE: two pytest runs: a run selects by path or by marker, not "these files or that marker"; the first leaves
     # out the model-marked tests of these files, which the second runs.
     run_pytest "$OTHER_VENV" "lane 2" tests/test_compat.py tests/adapter/test_equivalence.py tests/adapter/test_layer_groups.py \
+        tests/retention/test_hybrid.py \
         -m "not model" || lane2=$?
     run_pytest "$OTHER_VENV" "lane 2 (model)" tests -m model || lane2=$?
     echo "test.sh: lane 2 (transformers $lib) exit status $lane2, $(lane_time "$start") s" >&2

@@ -50,8 +50,8 @@ def compress_context(model, cache, context_ids, tokenizer=None, prompt_ids: Sequ
 
     Raises:
         ValueError: the model's attention is not ``"hf_pagedkv"``; the cache has no `KVzip` policy, is empty,
-            already evicted tokens, or does not hold exactly `context_ids` (length or batch differ). Nothing is
-            evicted then, and the cache holds the context as before.
+            already evicted tokens, or does not hold exactly `context_ids` (length or batch differ); a token id
+            outside the vocabulary. Nothing is evicted then, and the cache holds the context as before.
     """
     from hf_pagedkv.adapter.paged_cache import PagedCache  # the cache module imports the retention package
 
@@ -79,6 +79,11 @@ def compress_context(model, cache, context_ids, tokenizer=None, prompt_ids: Sequ
     if prompt_ids is None:
         prompt_ids = repeat_prompt_ids(tokenizer) if tokenizer is not None else []
     prompt = torch.as_tensor(list(prompt_ids), dtype=torch.long, device=model.device)[None].expand(ctx.shape[0], -1)
+    vocab = model.get_input_embeddings().num_embeddings
+    for name, ids in (("context_ids", ctx), ("prompt_ids", prompt)):
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise ValueError(f"`{name}` holds token ids outside the model's vocabulary [0, {vocab}): "
+                             f"{int(ids.min())} .. {int(ids.max())}. Nothing was run or evicted.")
     recon = torch.cat([prompt, ctx], dim=1)  # [batch, prompt + n]
     cache.begin_context_scoring()  # raises for an empty cache or one that already evicted
     done = 0

@@ -117,6 +117,10 @@ def test_refusals_change_nothing(llama):
         compress_context(llama, cache, x[:, :20], prompt_ids=PROMPT)
     with pytest.raises(ValueError, match="must be"):
         compress_context(llama, cache, torch.zeros(1, 2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="`prompt_ids` holds token ids outside"):
+        compress_context(llama, cache, x, prompt_ids=[-1])
+    with pytest.raises(ValueError, match="`context_ids` holds token ids outside"):
+        compress_context(llama, cache, torch.full_like(x, llama.config.vocab_size), prompt_ids=PROMPT)
     assert cache.block_tables() == tables and cache.get_seq_length() == N
     cache.check_invariants()
     compress_context(llama, cache, x, prompt_ids=PROMPT)
@@ -140,9 +144,20 @@ def test_an_error_in_the_reconstruction_pass_crops_it_and_keeps_the_context(llam
     x = ids(1, N, seed=25)
     cache = prefilled(llama, x, KVzip(budget=12, recent_tokens=2, chunk_tokens=8))
     tables = cache.block_tables()
-    bad = [5] * 8 + [llama.config.vocab_size + 5]  # the first step (8 tokens) runs, the second fails in the embedding
-    with pytest.raises(IndexError):
-        compress_context(llama, cache, x, prompt_ids=bad)
+    calls = []
+
+    def fail_second_step(module, args):  # the first step (8 tokens) runs, the second fails in the embedding
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+
+    hook = llama.get_input_embeddings().register_forward_pre_hook(fail_second_step)
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            compress_context(llama, cache, x, prompt_ids=[5] * 9)
+    finally:
+        hook.remove()
+    assert len(calls) == 2
     assert cache.block_tables() == tables and cache.retention_stats().tokens_held == N  # the 8 tokens were cropped
     cache.check_invariants()
     compress_context(llama, cache, x, prompt_ids=PROMPT)  # and it can still be compressed

@@ -259,6 +259,27 @@ class BlockPool:
         group.store.grow(group.allocator.num_blocks + n)
         group.allocator.add_blocks(n)
 
+    def check_layer_group(self, layer_idx: int, group: int) -> None:
+        """Raise `ValueError` if the pool already holds layer `layer_idx` in a layer group other than `group` (a cache
+        of another model, or with other retention tiers). No side effects."""
+        with self.lock:
+            target = self.groups[group]
+            for other in self.groups:
+                if other is target or layer_idx not in other.store.specs:
+                    continue
+                if (other.tier or target.tier) and other.window == target.window:
+                    raise ValueError(
+                        f"This BlockPool holds layer {layer_idx} in its {other.name} layer group, but a cache uses "
+                        f"it as {target.name}: a tiered retention policy (PyramidKV) gives each tier of layers its "
+                        "own layer group, so the caches sharing a pool must all use the same tiers; use a separate "
+                        "BlockPool for caches with other tiers."
+                    )
+                raise ValueError(
+                    f"This BlockPool holds layer {layer_idx} in its {other.name} layer group, but a cache uses "
+                    f"it as {target.name}; a pool is shared only by caches of one model (build each cache with "
+                    "the same config=, or none)."
+                )
+
     def register_layer(self, layer_idx: int, spec: LayerSpec, num_layers: int | None = None, group: int = 0) -> None:
         """Make sure the pool has storage for `layer_idx` with this spec in layer group `group`.
 
@@ -285,12 +306,7 @@ class BlockPool:
                         "A pool is shared only by caches of one model (same layer shapes and dtype); use a "
                         "separate BlockPool for each model."
                     )
-                if other is not target:
-                    raise ValueError(
-                        f"This BlockPool holds layer {layer_idx} in its {other.name} layer group, but a cache uses "
-                        f"it as {target.name}; a pool is shared only by caches of one model (build each cache with "
-                        "the same config=, or none)."
-                    )
+                self.check_layer_group(layer_idx, group)
                 return
             if self.max_memory is not None:  # sized by the first layer; each layer's device share checked
                 # NOTE: every group gets the same number of blocks, so the groups together stay within the budget

@@ -166,6 +166,7 @@ class PagedCache(Cache):
                     layers.append(DummyLayer())
                 else:
                     rt = self._tables_for(window, tier_of.get(idx, 0))
+                    pool.check_layer_group(idx, rt.group)  # a shared pool's layers: same groups (raises ValueError)
                     layers.append(PagedLayer(self, idx, window, group=rt.group))
         super().__init__(layers=layers)
         self._num_layers = len(layers) or None  # known when built from a config (sizes max_memory pools)

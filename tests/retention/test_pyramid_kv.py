@@ -310,3 +310,20 @@ def test_a_tier_0_that_keeps_every_token_compacts_once(one_thread):
     assert cache.retention_stats().tokens_held_per_layer == (40 + after, 8 + after)
     cache.release()
     assert cache.pool.stats().blocks_in_use == 0
+
+
+def test_a_pool_with_tiers_refuses_a_cache_with_other_tiers_up_front(llama8):
+    pool = BlockPool(block_size=B)
+    tiered = PagedCache(pool=pool, config=llama8.config, retention=PyramidKV(budget=16, recent_tokens=4, tiers=2))
+    run_steps(llama8, ids(1, 31, seed=3), [30, 1], tiered)
+    before = pool.stats().blocks_in_use
+    for retention in (None, PyramidKV(budget=16, recent_tokens=4, tiers=4)):
+        with pytest.raises(ValueError, match="must all use the same tiers"):  # when built, not at its first step
+            PagedCache(pool=pool, config=llama8.config, retention=retention)
+        assert pool.stats().blocks_in_use == before
+    same = PagedCache(pool=pool, config=llama8.config, retention=PyramidKV(budget=16, recent_tokens=4, tiers=2))
+    run_steps(llama8, ids(1, 31, seed=4), [30, 1], same)  # the same tiers share the pool
+    pool.check_invariants()
+    for cache in (tiered, same):
+        cache.release()
+    assert pool.stats().blocks_in_use == 0

@@ -146,7 +146,8 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         default_block = DEFAULT_BLOCK_SIZE if args.quant in (None, "fp") else DEFAULT_QUANT_BLOCK_SIZE
         bound = policy.max_held(1, args.block_size or default_block)  # the block size the plan below uses
         ratio = getattr(policy, "compression_ratio", None)
-        held = (bound if bound is not None else int(args.max_seq_len * (1 - ratio)) + 1 if ratio is not None
+        # (a ratio keeps at least its protected sinks and recent tokens, `ImportancePolicy.keep_for`)
+        held = (bound if bound is not None else policy.keep_for(args.max_seq_len) + 1 if ratio is not None
                 else args.max_seq_len)  # SnapKV(budget=...): the prompt is compressed once, what follows is kept
         if model.num_sliding and held < min(args.max_seq_len, model.sliding_window - 1):
             parser.error(f"--retention {args.retention}: keeps {held:,} tokens, but this model's sliding-window "

@@ -65,3 +65,10 @@ def test_plan_with_retention_on_a_hybrid_model(tmp_path, capsys):
         main(argv + ["--retention", "sink_window:4:256"])
     assert e.value.code == 2
     assert "must keep at least window - 1 tokens" in capsys.readouterr().err
+
+
+def test_plan_counts_the_protected_tokens_of_a_ratio(capsys):
+    """key_norm:0.99 of 1,000 tokens would keep 10, but its 4 sinks + 64 recent tokens + 1 are always kept."""
+    argv = ["plan", "--max-seq-len", "1000", "--batch", "1", "--memory", "1GiB", "--retention", "key_norm:0.99"]
+    main(argv)
+    assert "holds at most 70 once compressed" in capsys.readouterr().out

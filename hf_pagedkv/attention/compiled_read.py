@@ -86,13 +86,19 @@ def fused_code_read(qh: torch.Tensor, kcodes: torch.Tensor, kscales: torch.Tenso
     return out / l
 
 
+#: graphs of `fused_code_read` a process may hold (batch 1 or more, mask or none, codec bits, reads past 4096 columns,
+#: input strides): past it, dynamo runs the function eagerly (correct, slower)
+_GRAPH_LIMIT = 32
+
+
 class CompiledCodeAttention:
     """`fused_code_read` compiled once per process (inductor, ``dynamic=True``: one graph serves every step as the
     read grows), with the eager `code_attention` as fallback.
 
     Compiles lazily, on the first supported read. Graphs are specialized on batch 1 against larger batches, on a
     mask or none, on the codecs' bits, and once more when a read passes 4096 columns (inductor's accumulator
-    choice), so a process compiles a few graphs (5-15 s each with a cold inductor cache) and none per step.
+    choice), so a process compiles a few graphs (4 s to 2 min each on a shared 2-core machine, README) and none
+    per step.
 
     Reads it takes: the `torch` backend's `Int8Codec`/`Int4Codec` for keys (``axis="channel"``) and values
     (``axis="token"``, one group per head), equal key and value head dims, and a read from the first block's
@@ -131,8 +137,11 @@ class CompiledCodeAttention:
                 self._fn = torch.compile(fused_code_read, dynamic=True)
             kc, vc = read.codecs
             # NOTE: no duck sizing: with it, a block count equal to another size (heads, rows, head_dim) gets a
-            # graph of its own, compiled mid-generation; inference only (the graphs guard on the grad mode)
-            with torch.no_grad(), torch.fx.experimental._config.patch(use_duck_shape=False):
+            # graph of its own, compiled mid-generation; inference only (the graphs guard on the grad mode). A
+            # process that runs k8v4 and k4v4 at batch 1 and 8 up to 4096+ tokens held 8 graphs, dynamo's default
+            # limit per function (past it, dynamo runs the function eagerly): the limit is raised for this call only
+            with torch.no_grad(), torch.fx.experimental._config.patch(use_duck_shape=False), \
+                    torch._dynamo.config.patch(recompile_limit=_GRAPH_LIMIT):
                 return self._fn(qh, read.codes[0], read.scales[0], read.codes[1], read.scales[1], read.full[0],
                                 read.full[1], bias, kc.bits, vc.bits, read.block_size,
                                 max(0, read.sink_end - read.lo))

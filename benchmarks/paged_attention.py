@@ -3,6 +3,7 @@
     python benchmarks/paged_attention.py --threads 1                       # 2048 and 4096 tokens, batch 1 and 8
     python benchmarks/paged_attention.py --lengths 2048 --batches 1 --rounds 1 --steps 4     # a smoke run
     python benchmarks/paged_attention.py --profile --lengths 2048 --batches 1  # where the time goes, per case
+    python benchmarks/paged_attention.py --methods k8v4,k4v4 --compiled    # + "hf_pagedkv_compiled" rows
 
 Every case runs in one process, side by side: the bundled SmolLM2-135M (fp32) decodes `--steps` greedy steps
 (`model(next_token, cache)`) after one warm-up step, from the K/V of one untimed prefill of random tokens (rows
@@ -70,13 +71,17 @@ def prompt_kv(kv: list, n: int, batch: int, seed: int) -> list:
 def run_case(model, method: str, kv: list, tok: torch.Tensor, steps: int, profile: bool = False) -> tuple[float, str]:
     """CPU seconds per decode step (and a profile text when asked), from the prompt's K/V written into a new cache
     (one `update` per layer, as a prefill step does)."""
-    model.set_attn_implementation("hf_pagedkv" if method.endswith("/paged") else "sdpa")
+    attn = method.split("/")[-1]
+    model.set_attn_implementation({"paged": "hf_pagedkv", "compiled": "hf_pagedkv_compiled"}.get(attn, "sdpa"))
     cache = make_cache(method, model)
     text = ""
     with torch.no_grad():
         for i, (k, v) in enumerate(kv):
             cache.update(k.clone(), v.clone(), i)
-        tok = model(tok, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)  # warm-up step
+        t0 = time.perf_counter()
+        tok = model(tok, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)  # warm-up step (compiles, if any)
+        if attn == "compiled":
+            print(f"warm-up step of {method}: {time.perf_counter() - t0:.1f} s wall", file=sys.stderr, flush=True)
         prof = cProfile.Profile() if profile else None
         if prof:
             prof.enable()
@@ -105,10 +110,14 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--profile", action="store_true", help="print a cProfile of each case (one round)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compiled", action="store_true",
+                    help='also run each quantized preset with "hf_pagedkv_compiled" (torch.compile; opt-in)')
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, _ = load_model()
-    methods = ["dynamic"] + [f"{m}/{a}" for m in args.methods.split(",") for a in ("sdpa", "paged")]
+    attns = ("sdpa", "paged", "compiled") if args.compiled else ("sdpa", "paged")
+    methods = ["dynamic"] + [f"{m}/{a}" for m in args.methods.split(",") for a in attns
+                             if a != "compiled" or m != "fp"]
     if QUANTO:
         methods.append("quanto-int4")
     else:

@@ -7,6 +7,7 @@ import logging
 import torch
 
 from hf_pagedkv._compat import sdpa_attention_function
+from hf_pagedkv.attention.compiled_read import CompiledCodeAttention
 from hf_pagedkv.attention.paged_attention import DEFAULT_TILE_TOKENS, paged_attention
 from hf_pagedkv.attention.paged_view import PagedView
 from hf_pagedkv.retention.query_window import recorder_of
@@ -25,7 +26,8 @@ _NEUTRAL_KWARGS = {"position_ids", "use_cache", "cache_position", "sliding_windo
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                            is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                            is_causal: bool | None = None, compiled: CompiledCodeAttention | None = None,
+                            **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract (the signature of `sdpa_attention_forward`), reading a
     `PagedCache`'s pool in place at decode steps.
 
@@ -45,6 +47,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         attention_mask (`torch.Tensor` of shape `[batch, 1, q, kv_len]`, *optional*): from the ``"hf_pagedkv"`` mask
             function (the `sdpa` mask: bool, `True` = attend), or `None`.
         dropout, scaling, is_causal: as `sdpa_attention_forward`.
+        compiled (`CompiledCodeAttention`, *optional*): the compiled quantized read (``"hf_pagedkv_compiled"``);
+            `None`: eager.
 
     Returns:
         `(attn_output, None)`, `attn_output` of shape `[batch, q, num_heads, head_dim]`.
@@ -75,7 +79,26 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         return sdpa_attention_function()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                          is_causal=is_causal, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return paged_attention(query, view, scale, attention_mask, tile_tokens=DEFAULT_TILE_TOKENS), None
+    if compiled is None:
+        return paged_attention(query, view, scale, attention_mask, tile_tokens=DEFAULT_TILE_TOKENS), None
+    return paged_attention(query, view, scale, attention_mask, tile_tokens=DEFAULT_TILE_TOKENS,
+                           compiled=compiled), None
+
+
+#: the compiled quantized read of ``"hf_pagedkv_compiled"``: one per process (its graphs serve every layer)
+COMPILED_READ = CompiledCodeAttention()
+
+
+def compiled_paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                                     value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                                     scaling: float | None = None, is_causal: bool | None = None,
+                                     **kwargs) -> tuple[torch.Tensor, None]:
+    """`paged_attention_forward` with quantized (int8/int4) reads computed by `torch.compile`d code
+    (`CompiledCodeAttention`): registered as ``"hf_pagedkv_compiled"``, opt-in. Same arguments, shapes and result
+    (up to fp32 rounding: the sums run in another order); reads it does not take, and any compile error, use the
+    eager read. The first decode steps of a process pay the compile time (seconds per graph, see the README)."""
+    return paged_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                   is_causal=is_causal, compiled=COMPILED_READ, **kwargs)
 
 
 def _unsupported(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, dropout: float,

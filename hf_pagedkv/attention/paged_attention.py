@@ -25,7 +25,7 @@ NEGLIGIBLE = -64 * math.log(2)
 
 
 def paged_attention(query: torch.Tensor, view: PagedView, scaling: float, mask: torch.Tensor | None = None,
-                    tile_tokens: int = DEFAULT_TILE_TOKENS) -> torch.Tensor:
+                    tile_tokens: int = DEFAULT_TILE_TOKENS, compiled=None) -> torch.Tensor:
     """Attention of `query` over the tokens `view` names, read where they lie.
 
     - Quantized stores (`code_attention`): the encoded blocks' codes and scales, de-quantized inside the products
@@ -50,6 +50,8 @@ def paged_attention(query: torch.Tensor, view: PagedView, scaling: float, mask: 
         mask (`torch.Tensor` of shape `[batch, 1, q, end - lo]`, *optional*): `True` (bool) where a query attends,
             or an additive float mask; `None`: every query attends to every token.
         tile_tokens (`int`): tokens per page tile (peak extra memory: one tile of keys and values).
+        compiled (`CompiledCodeAttention`, *optional*): reads quantized codes with its compiled function where it
+            applies (``"hf_pagedkv_compiled"``); `None` (the default): eager only.
 
     Returns:
         `torch.Tensor` of shape `[batch, q, num_heads, value_dim]` (what transformers' attention functions return).
@@ -62,7 +64,10 @@ def paged_attention(query: torch.Tensor, view: PagedView, scaling: float, mask: 
     bias = _mask_bias(mask, batch, G, q, query.dtype)  # [1, batch, G*q | 1, end - lo] or None
     read = view.code_read()  # quantized: codes and scales of the encoded blocks, or None
     if read is not None:
-        return _unpack(code_attention(qh, read, bias, tile_tokens), batch, H, G, q, num_heads)
+        out = None if compiled is None else compiled(qh, read, bias)
+        if out is None:
+            out = code_attention(qh, read, bias, tile_tokens)
+        return _unpack(out, batch, H, G, q, num_heads)
     if not view.store.is_quantized and view.base is None:  # rows in blocks: strided views of runs, rest gathered
         return _unpack(fp_attention(qh, view.fp_parts(tile_tokens), bias), batch, H, G, q, num_heads)
     if view.num_chunks(tile_tokens) == 1:  # one view or one tile: a single softmax, by torch's fused kernel

@@ -19,8 +19,10 @@ PPL_METHODS = ("full", "sink_window", "window_only", "key_norm", "key_diff", "re
 #: runs the model with ``attn_implementation="hf_pagedkv"``, which hands the prefill's last queries to the cache;
 #: so does `pyramid_kv` (`PyramidKV`: SnapKV's scores, budgets shrinking with depth over 4 tiers of layers).
 #: `kv_zip` (query-agnostic) runs `compress_context` (KVzip's reconstruction pass) after the context's prefill;
-#: `kv_zip_recent` is KVzip with H2O's split, a `recent_share` of the kept tokens given to the most recent ones.
-PASSKEY_METHODS = ("full", "sink_window", "key_norm", "key_diff", "snap_kv", "pyramid_kv", "kv_zip", "kv_zip_recent")
+#: `kv_zip_recent` is KVzip with H2O's split, a `recent_share` of the kept tokens given to the most recent ones;
+#: `kv_zip_pooled` is KVzip with its scores max-pooled over `kv_zip_kernel` tokens (SnapKV's clustering step).
+PASSKEY_METHODS = ("full", "sink_window", "key_norm", "key_diff", "snap_kv", "pyramid_kv", "kv_zip", "kv_zip_recent",
+                   "kv_zip_pooled")
 TASKS = ("perplexity", "passkey")
 _NOT_IN_NAME = ("output_dir", "overwrite", "data_dir", "num_threads")
 
@@ -49,6 +51,8 @@ class LongContextConfig:
             observation window whose queries score the context, kvpress's `window_size`).
         recent_share (`float`, defaults to 0.5): passkey, method `kv_zip_recent`: the fraction in [0, 1) of each
             head's kept tokens given to the most recent context tokens (`ImportancePolicy.recent_share`, H2O's split).
+        kv_zip_kernel (`int`, defaults to 7): passkey, method `kv_zip_pooled`: the odd max-pooling kernel over
+            KVzip's scores, in tokens (`KVzip.kernel_size`).
         block_size (`int`, defaults to 16): `PagedCache` block size.
         methods (`list[str]`, *optional*): from `PPL_METHODS` (perplexity) or `PASSKEY_METHODS` (passkey); all of
             the task's by default.
@@ -78,6 +82,7 @@ class LongContextConfig:
     sink_tokens: int = 4
     recent_tokens: int = 64
     recent_share: float = 0.5
+    kv_zip_kernel: int = 7
     block_size: int = 16
     methods: list[str] | None = None
     quants: list[str] = field(default_factory=lambda: ["fp"])
@@ -93,7 +98,7 @@ class LongContextConfig:
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise ValueError(f"LongContextConfig.task must be one of {TASKS}, got {self.task!r}.")
-        for name in ("num_windows", "context_len", "chunk", "score_stride", "block_size", "num_keys"):
+        for name in ("num_windows", "context_len", "chunk", "score_stride", "block_size", "num_keys", "kv_zip_kernel"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"LongContextConfig.{name} must be a positive int, got {value!r}.")
@@ -117,6 +122,9 @@ class LongContextConfig:
                                              for b in self.budgets):
             raise ValueError(f"LongContextConfig.budgets {self.budgets} must lie between sink_tokens + recent_tokens "
                              f"({self.sink_tokens + self.recent_tokens}) and context_len ({self.context_len}).")
+        if self.kv_zip_kernel % 2 == 0:
+            raise ValueError(f"LongContextConfig.kv_zip_kernel must be odd (the pooling is centred on each token), "
+                             f"got {self.kv_zip_kernel}.")
         if isinstance(self.recent_share, bool) or not isinstance(self.recent_share, (int, float)) \
                 or not 0 <= self.recent_share < 1:
             raise ValueError(f"LongContextConfig.recent_share must be a float in [0, 1), got {self.recent_share!r}.")
@@ -138,6 +146,8 @@ class LongContextConfig:
             del ident["question_in_prompt"]
         if "kv_zip_recent" not in ident["methods"]:  # added later, and read by that method only
             del ident["recent_share"]
+        if "kv_zip_pooled" not in ident["methods"]:  # so is this one
+            del ident["kv_zip_kernel"]
         digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:6]
         if self.task == "perplexity":
             key = f"w{self.num_windows}-n{self.context_len}-b{'_'.join(map(str, self.budgets))}-c{self.chunk}"

@@ -129,6 +129,8 @@ def test_tokenize_prefix_equals_whole_text_tokenization():
     ("long_context", ["--task", "bogus"], "LongContextConfig.task must be one of"),
     ("long_context", ["--task", "passkey", "--recent-share", "1.0"], "LongContextConfig.recent_share must be a float"),
     ("long_context", ["--task", "passkey", "--recent-share", "half"], "--recent-share: invalid float value"),
+    ("long_context", ["--task", "passkey", "--kv-zip-kernel", "4"], "LongContextConfig.kv_zip_kernel must be odd"),
+    ("long_context", ["--task", "passkey", "--kv-zip-kernel", "0"], "LongContextConfig.kv_zip_kernel must be a "),
 ])
 def test_a_setting_out_of_range_on_the_command_line_is_a_usage_error(capsys, which, argv, match):
     from eval.long_context_config import resolve as resolve_long
@@ -151,3 +153,7 @@ def test_recent_share_is_a_float_flag_and_names_only_the_runs_that_read_it():
     recent = argv + ["--methods", "full", "kv_zip", "kv_zip_recent"]
     a, b = resolve_long(recent)[0], resolve_long(recent + ["--recent-share", "0.25"])[0]
     assert b.recent_share == 0.25 and a.run_dir() != b.run_dir() != cfg.run_dir()
+    assert resolve_long(argv + ["--kv-zip-kernel", "3"])[0].run_dir() == cfg.run_dir()  # the same for the kernel
+    pooled = argv + ["--methods", "full", "kv_zip", "kv_zip_pooled"]
+    c, d = resolve_long(pooled)[0], resolve_long(pooled + ["--kv-zip-kernel", "3"])[0]
+    assert (c.kv_zip_kernel, d.kv_zip_kernel) == (7, 3) and c.run_dir() != d.run_dir() != cfg.run_dir()

@@ -17,7 +17,10 @@ named from its settings; a finished run is skipped (`--overwrite` redoes it):
   `pyramid_kv` (`PyramidKV`, the same scores with budgets shrinking with depth; its tiers are layer groups of their
   own, so it computes the context itself instead of attaching to the shared one) and
   `kv_zip` (`KVzip`, query-agnostic: after the context's prefill, `compress_context` runs its reconstruction pass
-  and compresses; then the question comes as the next step).
+  and compresses; then the question comes as the next step) and `kv_zip_recent` (the same with H2O's split: a
+  `recent_share` of each head's kept tokens goes to the most recent context tokens, the scores choose the rest) and
+  `kv_zip_pooled` (the same with its scores max-pooled over `kv_zip_kernel` tokens, so a kept token keeps its
+  neighbours).
   Each example's context is computed once and published in a prefix-caching pool; every method's cache attaches
   to it and computes the last ``recent_tokens``-plus tokens itself (SnapKV's observation window), then compresses
   the whole context before the question, exactly as after a one-step prefill.
@@ -73,10 +76,12 @@ def policy_for(method: str, cfg: LongContextConfig, budget: int | None = None, r
     if method == "window_only":
         return SinkWindow(sink_tokens=0, window=budget)
     cls = {"key_norm": KeyNorm, "key_diff": KeyDiff, "snap_kv": SnapKV, "pyramid_kv": PyramidKV,
-           "kv_zip": KVzip}[method]
+           "kv_zip": KVzip, "kv_zip_recent": KVzip, "kv_zip_pooled": KVzip}[method]
+    extra = {"kv_zip_recent": {"recent_share": cfg.recent_share},
+             "kv_zip_pooled": {"kernel_size": cfg.kv_zip_kernel}}.get(method, {})
     if ratio is not None:
-        return cls(compression_ratio=ratio, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens)
-    return cls(budget=budget, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens)
+        return cls(compression_ratio=ratio, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens, **extra)
+    return cls(budget=budget, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens, **extra)
 
 
 # -- streaming perplexity ----------------------------------------------------------------------------------------------
@@ -209,7 +214,7 @@ def run_passkey(model, tokenizer, cfg: LongContextConfig) -> tuple[list[dict], d
     examples = passkey_prepare.make_examples(cfg, tokenizer, text)
     records = []
     before = model.config._attn_implementation
-    if {"snap_kv", "pyramid_kv", "kv_zip"} & set(cfg.methods):  # they get queries from this attention; so does all
+    if {"snap_kv", "pyramid_kv", "kv_zip", "kv_zip_recent", "kv_zip_pooled"} & set(cfg.methods):  # they get queries from this attention; so does all
         model.set_attn_implementation("hf_pagedkv")
     try:
         for ex in examples:
@@ -250,7 +255,10 @@ def run_passkey(model, tokenizer, cfg: LongContextConfig) -> tuple[list[dict], d
 def report_text(cfg: LongContextConfig, metrics: dict) -> str:
     lines = [f"# Long contexts: {cfg.task}", "", f"Model: {cfg.model or 'SmolLM2-135M-Instruct (bundled GGUF)'}; "
              f"data: `{cfg.dataset}`; block size {cfg.block_size}; sinks {cfg.sink_tokens}, recent tokens "
-             f"{cfg.recent_tokens}; {metrics['environment']['seconds']} s.", ""]
+             f"{cfg.recent_tokens}"
+             + (f"; kv_zip_recent: recent share {cfg.recent_share}" if "kv_zip_recent" in cfg.methods else "")
+             + (f"; kv_zip_pooled: kernel {cfg.kv_zip_kernel}" if "kv_zip_pooled" in cfg.methods else "")
+             + f"; {metrics['environment']['seconds']} s.", ""]
     if cfg.task == "perplexity":
         lines += [f"{cfg.num_windows} windows of {cfg.context_len} tokens fed in chunks of {cfg.chunk}; 1 in "
                   f"{cfg.score_stride} chunks after the budget scored (the same tokens for every method). KV bytes "

@@ -18,8 +18,11 @@ PPL_METHODS = ("full", "sink_window", "window_only", "key_norm", "key_diff", "re
 #: Methods of the passkey task (the budget there is a compression ratio of the context). `snap_kv` (query-aware)
 #: runs the model with ``attn_implementation="hf_pagedkv"``, which hands the prefill's last queries to the cache;
 #: so does `pyramid_kv` (`PyramidKV`: SnapKV's scores, budgets shrinking with depth over 4 tiers of layers).
-#: `kv_zip` (query-agnostic) runs `compress_context` (KVzip's reconstruction pass) after the context's prefill.
-PASSKEY_METHODS = ("full", "sink_window", "key_norm", "key_diff", "snap_kv", "pyramid_kv", "kv_zip")
+#: `kv_zip` (query-agnostic) runs `compress_context` (KVzip's reconstruction pass) after the context's prefill;
+#: `kv_zip_recent` is KVzip with H2O's split, a `recent_share` of the kept tokens given to the most recent ones;
+#: `kv_zip_pooled` is KVzip with its scores max-pooled over `kv_zip_kernel` tokens (SnapKV's clustering step).
+PASSKEY_METHODS = ("full", "sink_window", "key_norm", "key_diff", "snap_kv", "pyramid_kv", "kv_zip", "kv_zip_recent",
+                   "kv_zip_pooled")
 TASKS = ("perplexity", "passkey")
 _NOT_IN_NAME = ("output_dir", "overwrite", "data_dir", "num_threads")
 
@@ -46,6 +49,10 @@ class LongContextConfig:
         sink_tokens (`int`, defaults to 4), recent_tokens (`int`, defaults to 64): the sinks of `sink_window` and
             `recompute`; the protected sinks / recent tokens of the importance policies (for `snap_kv`, the
             observation window whose queries score the context, kvpress's `window_size`).
+        recent_share (`float`, defaults to 0.5): passkey, method `kv_zip_recent`: the fraction in [0, 1) of each
+            head's kept tokens given to the most recent context tokens (`ImportancePolicy.recent_share`, H2O's split).
+        kv_zip_kernel (`int`, defaults to 7): passkey, method `kv_zip_pooled`: the odd max-pooling kernel over
+            KVzip's scores, in tokens (`KVzip.kernel_size`).
         block_size (`int`, defaults to 16): `PagedCache` block size.
         methods (`list[str]`, *optional*): from `PPL_METHODS` (perplexity) or `PASSKEY_METHODS` (passkey); all of
             the task's by default.
@@ -74,6 +81,8 @@ class LongContextConfig:
     score_stride: int = 4
     sink_tokens: int = 4
     recent_tokens: int = 64
+    recent_share: float = 0.5
+    kv_zip_kernel: int = 7
     block_size: int = 16
     methods: list[str] | None = None
     quants: list[str] = field(default_factory=lambda: ["fp"])
@@ -89,7 +98,7 @@ class LongContextConfig:
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise ValueError(f"LongContextConfig.task must be one of {TASKS}, got {self.task!r}.")
-        for name in ("num_windows", "context_len", "chunk", "score_stride", "block_size", "num_keys"):
+        for name in ("num_windows", "context_len", "chunk", "score_stride", "block_size", "num_keys", "kv_zip_kernel"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"LongContextConfig.{name} must be a positive int, got {value!r}.")
@@ -113,6 +122,12 @@ class LongContextConfig:
                                              for b in self.budgets):
             raise ValueError(f"LongContextConfig.budgets {self.budgets} must lie between sink_tokens + recent_tokens "
                              f"({self.sink_tokens + self.recent_tokens}) and context_len ({self.context_len}).")
+        if self.kv_zip_kernel % 2 == 0:
+            raise ValueError(f"LongContextConfig.kv_zip_kernel must be odd (the pooling is centred on each token), "
+                             f"got {self.kv_zip_kernel}.")
+        if isinstance(self.recent_share, bool) or not isinstance(self.recent_share, (int, float)) \
+                or not 0 <= self.recent_share < 1:
+            raise ValueError(f"LongContextConfig.recent_share must be a float in [0, 1), got {self.recent_share!r}.")
         if any(not 0 < r < 1 for r in self.ratios) or any(not 0 <= d <= 100 for d in self.depths):
             raise ValueError(f"LongContextConfig: ratios {self.ratios} must be in (0, 1), depths {self.depths} in "
                              "[0, 100].")
@@ -129,6 +144,10 @@ class LongContextConfig:
         ident = {k: v for k, v in self.to_dict().items() if k not in _NOT_IN_NAME}
         if not ident["question_in_prompt"]:  # added later: runs from before keep their names
             del ident["question_in_prompt"]
+        if "kv_zip_recent" not in ident["methods"]:  # added later, and read by that method only
+            del ident["recent_share"]
+        if "kv_zip_pooled" not in ident["methods"]:  # so is this one
+            del ident["kv_zip_kernel"]
         digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:6]
         if self.task == "perplexity":
             key = f"w{self.num_windows}-n{self.context_len}-b{'_'.join(map(str, self.budgets))}-c{self.chunk}"
@@ -150,6 +169,8 @@ def resolve(argv: list[str] | None = None, prog: str = "python -m eval.long_cont
             parser.add_argument(flag, dest=f.name, nargs="+")
         elif f.type == "int":
             parser.add_argument(flag, dest=f.name, type=int)
+        elif f.type == "float":
+            parser.add_argument(flag, dest=f.name, type=float)
         else:
             parser.add_argument(flag, dest=f.name)
     parser.add_argument("-v", "--verbose", action="store_true", default=False)

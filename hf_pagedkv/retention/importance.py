@@ -25,7 +25,10 @@ class ImportancePolicy(RetentionPolicy):
       ``int(held * (1 - compression_ratio))``; what comes after (a question, the answer) is kept.
 
     The first `sink_tokens` and the last `recent_tokens` held tokens are always kept (StreamingLLM's sinks; the local
-    context the next tokens need most).
+    context the next tokens need most). `recent_share` widens that recent window to a fraction of each head's kept
+    tokens, H2O's split (Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language
+    Models", arXiv 2306.14048, half heavy hitters and half recent tokens): of ``keep`` kept tokens, the last
+    ``recent_for(keep)`` held tokens are kept whatever their score and the scores choose the rest.
 
     NOTE: a compaction reads each layer's held K/V, gathers the kept tokens and writes them into fresh blocks, so a
     streaming budget costs one gather of ``budget`` tokens per layer and step (about what `DynamicCache`'s `cat`
@@ -37,20 +40,30 @@ class ImportancePolicy(RetentionPolicy):
         compression_ratio (`float`, *optional*): in (0, 1), the fraction of the prompt removed.
         sink_tokens (`int`, *optional*, defaults to 4): leading tokens always kept.
         recent_tokens (`int`, *optional*, defaults to 64): trailing held tokens always kept.
+        recent_share (`float`, *optional*, defaults to 0.0): in [0, 1), the fraction of each head's kept tokens
+            given to the most recent held tokens (H2O's recent window; 0.5 is the paper's split): at a compaction to
+            ``keep`` tokens, the last ``max(recent_tokens, int(recent_share * keep))`` held tokens are kept (at most
+            ``keep - sink_tokens``), the scores choose the others. 0: only `recent_tokens` (the default, unchanged).
 
     Raises:
         ValueError: neither or both of `budget` / `compression_ratio`; a budget below ``sink_tokens +
-            recent_tokens + 1``; a ratio outside (0, 1); negative protected counts.
+            recent_tokens + 1``; a ratio outside (0, 1); negative protected counts; `recent_share` not a float in
+            [0, 1).
     """
 
     budget: int | None = None
     compression_ratio: float | None = None
     sink_tokens: int = 4
     recent_tokens: int = 64
+    recent_share: float = 0.0
 
     def __post_init__(self) -> None:
         check_int("sink_tokens", self.sink_tokens, 0)
         check_int("recent_tokens", self.recent_tokens, 0)
+        if isinstance(self.recent_share, bool) or not isinstance(self.recent_share, (int, float)) \
+                or not 0 <= self.recent_share < 1:
+            raise ValueError(f"`recent_share` must be a float in [0, 1) (the fraction of each head's kept tokens "
+                             f"given to the most recent ones; 0.5 is H2O's split), got {self.recent_share!r}.")
         if (self.budget is None) == (self.compression_ratio is None):
             raise ValueError(f"{type(self).__name__}: give exactly one of `budget` (tokens) and `compression_ratio` "
                              f"(fraction removed); got budget={self.budget!r}, "
@@ -85,6 +98,11 @@ class ImportancePolicy(RetentionPolicy):
             return min(held, self.budget)
         return min(held, max(int(held * (1 - self.compression_ratio)), self.sink_tokens + self.recent_tokens + 1))
 
+    def recent_for(self, keep: int) -> int:
+        """The trailing held tokens a compaction to `keep` tokens per head keeps whatever their score:
+        ``max(recent_tokens, int(recent_share * keep))``, at most ``keep - sink_tokens`` (so the sinks stay)."""
+        return max(self.recent_tokens, min(int(self.recent_share * keep), keep - self.sink_tokens))
+
     def max_held(self, new: int, block_size: int) -> int | None:
         return None if self.budget is None else self.budget + new
 
@@ -94,8 +112,8 @@ class ImportancePolicy(RetentionPolicy):
         raise NotImplementedError
 
     def select(self, keys: torch.Tensor, keep: int, observed: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
-        """The `keep` highest-scoring tokens per head (ties: the older first), the protected sinks and recent tokens
-        first; ascending.
+        """The `keep` highest-scoring tokens per head (ties: the older first), the protected sinks and the last
+        `recent_for(keep)` tokens first; ascending.
 
         Args:
             keys (`torch.Tensor` of shape `[batch, num_kv_heads, held, head_dim]`).
@@ -109,7 +127,7 @@ class ImportancePolicy(RetentionPolicy):
         held = keys.shape[2]
         s = self.scores(keys, observed).clone()  # [batch, num_kv_heads, held]
         s[..., : self.sink_tokens] = float("inf")
-        s[..., max(0, held - self.recent_tokens):] = float("inf")
+        s[..., max(0, held - self.recent_for(keep)):] = float("inf")
         # NOTE: a stable sort, so equal scores keep the older token: equal scores are common (RoPE is a rotation, so
         # a repeated token has the same key norm at every position in the first layer), and the choice must not
         # depend on the kernel

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from hf_pagedkv.retention.importance import ImportancePolicy
 from hf_pagedkv.retention.policy import EvictionPlan, check_int
@@ -39,9 +40,12 @@ class KVzip(ImportancePolicy):
         recent_tokens (`int`, *optional*, defaults to 16): trailing context tokens always kept.
         chunk_tokens (`int`, *optional*, defaults to 1024): reconstruction tokens per forward step (bounds the peak
             memory of the pass; the scores do not depend on it).
+        kernel_size (`int`, *optional*, defaults to 1): a max-pooling of the scores over this many neighbouring
+            tokens, odd (SnapKV's clustering step, so a kept token keeps its neighbours; 1: none, KVzip's own
+            scores).
 
     Raises:
-        ValueError: as `ImportancePolicy`; `chunk_tokens` not an int >= 1.
+        ValueError: as `ImportancePolicy`; `chunk_tokens` not an int >= 1; `kernel_size` not an odd int >= 1.
 
     Example:
 
@@ -57,6 +61,7 @@ class KVzip(ImportancePolicy):
 
     recent_tokens: int = 16
     chunk_tokens: int = 1024
+    kernel_size: int = 1
 
     name = "kv_zip"
     reconstructs = True
@@ -64,6 +69,10 @@ class KVzip(ImportancePolicy):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_int("chunk_tokens", self.chunk_tokens, 1)
+        check_int("kernel_size", self.kernel_size, 1)
+        if self.kernel_size % 2 == 0:
+            raise ValueError(f"`kernel_size` must be odd (the pooling is centred on each token), got "
+                             f"{self.kernel_size}.")
 
     def plan(self, held: int, seen: int, new: int, block_size: int, step: int = 0) -> EvictionPlan:
         """Nothing: KVzip compresses only through `compress_context` (`keep_for`)."""
@@ -80,7 +89,8 @@ class KVzip(ImportancePolicy):
             observed (`torch.Tensor` of shape `[batch, num_kv_heads, held]`): the layer's `ContextScores`.
 
         Returns:
-            `torch.Tensor` of shape `[batch, num_kv_heads, held]`, float32.
+            `torch.Tensor` of shape `[batch, num_kv_heads, held]`, float32: `observed`, max-pooled over
+            `kernel_size` tokens.
 
         Raises:
             ValueError: no scores, or scores of another shape (the reconstruction pass did not run on this context).
@@ -90,4 +100,9 @@ class KVzip(ImportancePolicy):
             raise ValueError(f"KVzip scores tokens by a reconstruction pass: expected scores of shape "
                              f"{tuple(keys.shape[:3])}, got {got}. Call hf_pagedkv.compress_context(model, cache, "
                              "context_ids) after the prefill.")
-        return observed.float()
+        s = observed.float()
+        if self.kernel_size == 1:
+            return s
+        b, h, n = s.shape
+        pooled = F.max_pool1d(s.reshape(b * h, 1, n), self.kernel_size, stride=1, padding=self.kernel_size // 2)
+        return pooled.view(b, h, n)

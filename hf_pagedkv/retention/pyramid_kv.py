@@ -152,4 +152,4 @@ class PyramidKV(SnapKV):
     def __repr__(self) -> str:
         size = f"budget={self.budget}" if self.budget is not None else f"compression_ratio={self.compression_ratio}"
         return (f"PyramidKV({size}, tiers={self.tiers}, beta={self.beta}, sink_tokens={self.sink_tokens}, "
-                f"recent_tokens={self.recent_tokens}, kernel_size={self.kernel_size}, pooling={self.pooling!r})")
+                f"recent_tokens={self.recent_tokens}, recent_share={self.recent_share}, kernel_size={self.kernel_size}, pooling={self.pooling!r})")

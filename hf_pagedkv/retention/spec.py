@@ -14,7 +14,9 @@ SPEC_HELP = ("sink_window:SINK:WINDOW (StreamingLLM), key_norm:BUDGET or key_nor
              "key_diff:RATIO, snapkv:BUDGET or snapkv:RATIO (SnapKV; needs attn_implementation=\"hf_pagedkv\"), "
              "pyramidkv:BUDGET or pyramidkv:RATIO (PyramidKV, 4 tiers; the same attention), "
              "kv_zip:BUDGET or kv_zip:RATIO (KVzip; needs the same attention and compress_context) "
-             "(BUDGET: tokens kept; RATIO: a float in (0, 1), the fraction of the prompt removed)")
+             "(BUDGET: tokens kept; RATIO: a float in (0, 1), the fraction of the prompt removed); every importance "
+             "policy also takes :SHARE after it, a float in [0, 1): the share of the kept tokens given to the most "
+             "recent ones (H2O's split, e.g. kv_zip:0.5:0.5)")
 _IMPORTANCE = {"key_norm": KeyNorm, "key_diff": KeyDiff, "snapkv": SnapKV, "snap_kv": SnapKV, "kv_zip": KVzip,
                "kvzip": KVzip}
 _IMPORTANCE.update(pyramidkv=PyramidKV, pyramid_kv=PyramidKV)
@@ -24,7 +26,9 @@ def parse_retention(spec: str) -> RetentionPolicy:
     """``"sink_window:4:1024"`` -> `SinkWindow(4, 1024)`; ``"key_norm:512"`` -> `KeyNorm(budget=512)`;
     ``"key_diff:0.5"`` -> `KeyDiff(compression_ratio=0.5)`; ``"snapkv:0.5"`` (or ``"snap_kv:0.5"``) ->
     `SnapKV(compression_ratio=0.5)`; ``"pyramidkv:0.5"`` (or ``"pyramid_kv:0.5"``) ->
-    `PyramidKV(compression_ratio=0.5)`; ``"kv_zip:0.5"`` (or ``"kvzip:0.5"``) -> `KVzip(compression_ratio=0.5)`.
+    `PyramidKV(compression_ratio=0.5)`; ``"kv_zip:0.5"`` (or ``"kvzip:0.5"``) -> `KVzip(compression_ratio=0.5)`;
+    ``"kv_zip:0.5:0.25"`` -> `KVzip(compression_ratio=0.5, recent_share=0.25)` (a third part, for any importance
+    policy: its `recent_share`).
 
     Raises:
         ValueError: an unknown policy name or malformed numbers (the message lists the forms, `SPEC_HELP`).
@@ -34,10 +38,13 @@ def parse_retention(spec: str) -> RetentionPolicy:
     try:
         if name == "sink_window" and len(parts) == 2:
             return SinkWindow(sink_tokens=int(parts[0]), window=int(parts[1]))
-        if name in _IMPORTANCE and len(parts) == 1:
+        if name in _IMPORTANCE and len(parts) in (1, 2):
             cls = _IMPORTANCE[name]
             value = float(parts[0])
-            return cls(compression_ratio=value) if 0 < value < 1 else cls(budget=int(parts[0]))  # 0: a budget
+            extra = {"recent_share": float(parts[1])} if len(parts) == 2 else {}
+            if 0 < value < 1:
+                return cls(compression_ratio=value, **extra)
+            return cls(budget=int(parts[0]), **extra)  # 0: a budget
     except ValueError as e:
         detail = str(e) if str(e).startswith("`") else f"expected one of {SPEC_HELP}"  # int('a') says nothing useful
         raise ValueError(f"--retention {spec!r}: {detail.rstrip('.')}.") from None

@@ -137,6 +137,10 @@ def test_tokenize_prefix_equals_whole_text_tokenization():
     ("drift", ["--num-windows", "0"], "EvalConfig.num_windows must be a positive int"),
     ("long_context", ["--num-windows", "0"], "LongContextConfig.num_windows must be a positive int"),
     ("long_context", ["--task", "bogus"], "LongContextConfig.task must be one of"),
+    ("long_context", ["--task", "passkey", "--recent-share", "1.0"], "LongContextConfig.recent_share must be a float"),
+    ("long_context", ["--task", "passkey", "--recent-share", "half"], "--recent-share: invalid float value"),
+    ("long_context", ["--task", "passkey", "--kv-zip-kernel", "4"], "LongContextConfig.kv_zip_kernel must be odd"),
+    ("long_context", ["--task", "passkey", "--kv-zip-kernel", "0"], "LongContextConfig.kv_zip_kernel must be a "),
 ])
 def test_a_setting_out_of_range_on_the_command_line_is_a_usage_error(capsys, which, argv, match):
     from eval.long_context_config import resolve as resolve_long
@@ -146,3 +150,20 @@ def test_a_setting_out_of_range_on_the_command_line_is_a_usage_error(capsys, whi
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert match in err and "Traceback" not in err
+
+
+def test_recent_share_is_a_float_flag_and_names_only_the_runs_that_read_it():
+    from eval.long_context_config import resolve as resolve_long
+
+    argv = ["--task", "passkey", "--methods", "full", "kv_zip", "--contexts", "1024", "--num-keys", "1"]
+    cfg, _ = resolve_long(argv)
+    assert cfg.recent_share == 0.5  # the default
+    # a run without kv_zip_recent keeps its name whatever the share (the runs committed before it existed too)
+    assert resolve_long(argv + ["--recent-share", "0.25"])[0].run_dir() == cfg.run_dir()
+    recent = argv + ["--methods", "full", "kv_zip", "kv_zip_recent"]
+    a, b = resolve_long(recent)[0], resolve_long(recent + ["--recent-share", "0.25"])[0]
+    assert b.recent_share == 0.25 and a.run_dir() != b.run_dir() != cfg.run_dir()
+    assert resolve_long(argv + ["--kv-zip-kernel", "3"])[0].run_dir() == cfg.run_dir()  # the same for the kernel
+    pooled = argv + ["--methods", "full", "kv_zip", "kv_zip_pooled"]
+    c, d = resolve_long(pooled)[0], resolve_long(pooled + ["--kv-zip-kernel", "3"])[0]
+    assert (c.kv_zip_kernel, d.kv_zip_kernel) == (7, 3) and c.run_dir() != d.run_dir() != cfg.run_dir()

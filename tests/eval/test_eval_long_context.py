@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from eval.long_context import run, scored_chunks
+from eval.long_context import policy_for, run, scored_chunks
 from eval.long_context_config import LongContextConfig
 from eval.tasks.passkey import metrics as passkey_metrics
 from eval.tasks.passkey.prepare import make_examples
@@ -53,7 +53,8 @@ def test_memory_matched_columns(tiny, tmp_path):
 
 def test_passkey_examples_and_run(tiny, tmp_path):
     model, tokenizer = tiny
-    cfg = LongContextConfig(task="passkey", methods=["full", "sink_window", "key_norm", "snap_kv", "kv_zip"],
+    cfg = LongContextConfig(task="passkey", methods=["full", "sink_window", "key_norm", "snap_kv", "kv_zip",
+                                                     "kv_zip_recent", "kv_zip_pooled"],
                             contexts=[256],
                             depths=[10, 90], ratios=[0.5], num_keys=2, recent_tokens=16, data_dir=str(DATA_DIR),
                             output_dir=str(tmp_path))
@@ -72,7 +73,8 @@ def test_passkey_examples_and_run(tiny, tmp_path):
     before = model.config._attn_implementation
     metrics = run(cfg, model, tokenizer)
     assert model.config._attn_implementation == before  # snap_kv's "hf_pagedkv" attention was only for the run
-    assert set(metrics["passkey"]) == {"full", "sink_window@0.5", "key_norm@0.5", "snap_kv@0.5", "kv_zip@0.5"}
+    assert set(metrics["passkey"]) == {"full", "sink_window@0.5", "key_norm@0.5", "snap_kv@0.5", "kv_zip@0.5",
+                                       "kv_zip_recent@0.5", "kv_zip_pooled@0.5"}
     assert all(0 <= m["accuracy"] <= 1 and m["examples"] == 4 for m in metrics["passkey"].values())
     records = [json.loads(line) for line in open(cfg.run_dir() / "predictions.jsonl")]
     full = [r for r in records if r["method"] == "full"]
@@ -86,6 +88,15 @@ def test_passkey_examples_and_run(tiny, tmp_path):
     assert all(r["tokens_held"] == int(len(ex["context_ids"]) * 0.5) + len(ex["question_ids"])
                for r, ex in zip(zipped, examples))
     assert all(z["bytes_in_use"] == s["bytes_in_use"] for z, s in zip(zipped, snap))  # the same budget's blocks
+    for variant in ("kv_zip_recent", "kv_zip_pooled"):  # H2O's split, pooled scores: the same budget, other tokens
+        split = [r for r in records if r["method"] == variant]
+        assert [(r["tokens_held"], r["bytes_in_use"]) for r in split] == [(r["tokens_held"], r["bytes_in_use"])
+                                                                           for r in zipped]
+    assert policy_for("kv_zip_recent", cfg, ratio=0.5, context=256).recent_share == cfg.recent_share == 0.5
+    assert policy_for("kv_zip_pooled", cfg, ratio=0.5, context=256).kernel_size == cfg.kv_zip_kernel == 7
+    plain = policy_for("kv_zip", cfg, ratio=0.5, context=256)
+    assert (plain.recent_share, plain.kernel_size) == (0, 1)
+    assert "kv_zip_recent: recent share 0.5; kv_zip_pooled: kernel 7" in (cfg.run_dir() / "report.md").read_text()
     assert "kvpress's convention" in (cfg.run_dir() / "report.md").read_text()
     inside = LongContextConfig(**{**cfg.to_dict(), "question_in_prompt": True, "methods": ["full", "snap_kv"]})
     assert "-qin-" in inside.run_dir().name and "-qin-" not in cfg.run_dir().name

@@ -122,6 +122,53 @@ def test_quantized_pool_compacts_and_re_encodes(llama):
     q8.release()
 
 
+@pytest.mark.parametrize("policy_cls", POLICIES)
+def test_recent_share_keeps_that_share_of_the_budget_as_a_recent_window(llama, policy_cls):
+    # H2O's split: of 14 kept tokens, the last int(0.5 * 14) = 7 held ones are kept whatever their score
+    x = ids(1, sum(STEPS), seed=8)
+    policy = policy_cls(budget=14, sink_tokens=2, recent_tokens=0, recent_share=0.5)
+    assert policy.recent_for(14) == 7
+    cache = PagedCache(block_size=B, config=llama.config, retention=policy, debug=True)
+    got = run_steps(llama, x, STEPS, cache, before=lambda c, s, q: c.check_invariants())
+    want = compacted_dynamic_reference(llama, x, STEPS, 14, policy.name, 2, 7)
+    assert (got - want).abs().max() < CROSS_STEP_LOGIT_ATOL
+    plain = run_steps(llama, x, STEPS, PagedCache(block_size=B, config=llama.config,
+                                                  retention=policy_cls(budget=14, sink_tokens=2, recent_tokens=0)))
+    assert (got - plain).abs().max() > 1e-2  # the window changed what was kept
+    stats = cache.pool.stats()
+    assert cache.retention_stats().tokens_held == 14 + STEPS[-1]
+    assert stats.blocks_in_use == num_blocks_for(14 + STEPS[-1], B)  # the budget's blocks, no more
+    assert stats.bytes_in_use == stats.blocks_in_use * stats.bytes_per_block
+    cache.check_invariants()
+    cache.release()
+
+
+def test_recent_share_selects_the_window_then_the_best_scores():
+    # head 0's key norms fall with the position, head 1's rise: KeyNorm (low norm first) prefers late / early tokens
+    held, keep = 20, 8
+    norms = torch.stack([torch.arange(held, 0, -1), torch.arange(1, held + 1)]).float()  # [2, held]
+    keys = torch.zeros(1, 2, held, 4)
+    keys[..., 0] = norms
+    policy = KeyNorm(budget=keep, sink_tokens=1, recent_tokens=2, recent_share=0.5)
+    assert policy.recent_for(keep) == 4  # max(recent_tokens=2, int(0.5 * 8))
+    idx = policy.select(keys, keep)  # [1, 2, keep]
+    window = [16, 17, 18, 19]
+    assert idx[0, 0].tolist() == [0, 13, 14, 15] + window  # the sink, then the lowest norms before the window
+    assert idx[0, 1].tolist() == [0, 1, 2, 3] + window
+    assert KeyNorm(budget=keep, sink_tokens=1, recent_tokens=2).select(keys, keep)[0, 1].tolist() == \
+        [0, 1, 2, 3, 4, 5, 18, 19]  # without the share: only recent_tokens
+    # the window never crowds out the sinks; recent_tokens stays the floor; 0 is the default, unchanged
+    assert KeyNorm(budget=100, sink_tokens=4, recent_share=0.99).recent_for(100) == 96
+    assert KeyNorm(budget=100, recent_tokens=64, recent_share=0.25).recent_for(100) == 64
+    assert KeyNorm(budget=100).recent_share == 0 and KeyNorm(budget=100).recent_for(100) == 64
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.0, 1, True, "0.5", None])
+def test_a_bad_recent_share_is_refused(share):
+    with pytest.raises(ValueError, match="recent_share"):
+        KeyDiff(budget=100, recent_share=share)
+
+
 def test_bad_budgets_are_refused():
     with pytest.raises(ValueError, match="exactly one"):
         KeyNorm()

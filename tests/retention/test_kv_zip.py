@@ -32,6 +32,31 @@ def prefilled(model, x, policy, **kwargs) -> PagedCache:
     return cache
 
 
+def test_recent_share_keeps_a_recent_window_and_the_best_scored_rest(llama):
+    # H2O's split on KVzip's scores: of 12 kept tokens, the last int(0.5 * 12) = 6 context tokens are kept
+    x = ids(2, N, seed=21)
+    policy = KVzip(compression_ratio=0.5, sink_tokens=2, recent_tokens=3, recent_share=0.5)
+    cache = prefilled(llama, x, policy)
+    full_keys = [layer.keys.clone() for layer in cache.layers]  # [2, H, N, d] each
+    compress_context(llama, cache, x, prompt_ids=PROMPT)
+    keep = 12
+    assert policy.recent_for(keep) == 6
+    kept = reference_kvzip_kept(reference_kvzip_scores(llama, x, PROMPT), keep, sink=2, recent=6)
+    plain = reference_kvzip_kept(reference_kvzip_scores(llama, x, PROMPT), keep, sink=2, recent=3)
+    assert any(not torch.equal(kept[i], plain[i]) for i in kept)  # the window changed the kept sets
+    for layer, k in enumerate(full_keys):
+        assert (kept[layer][..., -6:] == torch.arange(N - 6, N)).all()  # every head holds the window
+        idx = kept[layer][..., None].expand(-1, -1, -1, k.shape[-1])
+        assert torch.equal(cache.layers[layer].keys, k.gather(2, idx))
+    stats = cache.retention_stats()
+    assert (stats.tokens_seen, stats.tokens_held) == (N, keep)
+    pool = cache.pool.stats()
+    assert pool.blocks_in_use == 2 * num_blocks_for(keep, B)
+    assert pool.bytes_in_use == pool.blocks_in_use * pool.bytes_per_block
+    cache.check_invariants()
+    cache.release()
+
+
 @pytest.mark.parametrize("chunk", [1024, 7, 5])  # one step; steps of 7 (in sdpa) and of 5 (read in place)
 def test_scores_equal_eager_attention_weights_and_the_cache_keeps_exactly_the_best(llama, chunk):
     x = ids(2, N, seed=21)  # two different rows
@@ -189,8 +214,30 @@ def test_bad_settings_are_refused_and_the_spec_knows_it():
     assert KVzip(compression_ratio=0.99, sink_tokens=4, recent_tokens=16).keep_for(400) == 21  # the protected ones
     assert parse_retention("kv_zip:0.5") == KVzip(compression_ratio=0.5)
     assert parse_retention("kvzip:256") == KVzip(budget=256)
+    assert parse_retention("kv_zip:0.5:0.25") == KVzip(compression_ratio=0.5, recent_share=0.25)
+    assert parse_retention("kv_zip:256:0.5") == KVzip(budget=256, recent_share=0.5)
+    with pytest.raises(ValueError, match="recent_share"):
+        parse_retention("kv_zip:0.5:1.5")
+    with pytest.raises(ValueError, match="SHARE"):
+        parse_retention("kv_zip:0.5:0.25:1")
     with pytest.raises(ValueError, match="reconstruction pass"):
         KVzip(budget=64).scores(torch.zeros(1, 2, 70, 8), None)
+    for bad in (0, 2, 1.0):
+        with pytest.raises(ValueError, match="kernel_size"):
+            KVzip(budget=64, kernel_size=bad)
+
+
+def test_kernel_size_max_pools_the_scores_over_neighbours():
+    observed = torch.zeros(1, 2, 8)
+    observed[0, 0, 3] = 1.0  # head 0: one high token; head 1: a high token at the start
+    observed[0, 1, 0] = 0.5
+    keys = torch.zeros(1, 2, 8, 4)
+    assert torch.equal(KVzip(budget=64).scores(keys, observed), observed)  # kernel 1: KVzip's own scores
+    pooled = KVzip(budget=64, kernel_size=3).scores(keys, observed)
+    assert pooled[0, 0].tolist() == [0, 0, 1, 1, 1, 0, 0, 0]  # the neighbours of token 3 score as it does
+    assert pooled[0, 1].tolist() == [0.5, 0.5, 0, 0, 0, 0, 0, 0]  # per head; the edge is not wrapped
+    idx = KVzip(budget=6, sink_tokens=0, recent_tokens=0, kernel_size=3).select(keys, 3, observed)
+    assert idx[0, 0].tolist() == [2, 3, 4]  # the high token kept with both its neighbours
 
 
 def test_context_scores_keep_a_running_max_and_check_their_shape():

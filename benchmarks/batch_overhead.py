@@ -3,6 +3,7 @@
     python benchmarks/batch_overhead.py                         # batch 1, 8, 32, 64 at 64-token contexts
     python benchmarks/batch_overhead.py --batches 8 --steps 4   # a smoke run
     python benchmarks/batch_overhead.py --batches 64 --profile  # plus where the time goes (CPU ms per step)
+    python benchmarks/batch_overhead.py --python-only           # the cache's Python work per step, no tensor work
 
 Both caches run the bundled SmolLM2-135M-Instruct (30 layers, 3 KV heads x 64, fp32) on the same random prompts:
 an untimed prefill of `--context` tokens per row, one untimed warm-up step, then `--steps` greedy decode steps
@@ -12,7 +13,11 @@ PagedCache minus DynamicCache (the cache-side overhead, since the model's work i
 (DynamicCache time / PagedCache time: above 1.0 means PagedCache is faster). Tokens must be identical (exit 1
 otherwise). `--profile` also prints, per case, the CPU time per decode step inside the cache's `update` (for
 PagedCache split into its stores' `read` and `write`) and inside `scaled_dot_product_attention` (the attention
-reads what `update` returned); the wrappers that measure it cost a few microseconds per call.
+reads what `update` returned); the wrappers that measure it cost a few microseconds per call. `--python-only`
+runs no model: it times `PagedCache.update` for every layer of decode steps with the model's K/V shapes (after a
+64-token prefill per row, as above) while the page store's `read` and `write` are replaced by stubs that move no
+data, so what remains is the cache's own per-step work (planning, bookkeeping, index tensors, checks); it prints the
+median and the best step, per batch size.
 """
 
 from __future__ import annotations
@@ -78,6 +83,40 @@ def decode(model, prompt: torch.Tensor, make_cache, steps: int) -> tuple[float, 
     return dt, torch.cat(out, 1)
 
 
+def python_only(config, batches: list[int], context: int, steps: int) -> None:
+    """Print the CPU ms per decode step of `PagedCache.update` over every layer, with the store's `read` and `write`
+    stubbed out (no data moved): the cache's own work per step."""
+    layers, heads = config.num_hidden_layers, config.num_key_value_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    read, write = PageStore.read, PageStore.write
+    print(f"cache-side CPU ms per decode step without tensor work (store read/write stubbed), {layers} layers, "
+          f"{context}-token contexts, {steps} steps")
+    print("| batch | median ms | best ms |")
+    print("| ---: | ---: | ---: |")
+    for b in batches:
+        g = torch.Generator().manual_seed(0)
+        cache = PagedCache(config=config)
+        with torch.inference_mode():
+            for layer in range(layers):
+                kv = torch.randn(b, heads, context, dim, generator=g)
+                cache.update(kv, kv, layer)
+            new = torch.randn(b, heads, 1, dim, generator=g)
+            out = torch.empty(b, heads, context + 1, dim)  # what the stubbed read returns (its length is not checked)
+            PageStore.read, PageStore.write = (lambda self, idx, request: (out, out)), (lambda self, *args: None)
+            try:
+                times = []
+                for _ in range(steps):
+                    t0 = time.process_time()
+                    for layer in range(layers):
+                        cache.update(new, new, layer)
+                    times.append(time.process_time() - t0)
+            finally:
+                PageStore.read, PageStore.write = read, write
+        cache.release()
+        times.sort()
+        print(f"| {b} | {times[len(times) // 2] * 1e3:.2f} | {times[0] * 1e3:.2f} |")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8,32,64", help="batch sizes, comma-separated")
@@ -86,13 +125,19 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds; the best per case is kept")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--profile", action="store_true", help="also print CPU ms per step of update, read, write, sdpa")
+    ap.add_argument("--python-only", action="store_true",
+                    help="time only the cache's own work per step (store read/write stubbed, no model run)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.python_only:
+        model, _ = load_model()
+        python_only(model.config, batches, args.context, args.steps)
+        return 0
     if args.profile:
         Profile.install()
     model, _ = load_model()
     g = torch.Generator().manual_seed(0)
-    batches = [int(b) for b in args.batches.split(",")]
     prompts = {b: torch.randint(100, model.config.vocab_size, (b, args.context), generator=g) for b in batches}
     caches = {"DynamicCache": lambda: DynamicCache(config=model.config),
               "PagedCache": lambda: PagedCache(config=model.config)}

@@ -7,8 +7,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from hf_pagedkv.pool.block_table import BlockTable, num_blocks_for
+from hf_pagedkv.pool.block_table import num_blocks_for
 from hf_pagedkv.retention.context_scores import ContextScores
+from hf_pagedkv.retention.fresh_rows import install_fresh_rows
 from hf_pagedkv.retention.policy import EvictionPlan, RetentionPolicy
 from hf_pagedkv.retention.query_window import QueryWindow
 from hf_pagedkv.retention.retention_stats import RetentionStats
@@ -318,22 +319,7 @@ class Evictor:
                 planned = True
             store.write(layer.layer_idx, targets[device], k.contiguous(), v.contiguous())
         fills = [min(B, keep - j * B) for j in range(nb)]
-        freed = []
-        for members in by_table.values():
-            new = fresh[members[0]]
-            pool.mark_written(new, fills, g)
-            for i, r in enumerate(members):
-                old = rt.rows[r]
-                freed += old.blocks
-                pool.free(old.blocks, g)
-                row = BlockTable(num_dropped=dropped)
-                row.append(new)
-                row.num_tokens = span
-                if i:
-                    pool.incref(new, g)
-                rt.rows[r] = row
-                rt.set_row(r, 0)
-        return freed
+        return install_fresh_rows(pool, rt, by_table, fresh, fills, dropped, span)
 
     def _evicted(self, cache: RetentionOwner, held: int, n: int, freed: dict[int, list[int]],
                  kept: dict[int, int] | None = None) -> None:

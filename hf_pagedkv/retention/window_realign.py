@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hf_pagedkv.pool.block_table import BlockTable, num_blocks_for
+from hf_pagedkv.pool.block_table import num_blocks_for
+from hf_pagedkv.retention.fresh_rows import install_fresh_rows
 
 if TYPE_CHECKING:  # type-only: the owner is a PagedCache, which imports the retention package
     from hf_pagedkv.adapter.row_tables import RowTables
@@ -143,19 +144,4 @@ class WindowRealign:
                                                       num_new=new - first * B)
             store.write(layer.layer_idx, targets[device], k.contiguous(), v.contiguous())
         fills = [min(B, new - (first + j) * B) for j in range(nb)]
-        freed = []
-        for members in by_table.values():
-            new_blocks = fresh[members[0]]
-            pool.mark_written(new_blocks, fills, g)
-            for i, r in enumerate(members):
-                old = rt.rows[r]
-                freed += old.blocks
-                pool.free(old.blocks, g)
-                row = BlockTable(num_dropped=first)
-                row.append(new_blocks)
-                row.num_tokens = new
-                if i:
-                    pool.incref(new_blocks, g)
-                rt.rows[r] = row
-                rt.set_row(r, 0)
-        return freed
+        return install_fresh_rows(pool, rt, by_table, fresh, fills, first, new)

@@ -64,8 +64,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         # (`PagedLayer.get_mask_sizes`): its keys are the mask's last columns
         attention_mask = attention_mask[..., -key.shape[-2]:]
     if view is None:
-        return sdpa_attention_function()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                         is_causal=is_causal, **kwargs)
+        return _fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
+                         **kwargs)
     placeholder = view.is_placeholder(key)
     reason = _unsupported(query, key, attention_mask, dropout, kwargs)
     if reason is not None or not placeholder:
@@ -76,8 +76,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                          reason)
         if placeholder:
             key, value = view.materialize()
-        return sdpa_attention_function()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                         is_causal=is_causal, **kwargs)
+        return _fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
+                         **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if compiled is None:
         return paged_attention(query, view, scale, attention_mask, tile_tokens=DEFAULT_TILE_TOKENS), None
@@ -99,6 +99,33 @@ def compiled_paged_attention_forward(module: torch.nn.Module, query: torch.Tenso
     eager read. The first decode steps of a process pay the compile time (seconds per graph, see the README)."""
     return paged_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                    is_causal=is_causal, compiled=COMPILED_READ, **kwargs)
+
+
+def _fallback(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+              is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What attends when the read in place does not: transformers' `sdpa`, or for a model with attention-logit
+    soft-capping (Gemma 2: `softcap`, which `sdpa` refuses) the eager formula with it: scores ``q k^T * scaling``,
+    capped as ``softcap * tanh(scores / softcap)``, masked, softmax in float32, times the values. Shapes as
+    `paged_attention_forward`."""
+    softcap = kwargs.get("softcap")
+    if softcap is None:
+        return sdpa_attention_function()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                         is_causal=is_causal, **kwargs)
+    G = query.shape[1] // key.shape[1]  # GQA: query heads per KV head
+    k, v = key.repeat_interleave(G, dim=1), value.repeat_interleave(G, dim=1)  # [batch, num_heads, kv_len, dim]
+    scores = query @ k.transpose(-1, -2) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap  # [batch, num_heads, q, kv_len]
+    q, n = scores.shape[-2:]
+    if attention_mask is None and q > 1:  # causal over the last q keys (is_causal with no mask)
+        attention_mask = torch.ones(q, n, dtype=torch.bool, device=scores.device).tril(n - q)
+    if attention_mask is not None:
+        mask = attention_mask[..., -n:]
+        lowest = torch.finfo(scores.dtype).min  # (not -inf: a fully masked padding row stays finite, as eager's)
+        scores = scores.masked_fill(~mask, lowest) if mask.dtype == torch.bool else scores + mask
+    weights = scores.float().softmax(-1).to(query.dtype)
+    weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
+    return (weights @ v).transpose(1, 2).contiguous(), None
 
 
 def _unsupported(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, dropout: float,

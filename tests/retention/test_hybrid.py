@@ -230,3 +230,28 @@ def test_query_aware_policies_equal_the_head_masked_reference(gemma3_paged, poli
     assert cache.get_seq_length() == sum(steps)
     cache.release()
     assert cache.pool.stats().blocks_in_use == 0
+
+
+def test_gemma2_soft_capping_through_the_hf_pagedkv_attention(one_thread):
+    """Gemma 2 soft-caps its attention logits, which `sdpa` refuses: the "hf_pagedkv" attention attends with the
+    eager formula then (steps that do not read in place), so the model's own attention's logits come out, and the
+    query-aware policies run on it."""
+    model = tiny_model("gemma2")
+    before = model.config._attn_implementation
+    assert model.config.attn_logit_softcapping  # the case under test
+    steps = [20, 1, 3, 1]
+    x = ids(2, sum(steps), seed=11)
+    want = run_steps(model, x, steps, DynamicCache(config=model.config))  # the model's default attention
+    model.set_attn_implementation("hf_pagedkv")
+    try:
+        got = run_steps(model, x, steps, PagedCache(block_size=B, config=model.config))
+        assert (got - want).abs().max() < CROSS_STEP_LOGIT_ATOL
+        cache = PagedCache(block_size=B, config=model.config, debug=True,
+                           retention=SnapKV(budget=10, recent_tokens=4, kernel_size=3))
+        snapped = run_steps(model, x, steps, cache)
+        assert cache.retention_stats().tokens_held == 10 + sum(steps[1:])
+        assert torch.isfinite(snapped).all() and (snapped - want).abs().max() > 1e-2
+        cache.release()
+        assert cache.pool.stats().blocks_in_use == 0
+    finally:
+        model.set_attn_implementation(before)

@@ -62,11 +62,22 @@ def compress_context(model, cache, context_ids, tokenizer=None, prompt_ids: Sequ
         raise ValueError(f"compress_context needs a cache built with retention=hf_pagedkv.KVzip(...), got "
                          f"retention={policy!r}.")
     impl = getattr(model.config, "_attn_implementation", None)
-    if impl != "hf_pagedkv":
+    if impl not in ("hf_pagedkv", "hf_pagedkv_compiled"):  # (the compiled one differs in quantized decode reads only)
         raise ValueError(f'compress_context scores the context inside the "hf_pagedkv" attention, but the model uses '
                          f'{impl!r}: load it with attn_implementation="hf_pagedkv" (or call '
                          'model.set_attn_implementation("hf_pagedkv")).')
-    ctx = torch.as_tensor(context_ids, dtype=torch.long, device=model.device)
+    if not isinstance(context_ids, (torch.Tensor, list, tuple)) or (
+            isinstance(context_ids, torch.Tensor) and (context_ids.is_floating_point() or context_ids.is_complex())):
+        raise ValueError(f"`context_ids` must be token ids: an integer tensor `[batch, n]` or `[n]`, or a list of "
+                         f"ints; got {type(context_ids).__name__}"
+                         f"{f' of dtype {context_ids.dtype}' if isinstance(context_ids, torch.Tensor) else ''}.")
+    try:
+        ctx = torch.as_tensor(context_ids, device=model.device)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"`context_ids` must be token ids (a list of ints or an integer tensor): {exc}") from None
+    if ctx.numel() and (ctx.is_floating_point() or ctx.is_complex() or ctx.dtype == torch.bool):
+        raise ValueError(f"`context_ids` must be token ids (ints), got values of dtype {ctx.dtype}.")
+    ctx = ctx.long()
     if ctx.dim() == 1:
         ctx = ctx[None].expand(max(cache.num_rows, 1), -1)
     if ctx.dim() != 2 or ctx.shape[1] == 0:

@@ -142,6 +142,9 @@ def test_refusals_change_nothing(llama):
         compress_context(llama, cache, x[:, :20], prompt_ids=PROMPT)
     with pytest.raises(ValueError, match="must be"):
         compress_context(llama, cache, torch.zeros(1, 2, 3, dtype=torch.long))
+    for bad in ("hello", None, x.float(), [[1.5, 2.0]]):
+        with pytest.raises(ValueError, match="`context_ids` must be token ids"):
+            compress_context(llama, cache, bad, prompt_ids=PROMPT)
     with pytest.raises(ValueError, match="`prompt_ids` holds token ids outside"):
         compress_context(llama, cache, x, prompt_ids=[-1])
     with pytest.raises(ValueError, match="`context_ids` holds token ids outside"):
@@ -254,3 +257,20 @@ def test_context_scores_keep_a_running_max_and_check_their_shape():
     assert scores.check(2, {0: 1}) and scores.check(1, {0: 3})  # another batch or head count is reported
     with pytest.raises(ValueError, match="must come before"):
         scores.record(0, lambda: torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 2, 2), 1.0)  # 4 keys: 2 are the step's
+
+
+def test_the_compiled_attention_scores_the_same(llama):
+    """"hf_pagedkv_compiled" differs only in quantized decode reads: compress_context scores alike under it."""
+    x = ids(1, N, seed=27)
+    a = prefilled(llama, x, KVzip(budget=12, recent_tokens=2))
+    want = compress_context(llama, a, x, prompt_ids=PROMPT)
+    llama.set_attn_implementation("hf_pagedkv_compiled")
+    try:
+        b = prefilled(llama, x, KVzip(budget=12, recent_tokens=2))
+        got = compress_context(llama, b, x, prompt_ids=PROMPT)
+    finally:
+        llama.set_attn_implementation("hf_pagedkv")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert a.block_tables() != [] and b.retention_stats() == a.retention_stats()
+    for c in (a, b):
+        c.release()

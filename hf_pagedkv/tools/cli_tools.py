@@ -149,10 +149,22 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         # (a ratio keeps at least its protected sinks and recent tokens, `ImportancePolicy.keep_for`)
         held = (bound if bound is not None else policy.keep_for(args.max_seq_len) + 1 if ratio is not None
                 else args.max_seq_len)  # SnapKV(budget=...): the prompt is compressed once, what follows is kept
-        if model.num_sliding and held < min(args.max_seq_len, model.sliding_window - 1):
-            parser.error(f"--retention {args.retention}: keeps {held:,} tokens, but this model's sliding-window "
-                         f"layers read the last {model.sliding_window - 1:,}; on a hybrid model the full-attention "
-                         "layers must keep at least window - 1 tokens (a larger budget or a smaller ratio)")
+        # what the cache refuses for this model, refused here too (before any plan)
+        least = (policy.sink_tokens + policy.window - 1 if not isinstance(policy, ImportancePolicy)  # SinkWindow
+                 else policy.keep_for(args.max_seq_len))  # after a compaction
+        if model.num_sliding and least < min(args.max_seq_len, model.sliding_window - 1):
+            parser.error(f"--retention {args.retention}: keeps as few as {least:,} tokens, but this model's "
+                         f"sliding-window layers read the last {model.sliding_window - 1:,}; on a hybrid model the "
+                         "full-attention layers must keep at least window - 1 tokens (a larger budget, window or a "
+                         "smaller ratio)")
+        if model.num_sliding and policy.reconstructs:
+            parser.error(f"--retention {args.retention}: KVzip is not supported on models with sliding-window "
+                         "layers (its reconstruction pass would move their windows); use snapkv, pyramidkv, key_diff, "
+                         "key_norm or sink_window")
+        try:
+            policy.layer_tiers(model.num_layers - model.num_sliding)  # PyramidKV: enough full-attention layers
+        except ValueError as e:
+            parser.error(f"--retention {args.retention}: {e}")
         if held < args.max_seq_len:
             print(f"retention {policy}: each sequence of {args.max_seq_len:,} tokens holds at most {held:,} "
                   "once compressed")

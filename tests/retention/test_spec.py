@@ -61,10 +61,14 @@ def test_plan_with_retention_on_a_hybrid_model(tmp_path, capsys):
             "--memory", "1GiB"]
     assert main(argv + ["--retention", "sink_window:4:1024"]) == 0
     assert "holds at most" in capsys.readouterr().out
-    with pytest.raises(SystemExit) as e:
-        main(argv + ["--retention", "sink_window:4:256"])
-    assert e.value.code == 2
-    assert "must keep at least window - 1 tokens" in capsys.readouterr().err
+    for spec, message in (("sink_window:4:256", "must keep at least window - 1 tokens"),
+                          ("sink_window:0:4", "keeps as few as 3 tokens"),  # (its bound of 19 is a maximum)
+                          ("kv_zip:0.5", "KVzip is not supported on models with sliding-window"),
+                          ("pyramidkv:0.5", "at least 4 full-attention layers")):  # 2 of its 4 layers are full attention
+        with pytest.raises(SystemExit) as e:
+            main(argv + ["--retention", spec])
+        assert e.value.code == 2, spec
+        assert message in capsys.readouterr().err, spec
 
 
 def test_plan_counts_the_protected_tokens_of_a_ratio(capsys):

@@ -81,8 +81,8 @@ class PagedCache(Cache):
             `num_blocks`/`max_memory` given with `pool`; `quant` invalid or different from the pool's; `debug`
             not a bool; `config` not a transformers config; a layer type it does not store (by name); at the first
             `update`, a `max_memory` pool not sized yet and no `config` (the number of layers is unknown);
-            `retention` not a policy, or given for a model with sliding-window layers; a tiered `retention` without
-            `config`, or that the model's layers do not fit.
+            `retention` not a policy, or `KVzip` for a model with sliding-window layers; a tiered `retention`
+            without `config`, or that the model's layers do not fit.
 
     Example:
 

@@ -233,10 +233,9 @@ class Evictor:
             rt.set_row(r, 0)
             freed += ids
         n = len(positions) * B
-        intact = [positions[0]] + ([] if realign.first_position is None else [realign.first_position])
-        if self.num_intact_blocks is not None:
-            intact.append(self.num_intact_blocks)
-        self.num_intact_blocks = min(intact)  # a copied sliding group's blocks hold other positions' tokens too
+        # (a copied sliding group's blocks hold other positions' tokens too)
+        self.num_intact_blocks = min(x for x in (positions[0], realign.first_position, self.num_intact_blocks)
+                                     if x is not None)
         self._evicted(cache, held - n, n, {rt.group: freed, **moved})
 
     def _tier_keeps(self, cache: RetentionOwner, groups: list[RowTables], keep: int, held: int) -> list[int]:

@@ -57,7 +57,7 @@ class WindowRealign:
         B = cache.block_size
         n = held - new_held
         self.shifts: list[RowTables] = []  # groups whose blocks move up by n / B positions
-        self.copies: list[tuple[RowTables, int]] = []  # (group, fresh blocks its distinct rows need) to copy
+        self.copies: list[tuple[RowTables, dict[tuple, list[int]]]] = []  # (group, its rows by table) to copy
         for rt in cache.sliding_tables():
             if not rt.rows:
                 continue
@@ -74,8 +74,7 @@ class WindowRealign:
             if n % B == 0 and max(rt.num_dropped, rt.droppable(held)) >= lowest:
                 self.shifts.append(rt)
             else:
-                first = (new_held - m) // B
-                self.copies.append((rt, (num_blocks_for(new_held, B) - first) * len(self._writers(rt))))
+                self.copies.append((rt, self._writers(rt)))
 
     @property
     def first_position(self) -> int | None:
@@ -87,11 +86,17 @@ class WindowRealign:
 
     def needs(self) -> dict[int, int]:
         """Fresh blocks per layer group the copies take (reserve them with the eviction's own)."""
-        return {rt.group: n for rt, n in self.copies}
+        return {rt.group: self._num_blocks(rt) * len(by_table) for rt, by_table in self.copies}
+
+    def _num_blocks(self, rt: RowTables) -> int:
+        """Fresh blocks one distinct row of copied group `rt` takes (its window's positions after the eviction)."""
+        B = self.cache.block_size
+        return num_blocks_for(self.new_held, B) - (self.new_held - min(self.held, rt.window - 1)) // B
 
     def apply(self) -> dict[int, list[int]]:
         """Move every sliding group to the new logical positions; returns, per copied group, the block ids let go
-        (a shift frees none)."""
+        (a shift first frees the blocks wholly before its window, as the step planner would at this step, unreported
+        like the planner's)."""
         d = (self.held - self.new_held) // self.cache.block_size
         for rt in self.shifts:
             before = rt.droppable(self.held)
@@ -100,7 +105,7 @@ class WindowRealign:
                 row.num_dropped -= d
                 row.num_tokens = self.new_held
                 rt.set_row(r, 0)
-        return {rt.group: self._copy(rt) for rt, _ in self.copies}
+        return {rt.group: self._copy(rt, by_table) for rt, by_table in self.copies}
 
     @staticmethod
     def _writers(rt: RowTables) -> dict[tuple, list[int]]:
@@ -110,7 +115,7 @@ class WindowRealign:
             by_table.setdefault(tuple(row.blocks), []).append(r)
         return by_table
 
-    def _copy(self, rt: RowTables) -> list[int]:
+    def _copy(self, rt: RowTables, by_table: dict[tuple, list[int]]) -> list[int]:
         """Copy the group's last ``m`` tokens to the logical positions ``new_held - m ..`` in fresh blocks (their
         first block from its slot 0: the leading slots repeat the first token); free the old blocks."""
         cache, held, new = self.cache, self.held, self.new_held
@@ -118,8 +123,7 @@ class WindowRealign:
         m = min(held, rt.window - 1)
         first = (new - m) // B
         lead = new - m - first * B  # slots before the window in its first block
-        nb = num_blocks_for(new, B) - first
-        by_table = self._writers(rt)
+        nb = self._num_blocks(rt)
         writers = [members[0] for members in by_table.values()]
         fresh: dict[int, list[int]] = {}
         for w in writers:

@@ -31,9 +31,9 @@ def copies(monkeypatch):
     seen = []
     real = WindowRealign._copy
 
-    def spy(self, rt):
+    def spy(self, rt, *args):
         seen.append(rt.group)
-        return real(self, rt)
+        return real(self, rt, *args)
 
     monkeypatch.setattr(WindowRealign, "_copy", spy)
     return seen

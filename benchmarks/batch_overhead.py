@@ -4,6 +4,7 @@
     python benchmarks/batch_overhead.py --batches 8 --steps 4   # a smoke run
     python benchmarks/batch_overhead.py --batches 64 --profile  # plus where the time goes (CPU ms per step)
     python benchmarks/batch_overhead.py --python-only           # the cache's Python work per step, no tensor work
+    python benchmarks/batch_overhead.py --paired --steps 48     # both caches step by step in turn (least noisy)
 
 Both caches run the bundled SmolLM2-135M-Instruct (30 layers, 3 KV heads x 64, fp32) on the same random prompts:
 an untimed prefill of `--context` tokens per row, one untimed warm-up step, then `--steps` greedy decode steps
@@ -17,7 +18,10 @@ reads what `update` returned); the wrappers that measure it cost a few microseco
 runs no model: it times `PagedCache.update` for every layer of decode steps with the model's K/V shapes (after a
 64-token prefill per row, as above) while the page store's `read` and `write` are replaced by stubs that move no
 data, so what remains is the cache's own per-step work (planning, bookkeeping, index tensors, checks); it prints the
-median and the best step, per batch size.
+median and the best step, per batch size. `--paired` keeps both caches live and alternates them step by step (the
+order flipped every step), so each pair of steps sees the same machine: it prints the median step time of each, the
+mean, and the median and quartiles of the per-step ratio (the number to quote on a shared machine, where whole
+rounds minutes apart moved by 20%).
 """
 
 from __future__ import annotations
@@ -117,6 +121,40 @@ def python_only(config, batches: list[int], context: int, steps: int) -> None:
         print(f"| {b} | {times[len(times) // 2] * 1e3:.2f} | {times[0] * 1e3:.2f} |")
 
 
+def paired(model, prompts: dict[int, torch.Tensor], caches: dict, steps: int) -> int:
+    """Print, per batch, both caches' decode step times from one run where they alternate step by step."""
+    import statistics
+    status = 0
+    print(f"decode step CPU time, SmolLM2, paired steps (the caches alternate, order flipped every step), {steps} "
+          "steps per cache")
+    print("| batch | DynamicCache median ms | PagedCache median ms | mean ratio | per-step ratio median (q1-q3) |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    names = list(caches)
+    for b, prompt in prompts.items():
+        live = {n: caches[n]() for n in names}
+        times: dict[str, list[float]] = {n: [] for n in names}
+        tok = {}
+        with torch.inference_mode():
+            for n, cache in live.items():
+                t = model(prompt, **cache_kwargs(cache), logits_to_keep=1).logits[:, -1:].argmax(-1)
+                tok[n] = model(t, **cache_kwargs(cache), logits_to_keep=1).logits[:, -1:].argmax(-1)  # warm-up
+            for s in range(steps):
+                for n in (names if s % 2 == 0 else names[::-1]):
+                    t0 = time.process_time()
+                    tok[n] = model(tok[n], **cache_kwargs(live[n]), logits_to_keep=1).logits[:, -1:].argmax(-1)
+                    times[n].append(time.process_time() - t0)
+                if not torch.equal(tok[names[0]], tok[names[1]]):
+                    print(f"batch {b}: tokens differ between the caches at step {s}", file=sys.stderr)
+                    status = 1
+        live["PagedCache"].release()
+        d, p = times["DynamicCache"], times["PagedCache"]
+        ratios = sorted(x / y for x, y in zip(d, p))
+        q = lambda f: ratios[min(len(ratios) - 1, int(f * len(ratios)))]  # noqa: E731
+        print(f"| {b} | {statistics.median(d) * 1e3:.1f} | {statistics.median(p) * 1e3:.1f} | {sum(d) / sum(p):.3f}x "
+              f"| {statistics.median(ratios):.3f}x ({q(0.25):.3f}-{q(0.75):.3f}) |", flush=True)
+    return status
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8,32,64", help="batch sizes, comma-separated")
@@ -127,6 +165,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="also print CPU ms per step of update, read, write, sdpa")
     ap.add_argument("--python-only", action="store_true",
                     help="time only the cache's own work per step (store read/write stubbed, no model run)")
+    ap.add_argument("--paired", action="store_true",
+                    help="alternate the two caches step by step in one run (ratio per step; least noisy)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
@@ -141,6 +181,8 @@ def main(argv=None) -> int:
     prompts = {b: torch.randint(100, model.config.vocab_size, (b, args.context), generator=g) for b in batches}
     caches = {"DynamicCache": lambda: DynamicCache(config=model.config),
               "PagedCache": lambda: PagedCache(config=model.config)}
+    if args.paired:
+        return paired(model, prompts, caches, args.steps)
     best: dict[tuple, float] = {}
     parts: dict[tuple, dict[str, float]] = {}  # (cache, batch) -> the parts of its best round, ms per step
     status = 0

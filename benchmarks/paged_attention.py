@@ -4,6 +4,7 @@
     python benchmarks/paged_attention.py --lengths 2048 --batches 1 --rounds 1 --steps 4     # a smoke run
     python benchmarks/paged_attention.py --profile --lengths 2048 --batches 1  # where the time goes, per case
     python benchmarks/paged_attention.py --methods k8v4,k4v4 --compiled    # + "hf_pagedkv_compiled" rows
+    python benchmarks/paged_attention.py --paired --steps 16               # all caches live, step by step in turn
 
 Every case runs in one process, side by side: the bundled SmolLM2-135M (fp32) decodes `--steps` greedy steps
 (`model(next_token, cache)`) after one warm-up step, from the K/V of one untimed prefill of random tokens (rows
@@ -13,6 +14,9 @@ with `sdpa` (the baseline); `PagedCache` fp / k8v8 / k8v4 / k4v4 with `sdpa` (ma
 ``"hf_pagedkv"`` (in-place reads); transformers' `QuantizedCache` (quanto int4) when optimum-quanto is installed.
 The order of the cases is shuffled in every round (the machine is shared and noisy); times are this process's CPU
 time (`time.process_time`) per step, the median over the rounds is reported, as tokens/s relative to `DynamicCache`.
+`--paired` instead keeps every case's cache live at once and runs one decode step of each in turn (a shuffled order
+per step), `--steps` times: each case's ratio is the median over the steps of (`DynamicCache`'s step / its step in
+the same turn), so a slow minute on the shared machine hits every case alike.
 """
 
 from __future__ import annotations
@@ -100,6 +104,40 @@ def run_case(model, method: str, kv: list, tok: torch.Tensor, steps: int, profil
     return dt, text
 
 
+def run_paired(model, methods: list[str], kv: list, tok: torch.Tensor, steps: int, rng) -> dict[str, tuple]:
+    """`{method: (median ms per step, median per-turn ratio to dynamic, q1, q3)}`: every case's cache live at once,
+    one decode step of each in turn (the order shuffled every turn), after one untimed warm-up step each."""
+    attn_of = lambda m: {"paged": "hf_pagedkv", "compiled": "hf_pagedkv_compiled"}.get(m.split("/")[-1], "sdpa")  # noqa: E731
+    caches, toks, times = {}, {}, {m: [] for m in methods}
+    with torch.no_grad():
+        for m in methods:
+            caches[m] = make_cache(m, model)
+            for i, (k, v) in enumerate(kv):
+                caches[m].update(k.clone(), v.clone(), i)
+            model.set_attn_implementation(attn_of(m))
+            t0 = time.perf_counter()
+            toks[m] = model(tok, **cache_kwargs(caches[m])).logits[:, -1:].argmax(-1)  # warm-up (compiles, if any)
+            if m.endswith("/compiled"):
+                print(f"warm-up step of {m}: {time.perf_counter() - t0:.1f} s wall", file=sys.stderr, flush=True)
+        for _ in range(steps):
+            order = methods[:]
+            rng.shuffle(order)
+            for m in order:
+                model.set_attn_implementation(attn_of(m))
+                t0 = time.process_time()
+                toks[m] = model(toks[m], **cache_kwargs(caches[m])).logits[:, -1:].argmax(-1)
+                times[m].append(time.process_time() - t0)
+    model.set_attn_implementation("sdpa")
+    for c in caches.values():
+        if isinstance(c, PagedCache):
+            c.release()
+    out = {}
+    for m in methods:
+        r = sorted(d / t for d, t in zip(times["dynamic"], times[m]))
+        out[m] = (statistics.median(times[m]) * 1e3, statistics.median(r), r[len(r) // 4], r[min(len(r) - 1, 3 * len(r) // 4)])
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="2048,4096", help="prompt lengths, comma-separated")
@@ -112,6 +150,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--compiled", action="store_true",
                     help='also run each quantized preset with "hf_pagedkv_compiled" (torch.compile; opt-in)')
+    ap.add_argument("--paired", action="store_true",
+                    help="all caches live, one step of each in turn; per-turn ratios (least noisy)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, _ = load_model()
@@ -127,10 +167,22 @@ def main(argv=None) -> int:
     times: dict[tuple, list[float]] = {}
     lengths = [int(n) for n in args.lengths.split(",")]
     full = prefill(model, torch.randint(100, model.config.vocab_size, (1, max(lengths)), generator=g))
+    if args.paired:
+        print(f"decode CPU time, {args.threads} thread(s), paired: every cache live, one step of each in turn, "
+              f"{args.steps} turns; ratio = median over turns of DynamicCache's step / the case's (q1-q3)")
+        print("| tokens | batch | cache | attention | ms/step | tok/s | vs DynamicCache (q1-q3) |")
+        print("| ---: | ---: | --- | --- | ---: | ---: | ---: |")
     for n in lengths:
         for batch in map(int, args.batches.split(",")):
             kv = prompt_kv(full, n, batch, args.seed)
             tok = torch.randint(100, model.config.vocab_size, (batch, 1), generator=g)
+            if args.paired:
+                res = run_paired(model, methods, kv, tok, args.steps, rng)
+                for m, (ms, ratio, q1, q3) in res.items():
+                    cache, attn = (m.split("/") + ["sdpa"])[:2]
+                    print(f"| {n} | {batch} | {cache} | {attn} | {ms:.1f} | {batch / ms * 1e3:.1f} | {ratio:.2f}x "
+                          f"({q1:.2f}-{q3:.2f}) |", flush=True)
+                continue
             for r in range(1 if args.profile else args.rounds):
                 order = methods[:]
                 rng.shuffle(order)
@@ -144,6 +196,8 @@ def main(argv=None) -> int:
                 dt = statistics.median(times[(n, batch, m)])
                 print(f"partial: {n} tokens, batch {batch}, {m}: {dt * 1e3:.1f} ms/step, "
                       f"{statistics.median(times[(n, batch, 'dynamic')]) / dt:.2f}x", file=sys.stderr, flush=True)
+    if args.paired:
+        return 0
     print(f"decode tokens/s relative to DynamicCache (CPU time, {args.threads} thread(s), median of "
           f"{1 if args.profile else args.rounds} rounds of {args.steps} steps, SmolLM2-135M fp32)")
     print("| tokens | batch | cache | attention | ms/step | tok/s | vs DynamicCache |")

@@ -97,7 +97,8 @@ def test_compile_error_falls_back_to_eager_once(monkeypatch, caplog):
 @_compiles
 def test_compiled_equals_eager_across_growing_reads():
     """The compiled function (one process-wide graph per batch class and mask) equals the eager read within 1e-5
-    as the read grows block by block, with and without a mask, batch 1 and 2."""
+    as the read grows block by block, with and without a mask, batch 1 and 2; reads that the graphs held serve
+    are not let compile again."""
     torch._dynamo.reset()
     reader = CompiledCodeAttention()
     g = torch.Generator().manual_seed(3)
@@ -111,6 +112,16 @@ def test_compiled_equals_eager_across_growing_reads():
                 got = reader(qh, read, bias)
                 assert got is not None and not reader.failed
                 assert (got - code_attention(qh, read, bias, 2048)).abs().max().item() <= 1e-5
+    # the same reads again run the graphs held, without the config patches of a call that may compile
+    compiled = reader.compile_calls
+    assert 1 <= compiled <= 6  # at most one per batch class, mask and read shape seen above
+    for batch in (1, 2):
+        full, _, _ = _code_read("int4", "int8", batch=batch, offset=4.0)
+        read = full._replace(codes=tuple(c[:, :, :3].contiguous() for c in full.codes),
+                             scales=tuple(s[:, :, :3].contiguous() for s in full.scales), end=3 * 8 + 3)
+        qh = torch.randn(2, batch, 3, 16, generator=g) * 0.25
+        assert (reader(qh, read, None) - code_attention(qh, read, None, 2048)).abs().max().item() <= 1e-5
+    assert reader.compile_calls == compiled
 
 
 @_compiles

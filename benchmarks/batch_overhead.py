@@ -5,6 +5,7 @@
     python benchmarks/batch_overhead.py --batches 64 --profile  # plus where the time goes (CPU ms per step)
     python benchmarks/batch_overhead.py --python-only           # the cache's Python work per step, no tensor work
     python benchmarks/batch_overhead.py --paired --steps 48     # both caches step by step in turn (least noisy)
+    python benchmarks/batch_overhead.py --paired --attention hf_pagedkv   # PagedCache read in place
 
 Both caches run the bundled SmolLM2-135M-Instruct (30 layers, 3 KV heads x 64, fp32) on the same random prompts:
 an untimed prefill of `--context` tokens per row, one untimed warm-up step, then `--steps` greedy decode steps
@@ -121,12 +122,14 @@ def python_only(config, batches: list[int], context: int, steps: int) -> None:
         print(f"| {b} | {times[len(times) // 2] * 1e3:.2f} | {times[0] * 1e3:.2f} |")
 
 
-def paired(model, prompts: dict[int, torch.Tensor], caches: dict, steps: int) -> int:
-    """Print, per batch, both caches' decode step times from one run where they alternate step by step."""
+def paired(model, prompts: dict[int, torch.Tensor], caches: dict, steps: int, attention: str = "sdpa") -> int:
+    """Print, per batch, both caches' decode step times from one run where they alternate step by step;
+    `attention`: PagedCache's attention implementation (DynamicCache's is always ``"sdpa"``)."""
+    attn = {"DynamicCache": "sdpa", "PagedCache": attention}
     import statistics
     status = 0
     print(f"decode step CPU time, SmolLM2, paired steps (the caches alternate, order flipped every step), {steps} "
-          "steps per cache")
+          f"steps per cache; PagedCache with attention {attention!r}")
     print("| batch | DynamicCache median ms | PagedCache median ms | mean ratio | per-step ratio median (q1-q3) |")
     print("| ---: | ---: | ---: | ---: | ---: |")
     names = list(caches)
@@ -136,10 +139,12 @@ def paired(model, prompts: dict[int, torch.Tensor], caches: dict, steps: int) ->
         tok = {}
         with torch.inference_mode():
             for n, cache in live.items():
+                model.set_attn_implementation(attn[n])
                 t = model(prompt, **cache_kwargs(cache), logits_to_keep=1).logits[:, -1:].argmax(-1)
                 tok[n] = model(t, **cache_kwargs(cache), logits_to_keep=1).logits[:, -1:].argmax(-1)  # warm-up
             for s in range(steps):
                 for n in (names if s % 2 == 0 else names[::-1]):
+                    model.set_attn_implementation(attn[n])  # untimed
                     t0 = time.process_time()
                     tok[n] = model(tok[n], **cache_kwargs(live[n]), logits_to_keep=1).logits[:, -1:].argmax(-1)
                     times[n].append(time.process_time() - t0)
@@ -147,6 +152,7 @@ def paired(model, prompts: dict[int, torch.Tensor], caches: dict, steps: int) ->
                     print(f"batch {b}: tokens differ between the caches at step {s}", file=sys.stderr)
                     status = 1
         live["PagedCache"].release()
+        model.set_attn_implementation("sdpa")
         d, p = times["DynamicCache"], times["PagedCache"]
         ratios = sorted(x / y for x, y in zip(d, p))
         q = lambda f: ratios[min(len(ratios) - 1, int(f * len(ratios)))]  # noqa: E731
@@ -167,6 +173,8 @@ def main(argv=None) -> int:
                     help="time only the cache's own work per step (store read/write stubbed, no model run)")
     ap.add_argument("--paired", action="store_true",
                     help="alternate the two caches step by step in one run (ratio per step; least noisy)")
+    ap.add_argument("--attention", default="sdpa", choices=["sdpa", "hf_pagedkv"],
+                    help="with --paired: PagedCache's attention implementation (DynamicCache keeps sdpa)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
@@ -182,7 +190,7 @@ def main(argv=None) -> int:
     caches = {"DynamicCache": lambda: DynamicCache(config=model.config),
               "PagedCache": lambda: PagedCache(config=model.config)}
     if args.paired:
-        return paired(model, prompts, caches, args.steps)
+        return paired(model, prompts, caches, args.steps, args.attention)
     best: dict[tuple, float] = {}
     parts: dict[tuple, dict[str, float]] = {}  # (cache, batch) -> the parts of its best round, ms per step
     status = 0

@@ -138,6 +138,7 @@ class CompiledCodeAttention:
         try:
             if self._fn is None:
                 self._fn = torch.compile(fused_code_read, dynamic=True)
+            fn = self._fn
             kc, vc = read.codecs
             args = (qh, read.codes[0], read.scales[0], read.codes[1], read.scales[1], read.full[0], read.full[1],
                     bias, kc.bits, vc.bits, read.block_size, max(0, read.sink_end - read.lo))
@@ -145,17 +146,19 @@ class CompiledCodeAttention:
                 # the usual call (class docstring): a read that needs another graph raises before anything runs
                 try:
                     with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile"):
-                        return self._fn(*args)
+                        return fn(*args)
                 except RuntimeError as e:
                     if "fail_on_recompile" not in str(e):
                         raise
             # NOTE: no duck sizing: with it, a block count equal to another size (heads, rows, head_dim) gets a
             # graph of its own, compiled mid-generation; inference only (the graphs guard on the grad mode). A
             # process that runs k8v4 and k4v4 at batch 1 and 8 up to 4096+ tokens held 8 graphs, dynamo's default
-            # limit per function (past it, dynamo runs the function eagerly): the limit is raised for this call only
+            # limit per function (past it, dynamo runs the function eagerly): the limit is raised for this call only.
+            # The int arguments (bits, block size, sink length: fixed for a cache) are constants of the graph: as
+            # symbols (``dynamic=True`` makes them so) the generated code ran 1.5-2x slower (README)
             with torch.no_grad(), torch.fx.experimental._config.patch(use_duck_shape=False), \
-                    torch._dynamo.config.patch(recompile_limit=_GRAPH_LIMIT):
-                out = self._fn(*args)
+                    torch._dynamo.config.patch(recompile_limit=_GRAPH_LIMIT, specialize_int=True):
+                out = fn(*args)
             self.compile_calls += 1
             return out
         except Exception as e:  # noqa: BLE001 - no compiler, a lowering error: the eager read is always right

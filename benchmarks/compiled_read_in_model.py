@@ -15,29 +15,17 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import torch
 import torch.fx.experimental._config  # noqa: F401  (torch.fx.experimental._config.patch below)
 
 import hf_pagedkv.attention.attention_function as attention_function
-from benchmarks.code_attention_parts import make_read
+from benchmarks.code_attention_parts import best, make_read
 from hf_pagedkv import PagedCache, cache_kwargs
 from hf_pagedkv.attention.compiled_read import CompiledCodeAttention
 from hf_pagedkv.tools.models import load_model
 
 code_attention = sys.modules["hf_pagedkv.attention.paged_attention"].code_attention
-
-
-def best(fn, calls: int, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.process_time()
-        for _ in range(calls):
-            fn()
-        times.append((time.process_time() - t0) / calls)
-    return min(times) * 1e6
 
 
 def main(argv=None) -> None:

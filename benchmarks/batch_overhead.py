@@ -173,11 +173,20 @@ def main(argv=None) -> int:
                     help="time only the cache's own work per step (store read/write stubbed, no model run)")
     ap.add_argument("--paired", action="store_true",
                     help="alternate the two caches step by step in one run (ratio per step; least noisy)")
-    ap.add_argument("--attention", default="sdpa", choices=["sdpa", "hf_pagedkv"],
+    ap.add_argument("--attention", default="sdpa", choices=["sdpa", "hf_pagedkv", "hf_pagedkv_compiled"],
                     help="with --paired: PagedCache's attention implementation (DynamicCache keeps sdpa)")
     args = ap.parse_args(argv)
+    if args.attention != "sdpa" and not args.paired:
+        ap.error("--attention applies to --paired runs only (the rounds and --python-only use sdpa)")
+    if args.steps < 1 or args.rounds < 1:
+        ap.error("--steps and --rounds must be at least 1")
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        ap.error(f"--batches must be comma-separated integers, e.g. 1,8,32, got {args.batches!r}")
+    if min(batches) < 1:
+        ap.error(f"--batches must be at least 1, got {args.batches!r}")
     torch.set_num_threads(args.threads)
-    batches = [int(b) for b in args.batches.split(",")]
     if args.python_only:
         model, _ = load_model()
         python_only(model.config, batches, args.context, args.steps)

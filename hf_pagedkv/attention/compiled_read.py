@@ -96,8 +96,8 @@ class CompiledCodeAttention:
     read grows), with the eager `code_attention` as fallback.
 
     Compiles lazily, on the first supported read. Graphs are specialized on batch 1 against larger batches, on a
-    mask or none, on the codecs' bits, and once more when a read passes 4096 columns (inductor's accumulator
-    choice), so a process compiles a few graphs (4 s to 2 min each on a shared 2-core machine, README) and none
+    mask or none, on the codecs' bits, the block size and the sink length (constants of the graph), and once more
+    when a read passes 4096 columns (inductor's accumulator choice), so a process compiles a few graphs (4 s to 2 min each on a shared 2-core machine, README) and none
     per step. Once a graph exists, a call first runs under ``torch.compiler.set_stance("fail_on_recompile")`` (a
     read the graphs held do not serve raises before anything runs, and is then compiled under the config patches
     below): the patches cost about 150 us per call, the stance about 20.

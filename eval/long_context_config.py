@@ -20,7 +20,8 @@ PPL_METHODS = ("full", "sink_window", "window_only", "key_norm", "key_diff", "re
 #: so does `pyramid_kv` (`PyramidKV`: SnapKV's scores, budgets shrinking with depth over 4 tiers of layers).
 #: `kv_zip` (query-agnostic) runs `compress_context` (KVzip's reconstruction pass) after the context's prefill;
 #: `kv_zip_recent` is KVzip with H2O's split, a `recent_share` of the kept tokens given to the most recent ones;
-#: `kv_zip_pooled` is KVzip with its scores max-pooled over `kv_zip_kernel` tokens (SnapKV's clustering step).
+#: `kv_zip_pooled` is KVzip with its scores max-pooled (or `kv_zip_pooling`) over `kv_zip_kernel` tokens (SnapKV's
+#: clustering step).
 PASSKEY_METHODS = ("full", "sink_window", "key_norm", "key_diff", "snap_kv", "pyramid_kv", "kv_zip", "kv_zip_recent",
                    "kv_zip_pooled")
 TASKS = ("perplexity", "passkey")
@@ -53,6 +54,8 @@ class LongContextConfig:
             head's kept tokens given to the most recent context tokens (`ImportancePolicy.recent_share`, H2O's split).
         kv_zip_kernel (`int`, defaults to 7): passkey, method `kv_zip_pooled`: the odd max-pooling kernel over
             KVzip's scores, in tokens (`KVzip.kernel_size`).
+        kv_zip_pooling (`str`, defaults to `"max"`): passkey, method `kv_zip_pooled`: `max` or `avg`, the pooling
+            of that kernel (`KVzip.pooling`).
         block_size (`int`, defaults to 16): `PagedCache` block size.
         methods (`list[str]`, *optional*): from `PPL_METHODS` (perplexity) or `PASSKEY_METHODS` (passkey); all of
             the task's by default.
@@ -83,6 +86,7 @@ class LongContextConfig:
     recent_tokens: int = 64
     recent_share: float = 0.5
     kv_zip_kernel: int = 7
+    kv_zip_pooling: str = "max"
     block_size: int = 16
     methods: list[str] | None = None
     quants: list[str] = field(default_factory=lambda: ["fp"])
@@ -125,6 +129,8 @@ class LongContextConfig:
         if self.kv_zip_kernel % 2 == 0:
             raise ValueError(f"LongContextConfig.kv_zip_kernel must be odd (the pooling is centred on each token), "
                              f"got {self.kv_zip_kernel}.")
+        if self.kv_zip_pooling not in ("max", "avg"):
+            raise ValueError(f"LongContextConfig.kv_zip_pooling must be 'max' or 'avg', got {self.kv_zip_pooling!r}.")
         if isinstance(self.recent_share, bool) or not isinstance(self.recent_share, (int, float)) \
                 or not 0 <= self.recent_share < 1:
             raise ValueError(f"LongContextConfig.recent_share must be a float in [0, 1), got {self.recent_share!r}.")
@@ -148,6 +154,8 @@ class LongContextConfig:
             del ident["recent_share"]
         if "kv_zip_pooled" not in ident["methods"]:  # so is this one
             del ident["kv_zip_kernel"]
+        if "kv_zip_pooled" not in ident["methods"] or ident["kv_zip_pooling"] == "max":  # added later still
+            del ident["kv_zip_pooling"]
         digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:6]
         if self.task == "perplexity":
             key = f"w{self.num_windows}-n{self.context_len}-b{'_'.join(map(str, self.budgets))}-c{self.chunk}"

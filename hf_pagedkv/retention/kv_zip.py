@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from hf_pagedkv.retention.importance import ImportancePolicy
 from hf_pagedkv.retention.policy import EvictionPlan, check_int
+from hf_pagedkv.retention.snap_kv import POOLINGS
 
 #: the instruction of the reconstruction pass, before the context is given again (KVzip's repeat prompt)
 REPEAT_PROMPT = "Repeat the previous context exactly."
@@ -40,12 +41,15 @@ class KVzip(ImportancePolicy):
         recent_tokens (`int`, *optional*, defaults to 16): trailing context tokens always kept.
         chunk_tokens (`int`, *optional*, defaults to 1024): reconstruction tokens per forward step (bounds the peak
             memory of the pass; the scores do not depend on it).
-        kernel_size (`int`, *optional*, defaults to 1): a max-pooling of the scores over this many neighbouring
+        kernel_size (`int`, *optional*, defaults to 1): a pooling of the scores over this many neighbouring
             tokens, odd (SnapKV's clustering step, so a kept token keeps its neighbours; 1: none, KVzip's own
             scores).
+        pooling (`str`, *optional*, defaults to `"max"`): `"max"` (a token scores as its best neighbour) or `"avg"`
+            (as the mean of its window; past either end only the tokens there are counted), as `SnapKV`'s.
 
     Raises:
-        ValueError: as `ImportancePolicy`; `chunk_tokens` not an int >= 1; `kernel_size` not an odd int >= 1.
+        ValueError: as `ImportancePolicy`; `chunk_tokens` not an int >= 1; `kernel_size` not an odd int >= 1;
+            `pooling` not one of `POOLINGS`.
 
     Example:
 
@@ -62,6 +66,7 @@ class KVzip(ImportancePolicy):
     recent_tokens: int = 16
     chunk_tokens: int = 1024
     kernel_size: int = 1
+    pooling: str = "max"
 
     name = "kv_zip"
     reconstructs = True
@@ -73,6 +78,8 @@ class KVzip(ImportancePolicy):
         if self.kernel_size % 2 == 0:
             raise ValueError(f"`kernel_size` must be odd (the pooling is centred on each token), got "
                              f"{self.kernel_size}.")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"`pooling` must be one of {POOLINGS}, got {self.pooling!r}.")
 
     def plan(self, held: int, seen: int, new: int, block_size: int, step: int = 0) -> EvictionPlan:
         """Nothing: KVzip compresses only through `compress_context` (`keep_for`)."""
@@ -89,8 +96,8 @@ class KVzip(ImportancePolicy):
             observed (`torch.Tensor` of shape `[batch, num_kv_heads, held]`): the layer's `ContextScores`.
 
         Returns:
-            `torch.Tensor` of shape `[batch, num_kv_heads, held]`, float32: `observed`, max-pooled over
-            `kernel_size` tokens.
+            `torch.Tensor` of shape `[batch, num_kv_heads, held]`, float32: `observed`, max- or average-pooled
+            (`pooling`) over `kernel_size` tokens.
 
         Raises:
             ValueError: no scores, or scores of another shape (the reconstruction pass did not run on this context).
@@ -104,5 +111,9 @@ class KVzip(ImportancePolicy):
         if self.kernel_size == 1:
             return s
         b, h, n = s.shape
-        pooled = F.max_pool1d(s.reshape(b * h, 1, n), self.kernel_size, stride=1, padding=self.kernel_size // 2)
+        flat, pad = s.reshape(b * h, 1, n), self.kernel_size // 2
+        if self.pooling == "avg":
+            pooled = F.avg_pool1d(flat, self.kernel_size, stride=1, padding=pad, count_include_pad=False)
+        else:
+            pooled = F.max_pool1d(flat, self.kernel_size, stride=1, padding=pad)
         return pooled.view(b, h, n)

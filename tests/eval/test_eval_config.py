@@ -141,6 +141,7 @@ def test_tokenize_prefix_equals_whole_text_tokenization():
     ("long_context", ["--task", "passkey", "--recent-share", "half"], "--recent-share: invalid float value"),
     ("long_context", ["--task", "passkey", "--kv-zip-kernel", "4"], "LongContextConfig.kv_zip_kernel must be odd"),
     ("long_context", ["--task", "passkey", "--kv-zip-kernel", "0"], "LongContextConfig.kv_zip_kernel must be a "),
+    ("long_context", ["--task", "passkey", "--kv-zip-pooling", "mean"], "LongContextConfig.kv_zip_pooling must be"),
 ])
 def test_a_setting_out_of_range_on_the_command_line_is_a_usage_error(capsys, which, argv, match):
     from eval.long_context_config import resolve as resolve_long
@@ -167,3 +168,7 @@ def test_recent_share_is_a_float_flag_and_names_only_the_runs_that_read_it():
     pooled = argv + ["--methods", "full", "kv_zip", "kv_zip_pooled"]
     c, d = resolve_long(pooled)[0], resolve_long(pooled + ["--kv-zip-kernel", "3"])[0]
     assert (c.kv_zip_kernel, d.kv_zip_kernel) == (7, 3) and c.run_dir() != d.run_dir() != cfg.run_dir()
+    # the pooling: max (the default) keeps the names of the runs from before it; avg names its own
+    e, f = resolve_long(pooled + ["--kv-zip-pooling", "max"])[0], resolve_long(pooled + ["--kv-zip-pooling", "avg"])[0]
+    assert (c.kv_zip_pooling, f.kv_zip_pooling) == ("max", "avg") and e.run_dir() == c.run_dir() != f.run_dir()
+    assert resolve_long(argv + ["--kv-zip-pooling", "avg"])[0].run_dir() == cfg.run_dir()

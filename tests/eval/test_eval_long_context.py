@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from eval.long_context import policy_for, run, scored_chunks
+from eval.long_context import policy_for, report_text, run, scored_chunks
 from eval.long_context_config import LongContextConfig
 from eval.tasks.passkey import metrics as passkey_metrics
 from eval.tasks.passkey.prepare import make_examples
@@ -93,7 +93,11 @@ def test_passkey_examples_and_run(tiny, tmp_path):
         assert [(r["tokens_held"], r["bytes_in_use"]) for r in split] == [(r["tokens_held"], r["bytes_in_use"])
                                                                            for r in zipped]
     assert policy_for("kv_zip_recent", cfg, ratio=0.5, context=256).recent_share == cfg.recent_share == 0.5
-    assert policy_for("kv_zip_pooled", cfg, ratio=0.5, context=256).kernel_size == cfg.kv_zip_kernel == 7
+    pooled = policy_for("kv_zip_pooled", cfg, ratio=0.5, context=256)
+    assert (pooled.kernel_size, pooled.pooling) == (cfg.kv_zip_kernel, cfg.kv_zip_pooling) == (7, "max")
+    avg = LongContextConfig(**{**cfg.to_dict(), "kv_zip_pooling": "avg"})
+    assert policy_for("kv_zip_pooled", avg, ratio=0.5, context=256).pooling == "avg"
+    assert "kv_zip_pooled: kernel 7, avg-pooling" in report_text(avg, {"environment": {"seconds": 1.0}, "passkey": {}})
     plain = policy_for("kv_zip", cfg, ratio=0.5, context=256)
     assert (plain.recent_share, plain.kernel_size) == (0, 1)
     assert "kv_zip_recent: recent share 0.5; kv_zip_pooled: kernel 7" in (cfg.run_dir() / "report.md").read_text()

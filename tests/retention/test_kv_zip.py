@@ -228,9 +228,12 @@ def test_bad_settings_are_refused_and_the_spec_knows_it():
     for bad in (0, 2, 1.0):
         with pytest.raises(ValueError, match="kernel_size"):
             KVzip(budget=64, kernel_size=bad)
+    for bad in ("mean", None, "MAX"):
+        with pytest.raises(ValueError, match="pooling"):
+            KVzip(budget=64, kernel_size=3, pooling=bad)
 
 
-def test_kernel_size_max_pools_the_scores_over_neighbours():
+def test_kernel_size_max_or_avg_pools_the_scores_over_neighbours():
     observed = torch.zeros(1, 2, 8)
     observed[0, 0, 3] = 1.0  # head 0: one high token; head 1: a high token at the start
     observed[0, 1, 0] = 0.5
@@ -241,6 +244,10 @@ def test_kernel_size_max_pools_the_scores_over_neighbours():
     assert pooled[0, 1].tolist() == [0.5, 0.5, 0, 0, 0, 0, 0, 0]  # per head; the edge is not wrapped
     idx = KVzip(budget=6, sink_tokens=0, recent_tokens=0, kernel_size=3).select(keys, 3, observed)
     assert idx[0, 0].tolist() == [2, 3, 4]  # the high token kept with both its neighbours
+    avg = KVzip(budget=64, kernel_size=3, pooling="avg").scores(keys, observed)
+    assert torch.allclose(avg[0, 0], torch.tensor([0, 0, 1, 1, 1, 0, 0, 0]) / 3)  # the mean of each window
+    assert torch.allclose(avg[0, 1], torch.tensor([0.25, 0.5 / 3, 0, 0, 0, 0, 0, 0]))  # the edge: 2 tokens counted
+    assert torch.equal(KVzip(budget=64, pooling="avg").scores(keys, observed), observed)  # kernel 1: no pooling
 
 
 def test_context_scores_keep_a_running_max_and_check_their_shape():

@@ -47,7 +47,8 @@ def main(argv=None) -> None:
     CompiledCodeAttention.__call__ = capture
     model, _ = load_model()
     model.set_attn_implementation("hf_pagedkv_compiled")
-    x = torch.randint(100, model.config.vocab_size, (args.batch, args.tokens), generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(100, model.config.vocab_size, (args.batch, args.tokens), generator=g)
     cache = PagedCache(config=model.config, quant=args.quant)
     with torch.no_grad():
         tok = model(x, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)

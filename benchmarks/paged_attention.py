@@ -107,7 +107,8 @@ def run_case(model, method: str, kv: list, tok: torch.Tensor, steps: int, profil
 def run_paired(model, methods: list[str], kv: list, tok: torch.Tensor, steps: int, rng) -> dict[str, tuple]:
     """`{method: (median ms per step, median per-turn ratio to dynamic, q1, q3)}`: every case's cache live at once,
     one decode step of each in turn (the order shuffled every turn), after one untimed warm-up step each."""
-    attn_of = lambda m: {"paged": "hf_pagedkv", "compiled": "hf_pagedkv_compiled"}.get(m.split("/")[-1], "sdpa")  # noqa: E731
+    impl = {"paged": "hf_pagedkv", "compiled": "hf_pagedkv_compiled"}
+    attn_of = lambda m: impl.get(m.split("/")[-1], "sdpa")  # noqa: E731
     caches, toks, times = {}, {}, {m: [] for m in methods}
     with torch.no_grad():
         for m in methods:
@@ -134,7 +135,8 @@ def run_paired(model, methods: list[str], kv: list, tok: torch.Tensor, steps: in
     out = {}
     for m in methods:
         r = sorted(d / t for d, t in zip(times["dynamic"], times[m]))
-        out[m] = (statistics.median(times[m]) * 1e3, statistics.median(r), r[len(r) // 4], r[min(len(r) - 1, 3 * len(r) // 4)])
+        q1, q3 = r[len(r) // 4], r[min(len(r) - 1, 3 * len(r) // 4)]
+        out[m] = (statistics.median(times[m]) * 1e3, statistics.median(r), q1, q3)
     return out
 
 

@@ -3,9 +3,9 @@
     OMP_NUM_THREADS=1 python benchmarks/read_vs_cat.py                  # batch 64, 80 tokens, 3 KV heads x 64
     OMP_NUM_THREADS=1 python benchmarks/read_vs_cat.py --batch 32 --tokens 2048
 
-Times (best process time of `--reps` rounds of `--calls` calls, one thread, microseconds per call) of what each cache does to
-hand attention a contiguous `[batch, heads, tokens, head_dim]` fp32 tensor: `DynamicCache`'s `torch.cat` of the
-history and the new token; `PageStore.read_blocks`'s `index_select` of one `head_dim` row per token from a pool laid
+Times (best process time of `--reps` rounds of `--calls` calls, one thread, microseconds per call) of what each
+cache does to hand attention a contiguous `[batch, heads, tokens, head_dim]` fp32 tensor: `DynamicCache`'s
+`torch.cat` of the history and the new token; `PageStore.read_blocks`'s `index_select` of one `head_dim` row per token from a pool laid
 out `[heads * slots, head_dim]` (rows of a batch `block_size`-aligned and apart, as a prefill lays them out); the
 same by whole blocks; and `.contiguous()` of a strided view of the same pool. All four move the same bytes.
 """
@@ -46,7 +46,8 @@ def main(argv=None) -> None:
     block_rows = (torch.arange(H).view(1, H, 1) * (slots // bs) + torch.arange(B).view(B, 1, 1) * (per_row // bs)
                   + torch.arange(nb).view(1, 1, nb)).reshape(-1)
     view = pool.view(H, B, per_row, D)[:, :, :T].transpose(0, 1)  # [B, H, T, D], strided
-    print(f"batch {B}, {T} tokens, {H} heads x {D}, fp32, one thread: us per call (best of {args.reps} x {args.calls}, process time)")
+    print(f"batch {B}, {T} tokens, {H} heads x {D}, fp32, one thread: us per call (best of {args.reps} x "
+          f"{args.calls}, process time)")
     for name, fn in (("DynamicCache: torch.cat(history, new token)", lambda: torch.cat([old, new], 2)),
                      ("PagedCache: index_select of token rows", lambda: pool.index_select(0, rows)),
                      ("index_select of whole blocks", lambda: blocks.index_select(0, block_rows)),

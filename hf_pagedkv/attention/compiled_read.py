@@ -97,10 +97,11 @@ class CompiledCodeAttention:
 
     Compiles lazily, on the first supported read. Graphs are specialized on batch 1 against larger batches, on a
     mask or none, on the codecs' bits, the block size and the sink length (constants of the graph), and once more
-    when a read passes 4096 columns (inductor's accumulator choice), so a process compiles a few graphs (4 s to 2 min each on a shared 2-core machine, README) and none
-    per step. Once a graph exists, a call first runs under ``torch.compiler.set_stance("fail_on_recompile")`` (a
-    read the graphs held do not serve raises before anything runs, and is then compiled under the config patches
-    below): the patches cost about 150 us per call, the stance about 20.
+    when a read passes 4096 columns (inductor's accumulator choice), so a process compiles a few graphs (4 s to 2
+    min each on a shared 2-core machine, README) and none per step. Once a graph exists, a call first runs under
+    ``torch.compiler.set_stance("fail_on_recompile")`` (a read the graphs held do not serve raises before anything
+    runs, and is then compiled under the config patches below): the patches cost 50-170 us per call, the stance
+    10-20 (`benchmarks/compiled_read_in_model.py`).
 
     Reads it takes: the `torch` backend's `Int8Codec`/`Int4Codec` for keys (``axis="channel"``) and values
     (``axis="token"``, one group per head), equal key and value head dims, and a read from the first block's
@@ -138,7 +139,6 @@ class CompiledCodeAttention:
         try:
             if self._fn is None:
                 self._fn = torch.compile(fused_code_read, dynamic=True)
-            fn = self._fn
             kc, vc = read.codecs
             args = (qh, read.codes[0], read.scales[0], read.codes[1], read.scales[1], read.full[0], read.full[1],
                     bias, kc.bits, vc.bits, read.block_size, max(0, read.sink_end - read.lo))
@@ -146,7 +146,7 @@ class CompiledCodeAttention:
                 # the usual call (class docstring): a read that needs another graph raises before anything runs
                 try:
                     with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile"):
-                        return fn(*args)
+                        return self._fn(*args)
                 except RuntimeError as e:
                     if "fail_on_recompile" not in str(e):
                         raise
@@ -158,7 +158,7 @@ class CompiledCodeAttention:
             # symbols (``dynamic=True`` makes them so) the generated code ran 1.5-2x slower (README)
             with torch.no_grad(), torch.fx.experimental._config.patch(use_duck_shape=False), \
                     torch._dynamo.config.patch(recompile_limit=_GRAPH_LIMIT, specialize_int=True):
-                out = fn(*args)
+                out = self._fn(*args)
             self.compile_calls += 1
             return out
         except Exception as e:  # noqa: BLE001 - no compiler, a lowering error: the eager read is always right

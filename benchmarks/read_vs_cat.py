@@ -5,9 +5,10 @@
 
 Times (best process time of `--reps` rounds of `--calls` calls, one thread, microseconds per call) of what each
 cache does to hand attention a contiguous `[batch, heads, tokens, head_dim]` fp32 tensor: `DynamicCache`'s
-`torch.cat` of the history and the new token; `PageStore.read_blocks`'s `index_select` of one `head_dim` row per token from a pool laid
-out `[heads * slots, head_dim]` (rows of a batch `block_size`-aligned and apart, as a prefill lays them out); the
-same by whole blocks; and `.contiguous()` of a strided view of the same pool. All four move the same bytes.
+`torch.cat` of the history and the new token; `PageStore.read_blocks`'s `index_select` of one `head_dim` row per
+token from a pool laid out `[heads * slots, head_dim]` (rows of a batch `block_size`-aligned and apart, as a
+prefill lays them out); the same by whole blocks; and `.contiguous()` of a strided view of the same pool. All four
+move the same bytes.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from hf_pagedkv.retention.score_pooling import POOLINGS
+
 from .config import load_yaml, resolve_data_dir
 
 #: Cache methods of the streaming-perplexity task. `recompute` is StreamingLLM's reference, the sliding window with
@@ -129,7 +131,7 @@ class LongContextConfig:
         if self.kv_zip_kernel % 2 == 0:
             raise ValueError(f"LongContextConfig.kv_zip_kernel must be odd (the pooling is centred on each token), "
                              f"got {self.kv_zip_kernel}.")
-        if self.kv_zip_pooling not in ("max", "avg"):
+        if self.kv_zip_pooling not in POOLINGS:
             raise ValueError(f"LongContextConfig.kv_zip_pooling must be 'max' or 'avg', got {self.kv_zip_pooling!r}.")
         if isinstance(self.recent_share, bool) or not isinstance(self.recent_share, (int, float)) \
                 or not 0 <= self.recent_share < 1:

@@ -5,11 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from hf_pagedkv.retention.importance import ImportancePolicy
 from hf_pagedkv.retention.policy import EvictionPlan, check_int
-from hf_pagedkv.retention.snap_kv import POOLINGS
+from hf_pagedkv.retention.score_pooling import check_pooling, pool_scores
 
 #: the instruction of the reconstruction pass, before the context is given again (KVzip's repeat prompt)
 REPEAT_PROMPT = "Repeat the previous context exactly."
@@ -74,12 +73,7 @@ class KVzip(ImportancePolicy):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_int("chunk_tokens", self.chunk_tokens, 1)
-        check_int("kernel_size", self.kernel_size, 1)
-        if self.kernel_size % 2 == 0:
-            raise ValueError(f"`kernel_size` must be odd (the pooling is centred on each token), got "
-                             f"{self.kernel_size}.")
-        if self.pooling not in POOLINGS:
-            raise ValueError(f"`pooling` must be one of {POOLINGS}, got {self.pooling!r}.")
+        check_pooling(self.kernel_size, self.pooling)
 
     def plan(self, held: int, seen: int, new: int, block_size: int, step: int = 0) -> EvictionPlan:
         """Nothing: KVzip compresses only through `compress_context` (`keep_for`)."""
@@ -107,13 +101,4 @@ class KVzip(ImportancePolicy):
             raise ValueError(f"KVzip scores tokens by a reconstruction pass: expected scores of shape "
                              f"{tuple(keys.shape[:3])}, got {got}. Call hf_pagedkv.compress_context(model, cache, "
                              "context_ids) after the prefill.")
-        s = observed.float()
-        if self.kernel_size == 1:
-            return s
-        b, h, n = s.shape
-        flat, pad = s.reshape(b * h, 1, n), self.kernel_size // 2
-        if self.pooling == "avg":
-            pooled = F.avg_pool1d(flat, self.kernel_size, stride=1, padding=pad, count_include_pad=False)
-        else:
-            pooled = F.max_pool1d(flat, self.kernel_size, stride=1, padding=pad)
-        return pooled.view(b, h, n)
+        return pool_scores(observed.float(), self.kernel_size, self.pooling)

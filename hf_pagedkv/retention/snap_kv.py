@@ -5,12 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from hf_pagedkv.retention.importance import ImportancePolicy
 from hf_pagedkv.retention.policy import EvictionPlan, check_int
-
-POOLINGS = ("avg", "max")
+from hf_pagedkv.retention.score_pooling import check_pooling, pool_scores
 
 
 @dataclass(frozen=True)
@@ -71,12 +69,7 @@ class SnapKV(ImportancePolicy):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_int("recent_tokens", self.recent_tokens, 1)  # the observation window holds at least one query
-        check_int("kernel_size", self.kernel_size, 1)
-        if self.kernel_size % 2 == 0:
-            raise ValueError(f"`kernel_size` must be odd (the pooling is centred on each token), got "
-                             f"{self.kernel_size}.")
-        if self.pooling not in POOLINGS:
-            raise ValueError(f"`pooling` must be one of {POOLINGS}, got {self.pooling!r}.")
+        check_pooling(self.kernel_size, self.pooling)
 
     def plan(self, held: int, seen: int, new: int, block_size: int, step: int = 0) -> EvictionPlan:
         """Compact the prompt once, before the second step (`step == 1`), to `budget` or by the ratio."""
@@ -118,11 +111,4 @@ class SnapKV(ImportancePolicy):
         future = torch.arange(n, device=keys.device)[None, :] > pos_q[:, None]  # [w, n]: causal inside the window
         s.masked_fill_(future, float("-inf"))
         votes = s.softmax(dim=-1).sum(dim=3)  # [batch, H, G, n]: summed over the window's queries
-        flat = votes.reshape(batch * H * G, 1, n)  # [rows, 1, n] for the 1-D pooling
-        if self.kernel_size > 1:
-            pad = self.kernel_size // 2
-            if self.pooling == "max":
-                flat = F.max_pool1d(flat, self.kernel_size, stride=1, padding=pad)
-            else:
-                flat = F.avg_pool1d(flat, self.kernel_size, stride=1, padding=pad, count_include_pad=False)
-        return flat.view(batch, H, G, n).sum(dim=2)  # [batch, H, n]: summed over the group's query heads
+        return pool_scores(votes, self.kernel_size, self.pooling).sum(dim=2)  # [batch, H, n]: over the group's heads

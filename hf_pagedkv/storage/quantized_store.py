@@ -379,7 +379,7 @@ class QuantizedPageStore:
         if len(stages) == 1:
             return self.sinks.block(store, layer_idx, stages[0]).unsqueeze(1)
         every = self.sinks.blocks(store, layer_idx)  # [num_kv_heads, num_stages, sink_tokens, dim]
-        return every[:, torch.tensor(stages, device=every.device)]
+        return every.index_select(1, torch.tensor(stages, device=every.device))
 
     def _tail(self, layer_idx: int, request: ReadRequest, start: int, lo: int) -> list[torch.Tensor]:
         """Tokens ``lo .. end - 1`` (``lo = start // B * B``: the partial block and the step's tokens) of every row
@@ -396,14 +396,19 @@ class QuantizedPageStore:
         if len(stages) < len(blocks) or (new is None and end > start):
             k, v = self._read(layer_idx, request.table, lo, end, request.first_block, new)
             return [k.transpose(0, 1), v.transpose(0, 1)]
-        out = []
+        out, slots = [], None
         for half, store in enumerate((self.staging.keys, self.staging.values)):
             pieces = []
             if rest and len(stages) == 1:
                 pieces.append(self.staging.block(store, layer_idx, stages[0])[:, :rest].unsqueeze(1))
             elif rest:
-                every = self.staging.blocks(store, layer_idx)  # [num_kv_heads, num_stages, B, dim]
-                pieces.append(every[:, torch.tensor(stages, device=every.device), :rest])
+                # NOTE: one index_select of the rows' first `rest` staged tokens (measured 4x faster at batch 64
+                # than indexing whole stages with a tensor and cutting them)
+                every = store[layer_idx]  # [num_kv_heads, num_stages * B, dim]
+                if slots is None:
+                    first = torch.tensor(stages, device=every.device) * self.staging.block_size
+                    slots = (first[:, None] + torch.arange(rest, device=every.device)).reshape(-1)
+                pieces.append(every.index_select(1, slots).unflatten(1, (len(stages), rest)))
             if new is not None and end > start:
                 pieces.append(new[1 + half].transpose(0, 1).to(spec.dtype))  # [num_kv_heads, batch, q, dim]
             out.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces, 2))

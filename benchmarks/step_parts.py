@@ -10,7 +10,8 @@ untimed decode steps each, then `--steps` timed ones, `--rounds` times in turn (
 call; cProfile instead slows every Python call and skews Python-heavy paths): the caches' `update`, and inside it
 `PagedCache.update_layer`, the store's `write` and `read`; the attention function, and inside it the in-place read
 (`paged_attention`), its `code_read` (building the codes' views and the full-precision tail) and the compiled read's
-call; and `torch.nn.functional.scaled_dot_product_attention`. Parts nest (a part's time includes the parts called
+call; and `torch.nn.functional.scaled_dot_product_attention`; the whole attention function as the model calls it (through
+transformers' `ALL_ATTENTION_FUNCTIONS`); the caches' `get_mask_sizes` and `get_seq_length`. Parts nest (a part's time includes the parts called
 inside it). Prints milliseconds per step, per round.
 """
 
@@ -23,6 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import hf_pagedkv.attention.attention_function as attention_function
 from hf_pagedkv import PagedCache, cache_kwargs
@@ -57,6 +59,11 @@ def instrument() -> None:
     PagedView.code_read = timed("  code_read", PagedView.code_read)
     CompiledCodeAttention.__call__ = timed("  compiled read", CompiledCodeAttention.__call__)
     F.scaled_dot_product_attention = timed("F.scaled_dot_product_attention", F.scaled_dot_product_attention)
+    for name in ("sdpa", "hf_pagedkv", "hf_pagedkv_compiled"):  # the whole attention function, as the model calls it
+        ALL_ATTENTION_FUNCTIONS[name] = timed(f"attention function ({name})", ALL_ATTENTION_FUNCTIONS[name])
+    for cls in (DynamicCache, PagedCache):
+        cls.get_mask_sizes = timed(f"{cls.__name__}.get_mask_sizes", cls.get_mask_sizes)
+        cls.get_seq_length = timed(f"{cls.__name__}.get_seq_length", cls.get_seq_length)
 
 
 def main(argv=None) -> None:

@@ -10,9 +10,9 @@ untimed decode steps each, then `--steps` timed ones, `--rounds` times in turn (
 call; cProfile instead slows every Python call and skews Python-heavy paths): the caches' `update`, and inside it
 `PagedCache.update_layer`, the store's `write` and `read`; the attention function, and inside it the in-place read
 (`paged_attention`), its `code_read` (building the codes' views and the full-precision tail) and the compiled read's
-call; and `torch.nn.functional.scaled_dot_product_attention`; the whole attention function as the model calls it (through
-transformers' `ALL_ATTENTION_FUNCTIONS`); the caches' `get_mask_sizes` and `get_seq_length`. Parts nest (a part's time includes the parts called
-inside it). Prints milliseconds per step, per round.
+call; and `torch.nn.functional.scaled_dot_product_attention`; the whole attention function as the model calls it
+(through transformers' `ALL_ATTENTION_FUNCTIONS`); the caches' `get_mask_sizes` and `get_seq_length`. Parts nest (a
+part's time includes the parts called inside it). Prints milliseconds per step, per round.
 """
 
 from __future__ import annotations

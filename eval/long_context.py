@@ -20,7 +20,7 @@ named from its settings; a finished run is skipped (`--overwrite` redoes it):
   and compresses; then the question comes as the next step) and `kv_zip_recent` (the same with H2O's split: a
   `recent_share` of each head's kept tokens goes to the most recent context tokens, the scores choose the rest) and
   `kv_zip_pooled` (the same with its scores max-pooled, or `kv_zip_pooling`, over `kv_zip_kernel` tokens, so a
-  kept token keeps its neighbours).
+  kept token keeps its neighbours; `kv_zip_recent_share`, 0 by default, gives it H2O's split too).
   Each example's context is computed once and published in a prefix-caching pool; every method's cache attaches
   to it and computes the last ``recent_tokens``-plus tokens itself (SnapKV's observation window), then compresses
   the whole context before the question, exactly as after a one-step prefill.
@@ -78,7 +78,8 @@ def policy_for(method: str, cfg: LongContextConfig, budget: int | None = None, r
     cls = {"key_norm": KeyNorm, "key_diff": KeyDiff, "snap_kv": SnapKV, "pyramid_kv": PyramidKV,
            "kv_zip": KVzip, "kv_zip_recent": KVzip, "kv_zip_pooled": KVzip}[method]
     extra = {"kv_zip_recent": {"recent_share": cfg.recent_share},
-             "kv_zip_pooled": {"kernel_size": cfg.kv_zip_kernel, "pooling": cfg.kv_zip_pooling}}.get(method, {})
+             "kv_zip_pooled": {"kernel_size": cfg.kv_zip_kernel, "pooling": cfg.kv_zip_pooling,
+                               "recent_share": cfg.kv_zip_recent_share}}.get(method, {})
     if ratio is not None:
         return cls(compression_ratio=ratio, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens, **extra)
     return cls(budget=budget, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens, **extra)
@@ -260,6 +261,8 @@ def report_text(cfg: LongContextConfig, metrics: dict) -> str:
              + (f"; kv_zip_pooled: kernel {cfg.kv_zip_kernel}" if "kv_zip_pooled" in cfg.methods else "")
              + (f", {cfg.kv_zip_pooling}-pooling" if "kv_zip_pooled" in cfg.methods and cfg.kv_zip_pooling != "max"
                 else "")
+             + (f", recent share {cfg.kv_zip_recent_share}" if "kv_zip_pooled" in cfg.methods
+                and cfg.kv_zip_recent_share else "")
              + f"; {metrics['environment']['seconds']} s.", ""]
     if cfg.task == "perplexity":
         lines += [f"{cfg.num_windows} windows of {cfg.context_len} tokens fed in chunks of {cfg.chunk}; 1 in "

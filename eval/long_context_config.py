@@ -58,6 +58,8 @@ class LongContextConfig:
             KVzip's scores, in tokens (`KVzip.kernel_size`).
         kv_zip_pooling (`str`, defaults to `"max"`): passkey, method `kv_zip_pooled`: `max` or `avg`, the pooling
             of that kernel (`KVzip.pooling`).
+        kv_zip_recent_share (`float`, defaults to 0.0): passkey, method `kv_zip_pooled`: the `recent_share` of its
+            policy (as `recent_share` for `kv_zip_recent`), in [0, 1); 0 keeps the pooled scores' choice alone.
         block_size (`int`, defaults to 16): `PagedCache` block size.
         methods (`list[str]`, *optional*): from `PPL_METHODS` (perplexity) or `PASSKEY_METHODS` (passkey); all of
             the task's by default.
@@ -89,6 +91,7 @@ class LongContextConfig:
     recent_share: float = 0.5
     kv_zip_kernel: int = 7
     kv_zip_pooling: str = "max"
+    kv_zip_recent_share: float = 0.0
     block_size: int = 16
     methods: list[str] | None = None
     quants: list[str] = field(default_factory=lambda: ["fp"])
@@ -133,9 +136,10 @@ class LongContextConfig:
                              f"got {self.kv_zip_kernel}.")
         if self.kv_zip_pooling not in POOLINGS:
             raise ValueError(f"LongContextConfig.kv_zip_pooling must be 'max' or 'avg', got {self.kv_zip_pooling!r}.")
-        if isinstance(self.recent_share, bool) or not isinstance(self.recent_share, (int, float)) \
-                or not 0 <= self.recent_share < 1:
-            raise ValueError(f"LongContextConfig.recent_share must be a float in [0, 1), got {self.recent_share!r}.")
+        for name in ("recent_share", "kv_zip_recent_share"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise ValueError(f"LongContextConfig.{name} must be a float in [0, 1), got {value!r}.")
         if any(not 0 < r < 1 for r in self.ratios) or any(not 0 <= d <= 100 for d in self.depths):
             raise ValueError(f"LongContextConfig: ratios {self.ratios} must be in (0, 1), depths {self.depths} in "
                              "[0, 100].")
@@ -158,6 +162,8 @@ class LongContextConfig:
             del ident["kv_zip_kernel"]
         if "kv_zip_pooled" not in ident["methods"] or ident["kv_zip_pooling"] == "max":  # added later still
             del ident["kv_zip_pooling"]
+        if "kv_zip_pooled" not in ident["methods"] or ident["kv_zip_recent_share"] == 0:  # and this one
+            del ident["kv_zip_recent_share"]
         digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:6]
         if self.task == "perplexity":
             key = f"w{self.num_windows}-n{self.context_len}-b{'_'.join(map(str, self.budgets))}-c{self.chunk}"

@@ -142,6 +142,10 @@ def test_tokenize_prefix_equals_whole_text_tokenization():
     ("long_context", ["--task", "passkey", "--kv-zip-kernel", "4"], "LongContextConfig.kv_zip_kernel must be odd"),
     ("long_context", ["--task", "passkey", "--kv-zip-kernel", "0"], "LongContextConfig.kv_zip_kernel must be a "),
     ("long_context", ["--task", "passkey", "--kv-zip-pooling", "mean"], "LongContextConfig.kv_zip_pooling must be"),
+    ("long_context", ["--task", "passkey", "--kv-zip-recent-share", "1.0"],
+     "LongContextConfig.kv_zip_recent_share must be a float"),
+    ("long_context", ["--task", "passkey", "--kv-zip-recent-share", "-0.1"],
+     "LongContextConfig.kv_zip_recent_share must be a float"),
 ])
 def test_a_setting_out_of_range_on_the_command_line_is_a_usage_error(capsys, which, argv, match):
     from eval.long_context_config import resolve as resolve_long
@@ -172,3 +176,9 @@ def test_recent_share_is_a_float_flag_and_names_only_the_runs_that_read_it():
     e, f = resolve_long(pooled + ["--kv-zip-pooling", "max"])[0], resolve_long(pooled + ["--kv-zip-pooling", "avg"])[0]
     assert (c.kv_zip_pooling, f.kv_zip_pooling) == ("max", "avg") and e.run_dir() == c.run_dir() != f.run_dir()
     assert resolve_long(argv + ["--kv-zip-pooling", "avg"])[0].run_dir() == cfg.run_dir()
+    # kv_zip_pooled's recent share: 0 (the default) keeps the names of the runs from before it; a share names its own
+    g, h = resolve_long(pooled + ["--kv-zip-recent-share", "0"])[0], resolve_long(
+        pooled + ["--kv-zip-recent-share", "0.25"])[0]
+    assert (c.kv_zip_recent_share, h.kv_zip_recent_share) == (0, 0.25) and g.run_dir() == c.run_dir() != h.run_dir()
+    assert resolve_long(argv + ["--kv-zip-recent-share", "0.25"])[0].run_dir() == cfg.run_dir()
+    assert resolve_long(recent + ["--kv-zip-recent-share", "0.25"])[0].run_dir() == a.run_dir()

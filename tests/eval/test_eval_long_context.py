@@ -98,6 +98,13 @@ def test_passkey_examples_and_run(tiny, tmp_path):
     avg = LongContextConfig(**{**cfg.to_dict(), "kv_zip_pooling": "avg"})
     assert policy_for("kv_zip_pooled", avg, ratio=0.5, context=256).pooling == "avg"
     assert "kv_zip_pooled: kernel 7, avg-pooling" in report_text(avg, {"environment": {"seconds": 1.0}, "passkey": {}})
+    assert pooled.recent_share == cfg.kv_zip_recent_share == 0  # by default the pooled scores choose alone
+    split = LongContextConfig(**{**cfg.to_dict(), "kv_zip_recent_share": 0.25})
+    split_pooled = policy_for("kv_zip_pooled", split, ratio=0.5, context=256)
+    assert (split_pooled.recent_share, split_pooled.kernel_size, split_pooled.pooling) == (0.25, 7, "max")
+    assert policy_for("kv_zip_recent", split, ratio=0.5, context=256).recent_share == 0.5  # its own share
+    assert "kv_zip_pooled: kernel 7, recent share 0.25" in report_text(split, {"environment": {"seconds": 1.0},
+                                                                               "passkey": {}})
     plain = policy_for("kv_zip", cfg, ratio=0.5, context=256)
     assert (plain.recent_share, plain.kernel_size) == (0, 1)
     assert "kv_zip_recent: recent share 0.5; kv_zip_pooled: kernel 7" in (cfg.run_dir() / "report.md").read_text()

@@ -12,7 +12,9 @@ call; cProfile instead slows every Python call and skews Python-heavy paths): th
 (`paged_attention`), its `code_read` (building the codes' views and the full-precision tail) and the compiled read's
 call; and `torch.nn.functional.scaled_dot_product_attention`; the whole attention function as the model calls it
 (through transformers' `ALL_ATTENTION_FUNCTIONS`); the caches' `get_mask_sizes` and `get_seq_length`. Parts nest (a
-part's time includes the parts called inside it). Prints milliseconds per step, per round.
+part's time includes the parts called inside it). Prints milliseconds per step, per round. A quantized read with no
+encoded block yet (a prompt shorter than a block) is read as a copy, with `sdpa`: its rows then show `store.read`
+and no compiled read.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from transformers import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import hf_pagedkv.attention.attention_function as attention_function
-from hf_pagedkv import PagedCache, cache_kwargs
+from hf_pagedkv import PagedCache, QuantConfig, cache_kwargs
 from hf_pagedkv.attention.compiled_read import CompiledCodeAttention
 from hf_pagedkv.attention.paged_view import PagedView
 from hf_pagedkv.storage.page_store import PageStore
@@ -79,6 +81,11 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.tokens < 1 or args.batch < 1 or args.steps < 1 or args.rounds < 1:
         ap.error("--tokens, --batch, --steps and --rounds must be >= 1")
+    if args.quant != "fp":
+        try:
+            QuantConfig.preset(args.quant)
+        except ValueError as e:  # before the model loads, not after the DynamicCache round
+            ap.error(f"--quant: {e}")
     torch.set_num_threads(1)
     instrument()
     model, _ = load_model()
@@ -87,7 +94,8 @@ def main(argv=None) -> None:
     cases = [("DynamicCache", "sdpa", DynamicCache),
              (f"PagedCache {args.quant}", args.attention,
               lambda: PagedCache(config=model.config, quant=None if args.quant == "fp" else args.quant))]
-    print(f"{args.tokens} tokens, batch {args.batch}: ms per decode step ({args.steps} steps per round, one thread)")
+    print(f"{args.tokens} prompt token(s), batch {args.batch}: ms per decode step ({args.steps} steps per round, "
+          "one thread)")
     for r in range(args.rounds):
         for name, attention, make in cases:
             model.set_attn_implementation(attention)

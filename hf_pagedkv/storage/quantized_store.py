@@ -396,18 +396,18 @@ class QuantizedPageStore:
         if len(stages) < len(blocks) or (new is None and end > start):
             k, v = self._read(layer_idx, request.table, lo, end, request.first_block, new)
             return [k.transpose(0, 1), v.transpose(0, 1)]
-        out, slots = [], None
+        if rest and len(stages) > 1:
+            # NOTE: one index_select of the rows' first `rest` staged tokens (measured 4x faster at batch 64 than
+            # indexing whole stages with a tensor and cutting them); the same staging slots for keys and values
+            first = torch.tensor(stages, device=spec.device) * self.staging.block_size
+            slots = (first[:, None] + torch.arange(rest, device=spec.device)).reshape(-1)
+        out = []
         for half, store in enumerate((self.staging.keys, self.staging.values)):
             pieces = []
             if rest and len(stages) == 1:
                 pieces.append(self.staging.block(store, layer_idx, stages[0])[:, :rest].unsqueeze(1))
             elif rest:
-                # NOTE: one index_select of the rows' first `rest` staged tokens (measured 4x faster at batch 64
-                # than indexing whole stages with a tensor and cutting them)
                 every = store[layer_idx]  # [num_kv_heads, num_stages * B, dim]
-                if slots is None:
-                    first = torch.tensor(stages, device=every.device) * self.staging.block_size
-                    slots = (first[:, None] + torch.arange(rest, device=every.device)).reshape(-1)
                 pieces.append(every.index_select(1, slots).unflatten(1, (len(stages), rest)))
             if new is not None and end > start:
                 pieces.append(new[1 + half].transpose(0, 1).to(spec.dtype))  # [num_kv_heads, batch, q, dim]

@@ -37,35 +37,21 @@ from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.part_timer import PartTimer  # noqa: E402
 from hf_pagedkv import PagedCache, cache_kwargs  # noqa: E402
 from hf_pagedkv.storage.page_store import PageStore  # noqa: E402
 from hf_pagedkv.tools.models import load_model  # noqa: E402
 
-PARTS = {}  # part name -> CPU seconds accumulated while `Profile.on` (only with --profile)
+#: CPU time inside the cache's `update`, the page store's `read` / `write` and sdpa, counted during the timed steps
+#: (only with --profile: `install_profile`)
+TIMER = PartTimer(time.process_time, on=False)
 
 
-class Profile:
-    """CPU-time accumulators around the cache's `update`, the page store's `read` / `write` and sdpa."""
-
-    on = False
-
-    @classmethod
-    def install(cls) -> None:
-        for owner, name, part in ((DynamicCache, "update", "update"), (PagedCache, "update", "update"),
-                                  (PageStore, "read", "store read"), (PageStore, "write", "store write"),
-                                  (torch.nn.functional, "scaled_dot_product_attention", "sdpa")):
-            setattr(owner, name, cls._timed(getattr(owner, name), part))
-
-    @classmethod
-    def _timed(cls, fn, part: str):
-        def timed(*args, **kwargs):
-            t0 = time.process_time()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                if cls.on:
-                    PARTS[part] = PARTS.get(part, 0.0) + time.process_time() - t0
-        return timed
+def install_profile() -> None:
+    for owner, name, part in ((DynamicCache, "update", "update"), (PagedCache, "update", "update"),
+                              (PageStore, "read", "store read"), (PageStore, "write", "store write"),
+                              (torch.nn.functional, "scaled_dot_product_attention", "sdpa")):
+        TIMER.patch(owner, name, part)
 
 
 def decode(model, prompt: torch.Tensor, make_cache, steps: int) -> tuple[float, torch.Tensor]:
@@ -75,14 +61,14 @@ def decode(model, prompt: torch.Tensor, make_cache, steps: int) -> tuple[float, 
     with torch.inference_mode():
         tok = model(prompt, **cache_kwargs(cache), logits_to_keep=1).logits[:, -1:].argmax(-1)
         tok = model(tok, **cache_kwargs(cache), logits_to_keep=1).logits[:, -1:].argmax(-1)  # warm-up
-        PARTS.clear()
-        Profile.on = True
+        TIMER.clear()
+        TIMER.on = True
         t0 = time.process_time()
         for _ in range(steps):
             tok = model(tok, **cache_kwargs(cache), logits_to_keep=1).logits[:, -1:].argmax(-1)
             out.append(tok)
         dt = (time.process_time() - t0) / steps
-        Profile.on = False
+        TIMER.on = False
     if isinstance(cache, PagedCache):
         cache.release()
     return dt, torch.cat(out, 1)
@@ -192,7 +178,7 @@ def main(argv=None) -> int:
         python_only(model.config, batches, args.context, args.steps)
         return 0
     if args.profile:
-        Profile.install()
+        install_profile()
     model, _ = load_model()
     g = torch.Generator().manual_seed(0)
     prompts = {b: torch.randint(100, model.config.vocab_size, (b, args.context), generator=g) for b in batches}
@@ -211,7 +197,7 @@ def main(argv=None) -> int:
                 dt, tokens[name] = decode(model, prompts[b], caches[name], args.steps)
                 if dt < best.get((name, b), float("inf")):
                     best[(name, b)] = dt
-                    parts[(name, b)] = {k: v / args.steps * 1e3 for k, v in PARTS.items()}
+                    parts[(name, b)] = {k: v / args.steps * 1e3 for k, v in TIMER.seconds.items()}
             if not torch.equal(tokens["DynamicCache"], tokens["PagedCache"]):
                 print(f"batch {b}: tokens differ between the caches", file=sys.stderr)
                 status = 1

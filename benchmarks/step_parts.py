@@ -20,7 +20,6 @@ and no compiled read.
 from __future__ import annotations
 
 import argparse
-import collections
 import time
 
 import torch
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from benchmarks.part_timer import PartTimer
 import hf_pagedkv.attention.attention_function as attention_function
 from hf_pagedkv import PagedCache, QuantConfig, cache_kwargs
 from hf_pagedkv.attention.compiled_read import CompiledCodeAttention
@@ -36,36 +36,26 @@ from hf_pagedkv.storage.page_store import PageStore
 from hf_pagedkv.storage.quantized_store import QuantizedPageStore
 from hf_pagedkv.tools.models import load_model
 
-SECONDS: dict[str, float] = collections.defaultdict(float)  # part -> seconds since the last reset
-
-
-def timed(name: str, fn):
-    def wrapper(*args, **kwargs):
-        t = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            SECONDS[name] += time.perf_counter() - t
-    return wrapper
+TIMER = PartTimer()  # wall time per part
 
 
 def instrument() -> None:
-    """Wrap the timed parts (module attributes the callers look up at call time)."""
-    DynamicCache.update = timed("DynamicCache.update", DynamicCache.update)
-    PagedCache.update = timed("PagedCache.update", PagedCache.update)
-    PagedCache.update_layer = timed("  update_layer", PagedCache.update_layer)
+    """Wrap the timed parts (attributes the callers look up at call time)."""
+    TIMER.patch(DynamicCache, "update", "DynamicCache.update")
+    TIMER.patch(PagedCache, "update", "PagedCache.update")
+    TIMER.patch(PagedCache, "update_layer", "  update_layer")
     for cls in (PageStore, QuantizedPageStore):
-        cls.write = timed("    store.write", cls.write)
-        cls.read = timed("    store.read (a copy)", cls.read)
-    attention_function.paged_attention = timed("paged_attention (in place)", attention_function.paged_attention)
-    PagedView.code_read = timed("  code_read", PagedView.code_read)
-    CompiledCodeAttention.__call__ = timed("  compiled read", CompiledCodeAttention.__call__)
-    F.scaled_dot_product_attention = timed("F.scaled_dot_product_attention", F.scaled_dot_product_attention)
+        TIMER.patch(cls, "write", "    store.write")
+        TIMER.patch(cls, "read", "    store.read (a copy)")
+    TIMER.patch(attention_function, "paged_attention", "paged_attention (in place)")
+    TIMER.patch(PagedView, "code_read", "  code_read")
+    TIMER.patch(CompiledCodeAttention, "__call__", "  compiled read")
+    TIMER.patch(F, "scaled_dot_product_attention", "F.scaled_dot_product_attention")
     for name in ("sdpa", "hf_pagedkv", "hf_pagedkv_compiled"):  # the whole attention function, as the model calls it
-        ALL_ATTENTION_FUNCTIONS[name] = timed(f"attention function ({name})", ALL_ATTENTION_FUNCTIONS[name])
+        ALL_ATTENTION_FUNCTIONS[name] = TIMER.timed(ALL_ATTENTION_FUNCTIONS[name], f"attention function ({name})")
     for cls in (DynamicCache, PagedCache):
-        cls.get_mask_sizes = timed(f"{cls.__name__}.get_mask_sizes", cls.get_mask_sizes)
-        cls.get_seq_length = timed(f"{cls.__name__}.get_seq_length", cls.get_seq_length)
+        TIMER.patch(cls, "get_mask_sizes", f"{cls.__name__}.get_mask_sizes")
+        TIMER.patch(cls, "get_seq_length", f"{cls.__name__}.get_seq_length")
 
 
 def main(argv=None) -> None:
@@ -104,12 +94,12 @@ def main(argv=None) -> None:
                 tok = model(x, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
                 for _ in range(3):
                     tok = model(tok, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
-                SECONDS.clear()
+                TIMER.clear()
                 t0 = time.perf_counter()
                 for _ in range(args.steps):
                     tok = model(tok, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
                 total = time.perf_counter() - t0
-            parts = ", ".join(f"{k.strip()} {v / args.steps * 1e3:.2f}" for k, v in SECONDS.items())
+            parts = ", ".join(f"{k.strip()} {v / args.steps * 1e3:.2f}" for k, v in TIMER.seconds.items())
             print(f"  round {r + 1}, {name} ({attention}): step {total / args.steps * 1e3:.1f}; {parts}", flush=True)
             if isinstance(cache, PagedCache):
                 cache.release()

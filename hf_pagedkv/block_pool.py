@@ -332,11 +332,13 @@ class BlockPool:
             alloc = self.groups[group].allocator
             return self.growable or n <= alloc.num_free_blocks + alloc.num_idle_blocks
 
-    def reserve(self, n: int, group: int = 0, rows: int = 1) -> None:
+    def reserve(self, n: int, group: int = 0, rows: int = 1, run: int = 0) -> None:
         """Make sure `n` blocks of `group` are free: a fixed pool evicts cached-idle blocks (LRU) or raises, a
         growable one grows (its idle blocks stay, within the prefix cache's budget). Changes no refcount.
         `rows`: how many rows the blocks are for; a growth keeps at least one more free block per row, so that the
         rows' next blocks come from the same storage segment (a batch gather from one segment copies once).
+        `run`: a growable pool also makes sure `run` consecutive free blocks lie in one storage segment (for
+        `allocate_rows`), growing by a segment that holds them if none do; a fixed pool does not try.
 
         Raises:
             PoolExhaustedError: a fixed pool has fewer than `n` free plus cached-idle blocks (nothing changed).
@@ -347,7 +349,8 @@ class BlockPool:
                 self.idle_shrink.touch()
             g = self.groups[group]
             free = g.allocator.num_free_blocks
-            if n <= free:
+            want_run = run > 0 and self.growable and self._free_run(g, run) is None
+            if n <= free and not want_run:
                 return
             idle = g.allocator.num_idle_blocks
             if not self.growable and n > free + idle:
@@ -365,7 +368,8 @@ class BlockPool:
             # NOTE: a growable pool grows rather than evicting: its idle blocks are within the prefix cache's
             # budget (`free` trims them to it), and evicting them first would keep no prefix across requests.
             cur = g.allocator.num_blocks
-            self._add_blocks(g, n - free + max(cur // _GROWTH_FRACTION, _MIN_GROWTH_BLOCKS, rows))  # headroom
+            headroom = max(cur // _GROWTH_FRACTION, _MIN_GROWTH_BLOCKS, rows)
+            self._add_blocks(g, max(n - free, run if want_run else 0) + headroom)
             logger.debug("BlockPool %s group grew from %d to %d blocks", g.name, cur, g.allocator.num_blocks)
 
     def allocate(self, n: int, after: int | None = None, group: int = 0) -> list[int]:
@@ -377,6 +381,36 @@ class BlockPool:
             self.metrics.count_allocation(n, self.num_used_blocks)
             self.events.emit("allocate", blocks, **_group_field(group))
             return blocks
+
+    def allocate_rows(self, rows: int, n: int, stride: int, group: int = 0) -> list[list[int]] | None:
+        """Allocate `n` blocks for each of `rows` new rows, laid out evenly: row `r` gets the consecutive ids
+        ``s + r * stride .. s + r * stride + n - 1`` of the lowest free run ``s .. s + rows * stride - 1`` that lies
+        in one storage segment, and the ``stride - n`` ids after each row stay free for its next blocks
+        (`BlockAllocator.allocate` prefers them). Rows so placed are read by a page store as one strided view
+        (`PageStore.read`) instead of a gather. Returns the blocks per row (refcount 1 each), or `None` (nothing
+        changed) when no such run is free: the caller allocates row by row instead. Call `reserve` first (with
+        ``run=rows * stride`` for a growable pool to make room for the run)."""
+        assert 0 < n <= stride
+        with self.lock:
+            g = self.groups[group]
+            start = self._free_run(g, rows * stride)
+            if start is None:
+                return None
+            out = [list(range(start + r * stride, start + r * stride + n)) for r in range(rows)]
+            flat = [b for row in out for b in row]
+            g.allocator.allocate_ids(flat)
+            self.metrics.count_allocation(len(flat), self.num_used_blocks)
+            self.events.emit("allocate", flat, **_group_field(group))
+            return out
+
+    @staticmethod
+    def _free_run(g: BlockGroup, length: int) -> int | None:
+        """The lowest start of `length` consecutive free blocks of group `g` inside one storage segment, or None."""
+        ranges, lo = [], 0
+        for size in g.store.segment_blocks:
+            ranges.append((lo, lo + size))
+            lo += size
+        return g.allocator.free_run(length, (r for r in ranges if r[1] - r[0] >= length))
 
     def pad_block(self, group: int = 0) -> int | None:
         """The pad block of `group`, or None if none was reserved yet (see `ensure_pad_block`). No side effects."""

@@ -105,23 +105,25 @@ def test_story_a_new_cache_reuses_freed_blocks_lowest_first():
 def test_story_batch_rows_and_exact_multiples():
     pool = BlockPool(block_size=4)
     cache = PagedCache(pool=pool)
-    # A batch of 2 different rows prefills exactly 2 blocks each: 2 blocks per row, never a third.
+    # A batch of 2 different rows prefills exactly 2 blocks each: 2 blocks per row, never a third. The rows are
+    # laid out evenly, each followed by free room of its own length (for its decode steps), so the batch is read
+    # as one strided view of the pool.
     cache.update(*kv(2, 0, 8, label=10), layer_idx=0)
-    assert cache.block_tables() == [[0, 1], [2, 3]]
+    assert cache.block_tables() == [[0, 1], [4, 5]]
     assert pool.stats().tokens_stored == 16 and pool.stats().fragmentation == 0.0
     # One more token each: each row takes one new block, right after its own last block when free.
     cache.update(*kv(2, 8, 1, label=20), layer_idx=0)
-    assert cache.block_tables() == [[0, 1, 4], [2, 3, 5]]
+    assert cache.block_tables() == [[0, 1, 2], [4, 5, 6]]
     assert labels(cache) == [[10] * 8 + [20], [11] * 8 + [21]]
     # Beam-style reorder: both rows become copies of row 1; row 0's blocks are freed, row 1's are shared.
     cache.reorder_cache(torch.tensor([1, 1]))
-    assert cache.block_tables() == [[2, 3, 5], [2, 3, 5]]
-    assert [pool.allocator.refcount(x) for x in range(6)] == [0, 0, 2, 2, 0, 2]
-    assert pool.allocator.free_blocks() >= {0, 1, 4}
+    assert cache.block_tables() == [[4, 5, 6], [4, 5, 6]]
+    assert [pool.allocator.refcount(x) for x in range(7)] == [0, 0, 0, 0, 2, 2, 2]
+    assert pool.allocator.free_blocks() >= {0, 1, 2, 3}
     pool.check_invariants()
     # Crop 5 tokens (9 -> 4): exactly one block per row remains.
     cache.crop(-5)
-    assert cache.block_tables() == [[2], [2]] and cache.get_seq_length() == 4
+    assert cache.block_tables() == [[4], [4]] and cache.get_seq_length() == 4
     assert pool.stats().blocks_in_use == 1
     pool.check_invariants()
     cache.release()

@@ -846,7 +846,8 @@ class PagedCache(Cache):
             tensors = self._step_tensors
             block_source = lambda device: tensors.indices(rt, "read", device)  # noqa: E731  (shared by the layers)
         request = ReadRequest(rt.table[:, : num_blocks_for(end, self.block_size)], lo, end, self.block_size,
-                              None if base is None else base // self.block_size, new, block_source)
+                              None if base is None else base // self.block_size, new, block_source,
+                              plan.view_rows.get(rt.group) if current else rt.view_rows())
         return self.pool.groups[layer.group].store.read(layer.layer_idx, request)
 
     def _begin_step(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

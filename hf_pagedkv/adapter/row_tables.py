@@ -108,6 +108,23 @@ class RowTables:
         row = self.rows[0]
         return (row.blocks[0] - row.num_dropped) * self.block_size
 
+    def view_rows(self) -> tuple[int, int] | None:
+        """For several rows that each hold consecutive blocks, the rows evenly spaced (row `r`'s first held block is
+        row 0's plus ``r * stride``, ``stride`` at least the blocks a row holds): ``(first, stride)`` with `first`
+        the block position 0 of row 0 would have (token `p` of row `r` is in slot ``(first + r * stride) *
+        block_size + p``); else None. Laid out so by `BlockPool.allocate_rows`."""
+        rows = self.rows
+        if len(rows) < 2 or not rows[0].blocks or not rows[1].blocks:
+            return None
+        b0, n = rows[0].blocks[0], len(rows[0].blocks)
+        stride = rows[1].blocks[0] - b0
+        if stride < n:  # rows that overlap, share blocks (stride 0) or run backwards
+            return None
+        for r, row in enumerate(rows):
+            if not row.is_contiguous or not row.blocks or row.blocks[0] != b0 + r * stride:
+                return None
+        return b0 - rows[0].num_dropped, stride
+
     def write_slots(self, writers: list[int], start: int, end: int) -> torch.Tensor:
         """The slot mapping of tokens ``start .. end - 1`` of rows `writers`, row-major `[len(writers) * q]`."""
         B = self.block_size

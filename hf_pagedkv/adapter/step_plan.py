@@ -20,6 +20,9 @@ class StepPlan:
     writers: tuple[int, ...]  # rows whose new tokens are written (all rows but the duplicates), ascending
     dup_of: Mapping[int, int]  # duplicate row -> the writer row whose blocks it shares (identical K/V so far)
     view_base: Mapping[int, int | None]  # group -> slot of token 0 of the only row when its blocks are consecutive
+    # group -> (block of position 0 of row 0, blocks between rows) when several rows are evenly laid out
+    # (`RowTables.view_rows`), else None
+    view_rows: Mapping[int, tuple[int, int] | None] = field(default_factory=dict)
     grad_history: bool = False  # the tokens before `start` include some computed with grad (see grad.py)
     # copy-on-write of the first group's shared partial last blocks (for the event log): rows, (src, dst) block ids
     cow_rows: tuple[int, ...] = ()
@@ -34,6 +37,7 @@ class StepPlan:
     def __post_init__(self) -> None:
         object.__setattr__(self, "dup_of", MappingProxyType(dict(self.dup_of)))
         object.__setattr__(self, "view_base", MappingProxyType(dict(self.view_base)))
+        object.__setattr__(self, "view_rows", MappingProxyType(dict(self.view_rows)))
 
     @property
     def num_new(self) -> int:

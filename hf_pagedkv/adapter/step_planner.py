@@ -11,6 +11,12 @@ from hf_pagedkv.adapter.step_plan import StepPlan
 from hf_pagedkv.pool.block_table import num_blocks_for
 
 
+# Tokens of free blocks a batch prefill leaves after each full-precision row for its decode steps (`_row_stride`):
+# the batch is then read as a view, not gathered, for that many new tokens (at most the prompt's length again). The
+# blocks stay free (any allocation may take them), so they cost reserved storage only, at most this per row.
+ROW_HEADROOM_TOKENS = 256
+
+
 class StepPlanner:
     """Plans and applies the block-table changes of a forward step. A step looks like this for a row of block
     size 4::
@@ -92,19 +98,21 @@ class StepPlanner:
             need = sum(n_new - pads[r] for r in writers) + len(cow)
             if padded and pool.pad_block(rt.group) is None:
                 need += 1  # the pad block itself, reserved once
-            plans.append((rt, cow, need))
-        for rt, _, need in plans:  # all groups or none: a group that cannot serve raises before any reservation
+            plans.append((rt, cow, need, self._row_stride(rt, writers, n_new, padded)))
+        for rt, _, need, _ in plans:  # all groups or none: a group that cannot serve raises before any reservation
             if not pool.can_reserve(need, rt.group):
                 pool.reserve(need, rt.group)  # raises PoolExhaustedError; nothing changed yet
-        for rt, _, need in plans:
-            pool.reserve(need, rt.group, rows=len(writers))
+        for rt, _, need, stride in plans:
+            pool.reserve(need, rt.group, rows=len(writers), run=len(writers) * stride if stride else 0)
         # Apply.
-        view_base = {}
+        view_base, view_rows = {}, {}
         total_src, cow0 = 0, ((), (), ())
         first = start // B
         fills = [min(B, end - p * B) for p in range(first, num_blocks_for(end, B))]
-        for rt, cow, _ in plans:
+        for rt, cow, _, stride in plans:
             g, rows = rt.group, rt.rows
+            placed = pool.allocate_rows(len(writers), n_new, stride, g) if stride else None  # evenly laid out rows
+            placed = dict(zip(writers, placed)) if placed is not None else {}
             for r in dup_of:
                 pool.free(rows[r].blocks, g)  # never frees: the writer row holds the same blocks
             src, dst = [], []
@@ -123,7 +131,9 @@ class StepPlanner:
                 if pads[r]:
                     row.append([pad] * pads[r])
                     pool.incref([pad] * pads[r], g)
-                if n_new > pads[r]:
+                if r in placed:
+                    row.append(placed[r])
+                elif n_new > pads[r]:
                     row.append(pool.allocate(n_new - pads[r], after=row.blocks[-1] if row.blocks else None, group=g))
                 row.num_tokens = end
                 if n_new or r in copied:  # NOTE: a decode step inside a block leaves the row's block ids as they were
@@ -138,14 +148,27 @@ class StepPlanner:
                 pool.incref(rows[r].blocks, g)
                 rt.table[r] = rt.table[w]
             view_base[g] = rt.view_base()
+            view_rows[g] = rt.view_rows()
             total_src += len(src)
             if rt is groups[0]:
                 cow0 = (tuple(cow), tuple(src), tuple(dst))
         lo = first_new * B - start  # the step's first token of a new block position
         pad_skip = tuple((lo, lo + n * B) for n in pads) if any(pads) else ()
-        return StepPlan(start, end, tuple(writers), dup_of, view_base, grad_history=grad_history and start > 0,
-                        cow_rows=cow0[0], cow_src=cow0[1], cow_dst=cow0[2], num_cow_copies=total_src, num_rows=batch,
-                        pad_skip=pad_skip)
+        return StepPlan(start, end, tuple(writers), dup_of, view_base, view_rows,
+                        grad_history=grad_history and start > 0, cow_rows=cow0[0], cow_src=cow0[1], cow_dst=cow0[2],
+                        num_cow_copies=total_src, num_rows=batch, pad_skip=pad_skip)
+
+    def _row_stride(self, rt: RowTables, writers: list[int], n_new: int, padded: bool) -> int:
+        """Blocks between the first blocks of consecutive rows when this step should lay its rows out evenly
+        (`BlockPool.allocate_rows`), else 0. Only a full-precision group's first step of several new rows without
+        pad blocks (a batch prefill) does: each row gets `n_new` blocks and ``min(n_new, ROW_HEADROOM_TOKENS //
+        block_size)`` (at least 1) free blocks after them, which its decode blocks take (`allocate` prefers the id
+        after a row's last block), so the whole batch stays one strided view of the pool (`RowTables.view_rows`)
+        until a row outgrows its room; then its blocks come from anywhere, and the batch is gathered as before."""
+        if (len(writers) < 2 or not n_new or padded or self.pool.groups[rt.group].store.is_quantized
+                or any(rt.rows[r].blocks or rt.rows[r].num_dropped for r in writers)):
+            return 0
+        return n_new + min(n_new, max(1, ROW_HEADROOM_TOKENS // self.block_size))
 
     def _only_padding(self, groups: list[RowTables], r: int) -> bool:
         """Whether every block row `r` holds, in every group, is the group's pad block (or it holds none)."""

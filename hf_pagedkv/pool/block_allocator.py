@@ -90,6 +90,26 @@ class BlockAllocator:
             self._free_heap = sorted(self._free)
         return out
 
+    def free_run(self, length: int, ranges: Iterable[tuple[int, int]]) -> int | None:
+        """The lowest id `s` that starts `length` consecutive free ids ``s .. s + length - 1`` inside one of
+        `ranges` (`(lo, hi)` id ranges, e.g. the pool's storage segments), or `None`. No side effects."""
+        for lo, hi in ranges:
+            run, prev = 0, None
+            for b in sorted(b for b in self._free if lo <= b < hi):
+                run = run + 1 if prev is not None and b == prev + 1 else 1
+                prev = b
+                if run == length:
+                    return b - length + 1
+        return None
+
+    def allocate_ids(self, ids: list[int]) -> None:
+        """Take exactly the free blocks `ids` (refcount 1 each); all must be free (checked first: nothing changes
+        otherwise)."""
+        assert len(set(ids)) == len(ids) and all(b in self._free for b in ids), "allocate_ids of blocks not free"
+        for b in ids:
+            self._free.remove(b)
+            self._refcount[b] = 1
+
     def fill(self, block: int) -> int:
         """Leading slots of `block` written so far (the most any holder wrote)."""
         return self._fill[block]

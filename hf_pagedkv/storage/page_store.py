@@ -189,7 +189,8 @@ class PageStore:
 
     def read(self, layer_idx: int, request: ReadRequest) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens ``request.lo .. request.end - 1`` of every row: views when the single row's blocks are
-        consecutive (`request.first_block`), a gather otherwise.
+        consecutive (`request.first_block`) or several rows' blocks are consecutive and evenly spaced in one storage
+        segment (`request.rows`), a gather otherwise.
 
         Returns:
             keys, values of shape `[batch, num_kv_heads, end - lo, head_dim]`.
@@ -197,6 +198,13 @@ class PageStore:
         if request.first_block is not None:
             return self.read_view(layer_idx, request.first_block * self.block_size + request.lo,
                                   request.end - request.lo)
+        if request.rows is not None:
+            first, stride = request.rows
+            batch = request.table.shape[0]
+            args = (batch, first * self.block_size + request.lo, request.end - request.lo, stride * self.block_size)
+            k = self.keys[layer_idx].strided_rows(*args)
+            if k is not None:
+                return k, self.values[layer_idx].strided_rows(*args)
         return self.read_blocks(layer_idx, request.blocks(self.keys[layer_idx].device),
                                 request.lo % self.block_size, request.end - request.lo)
 

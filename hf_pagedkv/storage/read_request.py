@@ -24,6 +24,9 @@ class ReadRequest:
         new (`tuple`, *optional*): `(start, key_states, value_states)`, the current step's tokens ``start .. end -
             1`` of every row, `[batch, num_kv_heads, end - start, head_dim]` in full precision (a quantized store
             returns these rather than its staged copies, as transformers' `QuantizedCache` does).
+        rows (`tuple[int, int]`, *optional*): for several rows whose blocks are consecutive and evenly spaced,
+            `(first, stride)`: token `p` of row `r` is in slot ``(first + r * stride) * block_size + p``, so a
+            full-precision store reads one strided view; `None` otherwise.
         block_source (`callable`, *optional*): `device -> [batch, ceil(end / block_size) - lo // block_size]`
             block ids of the read positions (`table`'s columns from ``lo // block_size``) on a device, when the caller
             has them already (shared by every layer of a step); taken from `table` otherwise.
@@ -36,6 +39,7 @@ class ReadRequest:
     first_block: int | None = None
     new: tuple[int, torch.Tensor, torch.Tensor] | None = None
     block_source: Callable[[torch.device], torch.Tensor] | None = None
+    rows: tuple[int, int] | None = None
 
     @property
     def first_position(self) -> int:

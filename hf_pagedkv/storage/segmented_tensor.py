@@ -181,6 +181,17 @@ class SegmentedTensor:
             start += take
         return torch.cat(parts, 1)  # [d0, length, d2]
 
+    def strided_rows(self, batch: int, start: int, length: int, stride: int) -> torch.Tensor | None:
+        """Entries ``start + r * stride .. start + r * stride + length - 1`` of rows ``r < batch``, as one **view**
+        `[batch, d0, length, d2]` (strides ``(stride * d2, n_s * d2, d2, 1)``) when they all lie in one segment;
+        `None` otherwise (the caller gathers)."""
+        s = self._segment_of(start)
+        seg, local = self.segments[s], start - self.starts[s]
+        if local + (batch - 1) * stride + length > seg.shape[1]:
+            return None
+        return seg.as_strided((batch, self.d0, length, self.d2), (stride * self.d2, seg.stride(0), self.d2, 1),
+                              seg.storage_offset() + local * self.d2)
+
     def index_select(self, dim: int, index: torch.Tensor, out: torch.Tensor | None = None,
                      split: SegmentSplit | None = None) -> torch.Tensor:
         """Entries `index` (`[n]` int64), `[d0, n, d2]`, into `out` when given; `split`: `self.split(index)`."""

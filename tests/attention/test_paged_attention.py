@@ -17,7 +17,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import hf_pagedkv.attention.attention_function as attention_function
-from hf_pagedkv import PagedCache, cache_kwargs
+from hf_pagedkv import BlockPool, PagedCache, cache_kwargs
 from hf_pagedkv.attention import ATTENTION_NAME, PagedView, paged_attention, paged_attention_forward
 from tests.conftest import VOCAB, tiny_model
 
@@ -310,8 +310,9 @@ def test_beams_and_left_padding_quantized(quant, counted):
 
 def test_fp_parts_views_and_gathers_cover_the_read_once():
     """Rows prefilled together lie a fixed number of blocks apart: their prefix is one strided view of the pool
-    (no copy); the blocks of later decode steps, interleaved across rows, are gathered."""
-    cache = PagedCache(block_size=4)
+    (no copy); the blocks of later decode steps, interleaved across rows, are gathered. (A fixed pool too small for
+    rows with room to grow after them (`BlockPool.allocate_rows`), so the decode blocks do interleave.)"""
+    cache = PagedCache(pool=BlockPool(block_size=4, num_blocks=30))
     g = torch.Generator().manual_seed(12)
     with torch.no_grad():
         for q in (22, 1, 1, 1):  # a 22-token prompt (5 full blocks + 2 tokens), then 3 decode steps

@@ -337,8 +337,8 @@ class BlockPool:
         growable one grows (its idle blocks stay, within the prefix cache's budget). Changes no refcount.
         `rows`: how many rows the blocks are for; a growth keeps at least one more free block per row, so that the
         rows' next blocks come from the same storage segment (a batch gather from one segment copies once).
-        `run`: a growable pool also makes sure `run` consecutive free blocks lie in one storage segment (for
-        `allocate_rows`), growing by a segment that holds them if none do; a fixed pool does not try.
+        `run`: when a growable pool grows, its new segment also holds `run` consecutive free blocks (for
+        `allocate_rows`) unless a segment has them already; it never grows for that alone.
 
         Raises:
             PoolExhaustedError: a fixed pool has fewer than `n` free plus cached-idle blocks (nothing changed).
@@ -349,8 +349,7 @@ class BlockPool:
                 self.idle_shrink.touch()
             g = self.groups[group]
             free = g.allocator.num_free_blocks
-            want_run = run > 0 and self.growable and self._free_run(g, run) is None
-            if n <= free and not want_run:
+            if n <= free:
                 return
             idle = g.allocator.num_idle_blocks
             if not self.growable and n > free + idle:
@@ -369,7 +368,8 @@ class BlockPool:
             # budget (`free` trims them to it), and evicting them first would keep no prefix across requests.
             cur = g.allocator.num_blocks
             headroom = max(cur // _GROWTH_FRACTION, _MIN_GROWTH_BLOCKS, rows)
-            self._add_blocks(g, max(n - free, run if want_run else 0) + headroom)
+            want_run = run > n - free + headroom and self._free_run(g, run) is None
+            self._add_blocks(g, (run if want_run else n - free) + headroom)
             logger.debug("BlockPool %s group grew from %d to %d blocks", g.name, cur, g.allocator.num_blocks)
 
     def allocate(self, n: int, after: int | None = None, group: int = 0) -> list[int]:
@@ -389,7 +389,7 @@ class BlockPool:
         (`BlockAllocator.allocate` prefers them). Rows so placed are read by a page store as one strided view
         (`PageStore.read`) instead of a gather. Returns the blocks per row (refcount 1 each), or `None` (nothing
         changed) when no such run is free: the caller allocates row by row instead. Call `reserve` first (with
-        ``run=rows * stride`` for a growable pool to make room for the run)."""
+        ``run=rows * stride``, so that a growth makes room for the run)."""
         assert 0 < n <= stride
         with self.lock:
             g = self.groups[group]

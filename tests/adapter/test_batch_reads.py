@@ -122,3 +122,26 @@ def test_the_room_after_each_row_is_bounded():
     assert [row[0] for row in pc.block_tables()] == [0, stride]
     assert pool.stats().blocks_in_use == 2 * n // 16
     pc.release()
+
+
+def test_a_growable_pool_never_grows_only_to_lay_rows_out_evenly():
+    g = torch.Generator().manual_seed(8)
+    pool = BlockPool(4)
+    singles = []
+    while not singles or pool.allocator.num_free_blocks:  # fill the pool with one-block caches
+        c = PagedCache(pool=pool)
+        c.update(torch.randn(1, HEADS, 4, DIM, generator=g), torch.randn(1, HEADS, 4, DIM, generator=g), 0)
+        singles.append(c)
+    for c in singles[::2]:  # every other block freed: free blocks, but no two of them consecutive
+        c.release()
+    size = pool.num_blocks
+    dc, pc = DynamicCache(), PagedCache(pool=pool)
+    with torch.inference_mode():
+        step((dc, pc), 2, 4, g)  # 2 rows of 1 block fit in the free blocks; 2 rows with room for 1 do not
+        assert pool.num_blocks == size  # no growth: the rows went where the free blocks are
+        assert all(len(row) == 1 for row in pc.block_tables())
+        step((dc, pc), 2, 1, g)
+        pool.check_invariants()
+    for c in (pc, *singles[1::2]):
+        c.release()
+    assert pool.stats().blocks_in_use == 0

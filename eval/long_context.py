@@ -20,7 +20,10 @@ named from its settings; a finished run is skipped (`--overwrite` redoes it):
   and compresses; then the question comes as the next step) and `kv_zip_recent` (the same with H2O's split: a
   `recent_share` of each head's kept tokens goes to the most recent context tokens, the scores choose the rest) and
   `kv_zip_pooled` (the same with its scores max-pooled, or `kv_zip_pooling`, over `kv_zip_kernel` tokens, so a
-  kept token keeps its neighbours; `kv_zip_recent_share`, 0 by default, gives it H2O's split too).
+  kept token keeps its neighbours; `kv_zip_recent_share`, 0 by default, gives it H2O's split too) and
+  `kv_zip_global` (`kv_zip_pooled` with KVzip's ranking across layers, `KVzip(layer_budgets="global")`: each layer
+  keeps what its heads hold of the best-scored tokens of all layers; its layers are tiers, layer groups of their own,
+  so it computes the context itself as `pyramid_kv` does).
   Each example's context is computed once and published in a prefix-caching pool; every method's cache attaches
   to it and computes the last ``recent_tokens``-plus tokens itself (SnapKV's observation window), then compresses
   the whole context before the question, exactly as after a one-step prefill.
@@ -76,10 +79,10 @@ def policy_for(method: str, cfg: LongContextConfig, budget: int | None = None, r
     if method == "window_only":
         return SinkWindow(sink_tokens=0, window=budget)
     cls = {"key_norm": KeyNorm, "key_diff": KeyDiff, "snap_kv": SnapKV, "pyramid_kv": PyramidKV,
-           "kv_zip": KVzip, "kv_zip_recent": KVzip, "kv_zip_pooled": KVzip}[method]
-    extra = {"kv_zip_recent": {"recent_share": cfg.recent_share},
-             "kv_zip_pooled": {"kernel_size": cfg.kv_zip_kernel, "pooling": cfg.kv_zip_pooling,
-                               "recent_share": cfg.kv_zip_recent_share}}.get(method, {})
+           "kv_zip": KVzip, "kv_zip_recent": KVzip, "kv_zip_pooled": KVzip, "kv_zip_global": KVzip}[method]
+    pooled = {"kernel_size": cfg.kv_zip_kernel, "pooling": cfg.kv_zip_pooling, "recent_share": cfg.kv_zip_recent_share}
+    extra = {"kv_zip_recent": {"recent_share": cfg.recent_share}, "kv_zip_pooled": pooled,
+             "kv_zip_global": {**pooled, "layer_budgets": "global", "safeguard": cfg.kv_zip_safeguard}}.get(method, {})
     if ratio is not None:
         return cls(compression_ratio=ratio, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens, **extra)
     return cls(budget=budget, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens, **extra)
@@ -215,7 +218,8 @@ def run_passkey(model, tokenizer, cfg: LongContextConfig) -> tuple[list[dict], d
     examples = passkey_prepare.make_examples(cfg, tokenizer, text)
     records = []
     before = model.config._attn_implementation
-    if {"snap_kv", "pyramid_kv", "kv_zip", "kv_zip_recent", "kv_zip_pooled"} & set(cfg.methods):  # they get queries from this attention; so does all
+    # they get queries from this attention; so does all
+    if {"snap_kv", "pyramid_kv", "kv_zip", "kv_zip_recent", "kv_zip_pooled", "kv_zip_global"} & set(cfg.methods):
         model.set_attn_implementation("hf_pagedkv")
     try:
         for ex in examples:
@@ -227,7 +231,8 @@ def run_passkey(model, tokenizer, cfg: LongContextConfig) -> tuple[list[dict], d
                     policy = policy_for(method, cfg, ratio=ratio, context=len(ctx))
                     # the last `recent_tokens` (and more, to a block boundary) are computed by the method's cache:
                     # SnapKV's observation window needs their queries
-                    if method == "pyramid_kv":  # its tiers are layer groups of their own: it computes the context
+                    # a tiered policy's tiers are layer groups of their own: it computes the context
+                    if policy is not None and policy.is_tiered():
                         cache = PagedCache(pool=BlockPool(block_size=cfg.block_size), config=model.config,
                                            retention=policy)
                     else:
@@ -254,15 +259,17 @@ def run_passkey(model, tokenizer, cfg: LongContextConfig) -> tuple[list[dict], d
 
 # -- report ------------------------------------------------------------------------------------------------------------
 def report_text(cfg: LongContextConfig, metrics: dict) -> str:
+    pooled = bool({"kv_zip_pooled", "kv_zip_global"} & set(cfg.methods))
     lines = [f"# Long contexts: {cfg.task}", "", f"Model: {cfg.model or 'SmolLM2-135M-Instruct (bundled GGUF)'}; "
              f"data: `{cfg.dataset}`; block size {cfg.block_size}; sinks {cfg.sink_tokens}, recent tokens "
              f"{cfg.recent_tokens}"
              + (f"; kv_zip_recent: recent share {cfg.recent_share}" if "kv_zip_recent" in cfg.methods else "")
-             + (f"; kv_zip_pooled: kernel {cfg.kv_zip_kernel}" if "kv_zip_pooled" in cfg.methods else "")
-             + (f", {cfg.kv_zip_pooling}-pooling" if "kv_zip_pooled" in cfg.methods and cfg.kv_zip_pooling != "max"
-                else "")
-             + (f", recent share {cfg.kv_zip_recent_share}" if "kv_zip_pooled" in cfg.methods
-                and cfg.kv_zip_recent_share else "")
+             + (f"; {'/'.join(m for m in cfg.methods if m in ('kv_zip_pooled', 'kv_zip_global'))}: kernel "
+                f"{cfg.kv_zip_kernel}" if pooled else "")
+             + (f", {cfg.kv_zip_pooling}-pooling" if pooled and cfg.kv_zip_pooling != "max" else "")
+             + (f", recent share {cfg.kv_zip_recent_share}" if pooled and cfg.kv_zip_recent_share else "")
+             + (f"; kv_zip_global: safeguard {cfg.kv_zip_safeguard}" if "kv_zip_global" in cfg.methods
+                and cfg.kv_zip_safeguard else "")
              + f"; {metrics['environment']['seconds']} s.", ""]
     if cfg.task == "perplexity":
         lines += [f"{cfg.num_windows} windows of {cfg.context_len} tokens fed in chunks of {cfg.chunk}; 1 in "

@@ -23,9 +23,10 @@ PPL_METHODS = ("full", "sink_window", "window_only", "key_norm", "key_diff", "re
 #: `kv_zip` (query-agnostic) runs `compress_context` (KVzip's reconstruction pass) after the context's prefill;
 #: `kv_zip_recent` is KVzip with H2O's split, a `recent_share` of the kept tokens given to the most recent ones;
 #: `kv_zip_pooled` is KVzip with its scores max-pooled (or `kv_zip_pooling`) over `kv_zip_kernel` tokens (SnapKV's
-#: clustering step).
+#: clustering step); `kv_zip_global` is `kv_zip_pooled` with KVzip's ranking across layers (each layer its own
+#: budget from the scores, `KVzip(layer_budgets="global")`).
 PASSKEY_METHODS = ("full", "sink_window", "key_norm", "key_diff", "snap_kv", "pyramid_kv", "kv_zip", "kv_zip_recent",
-                   "kv_zip_pooled")
+                   "kv_zip_pooled", "kv_zip_global")
 TASKS = ("perplexity", "passkey")
 _NOT_IN_NAME = ("output_dir", "overwrite", "data_dir", "num_threads")
 
@@ -60,6 +61,9 @@ class LongContextConfig:
             of that kernel (`KVzip.pooling`).
         kv_zip_recent_share (`float`, defaults to 0.0): passkey, method `kv_zip_pooled`: the `recent_share` of its
             policy (as `recent_share` for `kv_zip_recent`), in [0, 1); 0 keeps the pooled scores' choice alone.
+            `kv_zip_global` reads these three too.
+        kv_zip_safeguard (`float`, defaults to 0.0): passkey, method `kv_zip_global`: the share in [0, 1] of each
+            head's uniform budget it keeps before the ranking across layers (`KVzip.safeguard`, AdaKV's).
         block_size (`int`, defaults to 16): `PagedCache` block size.
         methods (`list[str]`, *optional*): from `PPL_METHODS` (perplexity) or `PASSKEY_METHODS` (passkey); all of
             the task's by default.
@@ -92,6 +96,7 @@ class LongContextConfig:
     kv_zip_kernel: int = 7
     kv_zip_pooling: str = "max"
     kv_zip_recent_share: float = 0.0
+    kv_zip_safeguard: float = 0.0
     block_size: int = 16
     methods: list[str] | None = None
     quants: list[str] = field(default_factory=lambda: ["fp"])
@@ -140,6 +145,10 @@ class LongContextConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
                 raise ValueError(f"LongContextConfig.{name} must be a float in [0, 1), got {value!r}.")
+        if isinstance(self.kv_zip_safeguard, bool) or not isinstance(self.kv_zip_safeguard, (int, float)) \
+                or not 0 <= self.kv_zip_safeguard <= 1:
+            raise ValueError(f"LongContextConfig.kv_zip_safeguard must be a number in [0, 1], got "
+                             f"{self.kv_zip_safeguard!r}.")
         if any(not 0 < r < 1 for r in self.ratios) or any(not 0 <= d <= 100 for d in self.depths):
             raise ValueError(f"LongContextConfig: ratios {self.ratios} must be in (0, 1), depths {self.depths} in "
                              "[0, 100].")
@@ -158,12 +167,15 @@ class LongContextConfig:
             del ident["question_in_prompt"]
         if "kv_zip_recent" not in ident["methods"]:  # added later, and read by that method only
             del ident["recent_share"]
-        if "kv_zip_pooled" not in ident["methods"]:  # so is this one
+        pooled = bool({"kv_zip_pooled", "kv_zip_global"} & set(ident["methods"]))  # the methods reading these
+        if not pooled:  # so is this one
             del ident["kv_zip_kernel"]
-        if "kv_zip_pooled" not in ident["methods"] or ident["kv_zip_pooling"] == "max":  # added later still
+        if not pooled or ident["kv_zip_pooling"] == "max":  # added later still
             del ident["kv_zip_pooling"]
-        if "kv_zip_pooled" not in ident["methods"] or ident["kv_zip_recent_share"] == 0:  # and this one
+        if not pooled or ident["kv_zip_recent_share"] == 0:  # and this one
             del ident["kv_zip_recent_share"]
+        if "kv_zip_global" not in ident["methods"] or ident["kv_zip_safeguard"] == 0:  # the newest
+            del ident["kv_zip_safeguard"]
         digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:6]
         if self.task == "perplexity":
             key = f"w{self.num_windows}-n{self.context_len}-b{'_'.join(map(str, self.budgets))}-c{self.chunk}"

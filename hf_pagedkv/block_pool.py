@@ -786,8 +786,9 @@ class BlockPool:
         their mirror, is `PagedCache.check_invariants()`'s)."""
         with self.lock:
             self._drain()
+            tiered = any(group.window is None and group.tier for group in self.groups)
             for group in self.groups:
-                check_group_invariants(group)
+                check_group_invariants(group, tiered)
             if self.host is not None:
                 self.host.check()
             problems = self.owners.check()

@@ -153,9 +153,10 @@ class PagedCache(Cache):
         # `hf_pagedkv.generate(..., swap_on_exhaustion=True)` may swap this cache out while it is idle
         pool.set_owner_swapper(self._owner, weakref.WeakMethod(self.offload))
         layers = []
-        if config is None and retention is not None and retention.tiers > 1:
-            raise ValueError(f"retention={retention!r} splits the model's full-attention layers into {retention.tiers} "
-                             "tiers, so the cache must know them up front: build it with config=model.config.")
+        if config is None and retention is not None and retention.is_tiered():
+            raise ValueError(f"retention={retention!r} splits the model's full-attention layers into tiers (layer "
+                             "groups of their own), so the cache must know them up front: build it with "
+                             "config=model.config.")
         if config is not None:
             plan = layer_plan(config)
             full = [idx for idx, (kind, window) in enumerate(plan) if kind != "dummy" and window is None]
@@ -254,6 +255,14 @@ class PagedCache(Cache):
             with self.pool.lock:
                 self._evictor.evict(self, query_length)
             self._after_change()
+        layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
+        tiers = self.retention_tables()
+        if isinstance(layer, PagedLayer) and not layer.is_sliding and len(tiers) > 1 and layer.is_initialized:
+            # NOTE: transformers builds one mask for every full-attention layer from these sizes, so they describe
+            # the retention tier that holds the most (each tier holds the last positions of the same span; the
+            # "hf_pagedkv" attention reads the mask's last columns for a tier holding fewer)
+            lo = min(rt.window_start(layer.num_tokens) for rt in tiers)
+            return layer.num_tokens - lo + query_length, layer.num_evicted + lo
         return super().get_mask_sizes(query_length, layer_idx)
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -763,7 +772,7 @@ class PagedCache(Cache):
 
     def first_held(self, layer: PagedLayer) -> int:
         """The first logical token full-attention `layer` holds: 0, or in a retention tier that holds fewer tokens
-        than tier 0 (`PyramidKV`), the leading positions its table dropped."""
+        than the span (`PyramidKV`, `KVzip(layer_budgets="global")`), the leading positions its table dropped."""
         return self._by_group[layer.group].window_start(layer.num_tokens)
 
     def set_held(self, held: int, evicted: int) -> None:

@@ -14,8 +14,9 @@ class RowTables:
         group (`int`): the pool's layer group (`BlockPool.groups`).
         window (`int`, *optional*): the group's sliding window in tokens; `None` for full attention.
         block_size (`int`): tokens per block.
-        tier (`int`, *optional*, defaults to 0): the retention tier of a full-attention group (`PyramidKV`); a tier
-            > 0 holds a suffix of what tier 0 holds, aligned to blocks, after dropping the leading positions.
+        tier (`int`, *optional*, defaults to 0): the retention tier of a full-attention group (`PyramidKV`,
+            `KVzip(layer_budgets="global")`); every tier spans the same logical positions, and a tier keeping fewer
+            tokens than the most holds a suffix of them, aligned to blocks, after dropping the leading positions.
 
     `table` is `[batch, capacity]` int64 on the CPU, indexed by absolute block position: ``table[r, j]`` is the
     block holding tokens ``j * B .. (j + 1) * B - 1`` of row `r`. Invariants (`check`): every row holds the same

@@ -35,8 +35,9 @@ if TYPE_CHECKING:
     from hf_pagedkv.block_group import BlockGroup
 
 
-def check_group_invariants(group: BlockGroup) -> None:
+def check_group_invariants(group: BlockGroup, tiered: bool = False) -> None:
     """Raise `InvariantError` naming the first broken invariant of one layer group and the block ids concerned.
+    `tiered`: the pool's full-attention layers are split into retention tiers (any tier may then hold a suffix).
     The caller holds the pool's lock and has drained pending releases."""
     alloc, index, B, pad = group.allocator, group.prefix_index, group.block_size, group.pad_block
     where = "" if group.index == 0 else f" [{group.name} group]"
@@ -67,11 +68,12 @@ def check_group_invariants(group: BlockGroup) -> None:
                     + (f" ({row.num_dropped} dropped by the window)" if row.num_dropped else "")
                 )
             # a sliding window of w keeps tokens >= n - (w - 1) readable: only blocks wholly before them may go
-            # (a retention tier > 0 holds a suffix of what tier 0 holds: it may drop all but its last position)
+            # (a retention tier keeping fewer tokens than the widest holds a suffix of the tables' span: it may
+            # drop all but its last position)
             if group.window is not None:
                 may_drop = max(0, row.num_tokens - group.window + 1) // B
             else:
-                may_drop = max(0, want - 1) if group.tier else 0
+                may_drop = max(0, want - 1) if tiered else 0
             if row.num_dropped > may_drop:
                 raise InvariantError(
                     f"invariant 3 (only blocks outside the window are dropped) broken{where}: a table of "

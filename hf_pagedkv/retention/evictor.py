@@ -37,7 +37,7 @@ class RetentionOwner(Protocol):
 
     def read_layer(self, layer, lo: int) -> tuple[torch.Tensor, torch.Tensor]: ...  # held K/V of a layer
 
-    def set_held(self, held: int, evicted: int) -> None: ...  # tokens now held (tier 0) / evicted per row
+    def set_held(self, held: int, evicted: int) -> None: ...  # tokens the tables now span / evicted per row
 
 
 class Evictor:
@@ -51,8 +51,9 @@ class Evictor:
     (beams before they diverge, `num_return_sequences`) are compacted once and keep sharing the result.
 
     A tiered policy (`PyramidKV`) splits the full-attention layers into layer groups (`RetentionPolicy.layer_tiers`),
-    each with its own tables, and gives each group its own keep count (`RetentionPolicy.tier_budgets`): tier 0 keeps
-    the most; a tier keeping ``d * block_size`` fewer tokens writes them at the last logical positions of the same
+    each with its own tables, and gives each group its own keep count (`RetentionPolicy.tier_budgets`, or for
+    `KVzip(layer_budgets="global")` `score_budgets`, from the reconstruction scores). The tables span the most any
+    tier keeps; a tier keeping ``d * block_size`` fewer tokens writes them at the last logical positions of that
     span and drops its first `d` block positions (as a sliding window does), so every group's table ends at the
     same position, the step planner extends them together, and the blocks beyond each tier's budget are freed.
 
@@ -155,8 +156,8 @@ class Evictor:
                              f"{rows} rows of {held} tokens the cache holds; nothing was evicted.")
         keep = self.policy.keep_for(held)
         if 0 < keep < held:
-            keeps = self._tier_keeps(cache, groups, keep, held)
-            self._compact(cache, groups, keeps, scores, WindowRealign(cache, held, keeps[0]))
+            keeps = self._tier_keeps(cache, groups, keep, held, scores)
+            self._compact(cache, groups, keeps, scores, WindowRealign(cache, held, max(keeps)))
 
     # -- per step ----------------------------------------------------------------------------------------------------
     def before_step(self, cache: RetentionOwner, new: int) -> None:
@@ -177,8 +178,8 @@ class Evictor:
         if not groups or not groups[0].rows:  # nothing stored yet
             return
         B = cache.block_size
-        held = groups[0].rows[0].num_tokens  # tier 0 holds every logical position of the span
-        # once per step: a compaction whose tier 0 kept every token evicts none, so the policy's plan alone would
+        held = groups[0].rows[0].num_tokens  # every tier's table spans the same logical positions
+        # once per step: a compaction whose widest tier kept every token evicts none, so the policy's plan alone would
         # compact again at the next call of the same step (the mask of another layer type, then `before_step`)
         done = self.evicted_at_step == self.num_steps
         plan = EvictionPlan() if done else self.policy.plan(held, held + self.num_evicted, new, B, step=self.num_steps)
@@ -189,7 +190,7 @@ class Evictor:
         elif plan.keep_tokens is not None and 0 < plan.keep_tokens < held:
             self._check_observed(cache, len(groups[0].rows))
             keeps = self._tier_keeps(cache, groups, plan.keep_tokens, held)
-            self._compact(cache, groups, keeps, realign=WindowRealign(cache, held, keeps[0]))
+            self._compact(cache, groups, keeps, realign=WindowRealign(cache, held, max(keeps)))
         if plan.drop_positions or plan.keep_tokens is not None:  # (after success: a refused eviction may be retried)
             self.evicted_at_step = self.num_steps
         if self.observed is not None and not self.policy.observes(self.num_steps):
@@ -238,21 +239,29 @@ class Evictor:
                                      if x is not None)
         self._evicted(cache, held - n, n, {rt.group: freed, **moved})
 
-    def _tier_keeps(self, cache: RetentionOwner, groups: list[RowTables], keep: int, held: int) -> list[int]:
-        """The tokens each of `groups` keeps for a uniform keep count `keep` of `held` (`tier_budgets`)."""
-        layers = cache.retention_layers()
+    def _tier_keeps(self, cache: RetentionOwner, groups: list[RowTables], keep: int, held: int,
+                    scores: dict[int, torch.Tensor] | None = None) -> list[int]:
+        """The tokens each of `groups` keeps for a uniform keep count `keep` of `held`: chosen from a
+        reconstruction pass's `scores` (`score_budgets`) when the policy does, else `tier_budgets`."""
+        layers = [layer for layer in cache.retention_layers() if layer.is_initialized]
+        if scores is not None and len(groups) > 1:
+            by_tier = [[scores[layer.layer_idx] for layer in layers if layer.group == rt.group] for rt in groups]
+            keeps = self.policy.score_budgets(by_tier, keep, held, cache.block_size)
+            if keeps is not None:
+                return keeps
         sizes = [sum(layer.group == rt.group for layer in layers) for rt in groups]
         return self.policy.tier_budgets(keep, held, sizes, cache.block_size)
 
     def _compact(self, cache: RetentionOwner, groups: list[RowTables], keeps: list[int],
                  scores: dict[int, torch.Tensor] | None = None, realign: WindowRealign | None = None) -> None:
         """Each (row, layer, head) of group ``groups[i]`` keeps the policy's ``keeps[i]`` tokens, written into fresh
-        blocks (slot `j`: the head's `j`-th kept token); then the old blocks are freed. ``keeps[0]`` is the most, and
-        a group keeping ``d * block_size`` fewer drops its first `d` logical block positions instead. `scores`
+        blocks (slot `j`: the head's `j`-th kept token); then the old blocks are freed. The tables span the most
+        any group keeps, and a group keeping ``d * block_size`` fewer drops its first `d` logical block positions
+        instead. `scores`
         (layer -> `[rows, num_kv_heads, held]`) are what `select` gets for a policy scored by a reconstruction pass
         (`KVzip`). The sliding groups follow (`realign`)."""
         pool, B = cache.pool, cache.block_size
-        held, span = groups[0].rows[0].num_tokens, keeps[0]
+        held, span = groups[0].rows[0].num_tokens, max(keeps)
         assert all(0 < k <= span and (span - k) % B == 0 for k in keeps), f"tier budgets {keeps} of {span}"
         by_table: dict[tuple, list[int]] = {}  # identical rows (in every group) are compacted once and share the result
         for r in range(len(groups[0].rows)):
@@ -322,8 +331,8 @@ class Evictor:
 
     def _evicted(self, cache: RetentionOwner, held: int, n: int, freed: dict[int, list[int]],
                  kept: dict[int, int] | None = None) -> None:
-        """`n` tokens evicted per row, `held` held (tier 0); `freed`: per layer group, the block ids let go; `kept`:
-        per group, the tokens it kept (a tier may keep fewer than `held`)."""
+        """`n` tokens evicted per row, `held` spanned by the tables; `freed`: per layer group, the block ids let
+        go; `kept`: per group, the tokens it kept (a tier may keep fewer than `held`)."""
         self.num_evicted += n
         self.num_evictions += 1
         self.num_blocks_freed += sum(len(ids) for ids in freed.values())
@@ -352,7 +361,7 @@ class Evictor:
             )
 
     def stats(self, held: int, per_layer: tuple[int, ...] = ()) -> RetentionStats:
-        """`held`: tokens the rows' tables span (tier 0's); `per_layer`: with tiers, what each layer holds (then
+        """`held`: tokens the rows' tables span; `per_layer`: with tiers, what each layer holds (then
         `tokens_held` is their mean, rounded down)."""
         mean = sum(per_layer) // len(per_layer) if per_layer else held
         return RetentionStats(self.policy.name, held + self.num_evicted, mean, self.num_evictions,

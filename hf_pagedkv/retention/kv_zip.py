@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +13,8 @@ from hf_pagedkv.retention.score_pooling import check_pooling, pool_scores
 
 #: the instruction of the reconstruction pass, before the context is given again (KVzip's repeat prompt)
 REPEAT_PROMPT = "Repeat the previous context exactly."
+#: how `KVzip` divides its budget over the layers: the same everywhere, or by its ranking across layers
+LAYER_BUDGETS = ("uniform", "global")
 
 
 @dataclass(frozen=True)
@@ -45,10 +48,24 @@ class KVzip(ImportancePolicy):
             scores).
         pooling (`str`, *optional*, defaults to `"max"`): `"max"` (a token scores as its best neighbour) or `"avg"`
             (as the mean of its window; past either end only the tokens there are counted), as `SnapKV`'s.
+        layer_budgets (`str`, *optional*, defaults to `"uniform"`): `"uniform"`: every (layer, KV head) keeps
+            `keep_for(held)` tokens. `"global"`: KVzip's own ranking across layers. The (pooled) scores of every
+            (layer, KV head, token) are ranked together, and each layer keeps as many tokens per head as its heads
+            have, on average, in the top `keep_for(held)` times the number of (layer, head) pairs (the sinks and the
+            last `recent_tokens` are kept anyway and not ranked). The heads of a layer share its blocks, so they
+            keep the same number. Each full-attention layer is then a retention tier, a layer group of its own
+            with its own block tables (`score_budgets`), and the cache needs ``config=``. The layers' budgets are
+            rounded to whole blocks below the largest, and their total never exceeds the uniform total.
+        safeguard (`float`, *optional*, defaults to 0.0): with ``layer_budgets="global"``, in [0, 1]: each (layer,
+            KV head) first gets its best ``int(safeguard * ranked)`` tokens, `ranked` being the tokens a uniform
+            budget ranks per head, and the ranking across layers fills the rest (AdaKV's safeguard: Feng et al.,
+            "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation", arXiv 2407.11550, which guards
+            a fifth); 1 gives the uniform budgets, 0 the plain ranking.
 
     Raises:
         ValueError: as `ImportancePolicy`; `chunk_tokens` not an int >= 1; `kernel_size` not an odd int >= 1;
-            `pooling` not one of `POOLINGS`.
+            `pooling` not one of `POOLINGS`; `layer_budgets` not one of `LAYER_BUDGETS`; `safeguard` not a number
+            in [0, 1].
 
     Example:
 
@@ -66,6 +83,8 @@ class KVzip(ImportancePolicy):
     chunk_tokens: int = 1024
     kernel_size: int = 1
     pooling: str = "max"
+    layer_budgets: str = "uniform"
+    safeguard: float = 0.0
 
     name = "kv_zip"
     reconstructs = True
@@ -74,6 +93,87 @@ class KVzip(ImportancePolicy):
         super().__post_init__()
         check_int("chunk_tokens", self.chunk_tokens, 1)
         check_pooling(self.kernel_size, self.pooling)
+        if self.layer_budgets not in LAYER_BUDGETS:
+            raise ValueError(f"`layer_budgets` must be one of {LAYER_BUDGETS} (\"global\": KVzip's ranking of the "
+                             f"scores across layers), got {self.layer_budgets!r}.")
+        if isinstance(self.safeguard, bool) or not isinstance(self.safeguard, (int, float)) \
+                or not 0 <= self.safeguard <= 1:
+            raise ValueError(f"`safeguard` must be a number in [0, 1] (the share of each head's uniform budget it "
+                             f"keeps before the ranking across layers), got {self.safeguard!r}.")
+
+    def is_tiered(self) -> bool:
+        return self.layer_budgets == "global"
+
+    def layer_tiers(self, num_layers: int) -> list[int]:
+        """With ``layer_budgets="global"`` every full-attention layer is a tier of its own; else all in tier 0."""
+        return list(range(num_layers)) if self.is_tiered() else [0] * num_layers
+
+    def score_budgets(self, scores: list[list[torch.Tensor]], keep: int, held: int,
+                      block_size: int) -> list[int] | None:
+        """The tokens each tier keeps per (row, layer, KV head), from KVzip's ranking across layers
+        (``layer_budgets="global"``; None otherwise, which keeps `keep` everywhere).
+
+        Args:
+            scores (`list[list[torch.Tensor]]`): per tier, its layers' reconstruction scores, `[rows, num_kv_heads,
+                held]` each (`ContextScores`), pooled here as `select` pools them.
+            keep (`int`): the uniform budget (`keep_for(held)`), ``0 < keep < held``.
+            held (`int`): context tokens held.
+            block_size (`int`): tokens per block.
+
+        Returns:
+            `list[int]`: each tier's keep count, tier 0 first; each at least ``sink_tokens + recent_tokens + 1`` (or
+            `held`, if smaller) and at most `held`, all a whole number of blocks below the largest, with
+            ``sum(k * layers)`` at most ``keep * layers`` (all tiers).
+        """
+        if not self.is_tiered():
+            return None
+        lo, hi = min(self.sink_tokens, held), max(min(self.sink_tokens, held), held - self.recent_tokens)
+        protected = held - (hi - lo)  # kept by every head, not ranked
+        ranked = [[pool_scores(s.float(), self.kernel_size, self.pooling)[..., lo:hi] for s in tier] for tier in scores]
+        pairs = sum(s.shape[1] for tier in ranked for s in tier)
+        per_head = max(0, min(keep - protected, hi - lo))  # the ranked tokens a uniform budget keeps per head
+        guard = int(self.safeguard * per_head)
+        if guard:  # each head's best `guard` tokens first (AdaKV's safeguard), then the ranking across layers
+            ranked = [[s.scatter(-1, s.topk(guard, dim=-1).indices, float("inf")) for s in tier] for tier in ranked]
+        flat = torch.cat([s.reshape(s.shape[0], -1) for tier in ranked for s in tier], dim=1)  # [rows, pairs * m]
+        chosen = torch.zeros_like(flat, dtype=torch.bool)
+        if per_head:
+            chosen.scatter_(1, flat.topk(per_head * pairs, dim=1).indices, True)
+        means, at = [], 0  # per tier: the ranked tokens its heads hold on average, over rows, layers and heads
+        for tier in ranked:
+            width = sum(s.shape[1] * s.shape[2] for s in tier)
+            heads = sum(s.shape[1] for s in tier)
+            means.append(protected + chosen[:, at: at + width].sum().item() / (heads * flat.shape[0]))
+            at += width
+        return self._on_block_grid(means, [len(t) for t in scores], keep, held, block_size)
+
+    def _on_block_grid(self, wanted: list[float], sizes: list[int], keep: int, held: int, B: int) -> list[int]:
+        """Round each tier's `wanted` keep count to whole blocks below the largest (at least the protected tokens
+        plus one), then move blocks so the total (weighted by the tiers' `sizes` in layers) is at most the uniform
+        ``keep * layers`` and no tier below the span could take one more block without passing it."""
+        span = min(held, math.ceil(max(wanted)))
+        low = min(span, self.sink_tokens + self.recent_tokens + 1)
+        keeps = []
+        for w in wanted:
+            drop = max(0, round((span - w) / B)) * B
+            while drop and span - drop < low:
+                drop -= B
+            keeps.append(span - drop)
+        budget = keep * sum(sizes)
+        while sum(k * n for k, n in zip(keeps, sizes)) > budget:  # too many: take a block from the most rounded up
+            down = [t for t, k in enumerate(keeps) if k - B >= low]
+            if not down:
+                break
+            t = max(down, key=lambda t: keeps[t] - wanted[t])
+            keeps[t] -= B
+        while True:  # room left: give a block to the most rounded down (below the span, so the grid holds)
+            up = [t for t, k in enumerate(keeps) if k + B <= max(keeps)
+                  and sum(k * n for k, n in zip(keeps, sizes)) + B * sizes[t] <= budget]
+            if not up:
+                break
+            t = min(up, key=lambda t: keeps[t] - wanted[t])
+            keeps[t] += B
+        return keeps
 
     def plan(self, held: int, seen: int, new: int, block_size: int, step: int = 0) -> EvictionPlan:
         """Nothing: KVzip compresses only through `compress_context` (`keep_for`)."""

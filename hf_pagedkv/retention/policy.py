@@ -62,6 +62,11 @@ class RetentionPolicy:
     #: tiers of full-attention layers, each its own layer group with its own budget (`PyramidKV`); 1: one group
     tiers = 1
 
+    def is_tiered(self) -> bool:
+        """Whether the policy splits the full-attention layers into layer groups of their own (`layer_tiers`), so
+        a cache needs the model's config up front."""
+        return self.tiers > 1
+
     def layer_tiers(self, num_layers: int) -> list[int]:
         """The tier (0 for the lowest layers) of each of a model's `num_layers` full-attention layers, in order;
         every layer in tier 0 unless the policy is tiered.
@@ -73,9 +78,16 @@ class RetentionPolicy:
 
     def tier_budgets(self, keep: int, held: int, tier_sizes: list[int], block_size: int) -> list[int]:
         """Tokens each tier keeps per (row, layer, head) when the plan says `keep` (of `held`); `tier_sizes`: the
-        layers of each tier. Tier 0 keeps the most, the others fewer by whole blocks (the `Evictor` aligns their
-        tables); an untiered policy keeps `keep` everywhere."""
+        layers of each tier. The tiers differ by whole blocks from the one keeping the most (the `Evictor` aligns
+        their tables); an untiered policy keeps `keep` everywhere."""
         return [keep] * len(tier_sizes)
+
+    def score_budgets(self, scores: list[list[torch.Tensor]], keep: int, held: int,
+                      block_size: int) -> list[int] | None:
+        """For a policy scored by a reconstruction pass (`KVzip`): the tokens each tier keeps, chosen from the
+        `scores` (per tier, its layers' `[rows, num_kv_heads, held]` scores) for a uniform budget `keep` of `held`;
+        or None to use `tier_budgets`."""
+        return None
 
     def max_held(self, new: int, block_size: int) -> int | None:
         """The most tokens a row may hold after a step of `new` tokens (for invariant 3), or None (no bound)."""

@@ -281,3 +281,85 @@ def test_the_compiled_attention_scores_the_same(llama):
     assert a.block_tables() != [] and b.retention_stats() == a.retention_stats()
     for c in (a, b):
         c.release()
+
+
+def plain_global_budgets(scores: dict[int, torch.Tensor], keep: int, sink: int, recent: int) -> list[float]:
+    """KVzip's ranking across layers written out plainly: per row, every (layer, head, token) score between the sinks
+    and the recent tokens in one list; the best ``(keep - sink - recent) * pairs`` of them; each layer's share per
+    head (its heads' mean over rows), plus the protected tokens."""
+    layers = sorted(scores)
+    rows, heads, n = scores[layers[0]].shape
+    count = {layer: 0 for layer in layers}
+    for r in range(rows):
+        entries = [(scores[layer][r, h, t].item(), layer) for layer in layers for h in range(heads)
+                   for t in range(sink, n - recent)]
+        entries.sort(key=lambda e: -e[0])
+        for _, layer in entries[: (keep - sink - recent) * len(layers) * heads]:
+            count[layer] += 1
+    return [sink + recent + count[layer] / (rows * heads) for layer in layers]
+
+
+def test_global_layer_budgets_follow_the_ranking_across_layers_and_equal_the_head_masked_reference(llama):
+    steps = [N, 5, 1, 3]  # the context, a multi-token question, decoding, a multi-token step
+    x = ids(2, sum(steps), seed=22)
+    policy = KVzip(budget=10, sink_tokens=1, recent_tokens=2, chunk_tokens=8, layer_budgets="global")
+    assert policy.layer_tiers(3) == [0, 1, 2] and policy.is_tiered()
+    cache = prefilled(llama, x[:, :N], policy)
+    assert len(cache.retention_tables()) == 3  # one layer group per full-attention layer
+    scores = compress_context(llama, cache, x[:, :N], prompt_ids=PROMPT)
+    want_scores = reference_kvzip_scores(llama, x[:, :N], PROMPT)
+    wanted = plain_global_budgets(want_scores, 10, sink=1, recent=2)
+    keeps = list(cache.retention_stats().tokens_held_per_layer)
+    assert keeps == policy.score_budgets([[scores[i]] for i in range(3)], 10, N, B)
+    assert len(set(keeps)) > 1  # the ranking gave the layers different budgets
+    span = max(keeps)
+    assert all((span - k) % B == 0 and k >= 4 for k in keeps)  # whole blocks below the widest; sinks + recent + 1
+    assert sum(keeps) <= 3 * 10  # never more than the uniform budget's tokens
+    assert all(abs(k - w) < B for k, w in zip(keeps, wanted))  # each layer near its share of the ranking
+    # the blocks held are each layer's budget's, nothing more
+    assert cache.pool.stats().blocks_in_use == sum(2 * num_blocks_for(k, B) for k in keeps)
+    cache.check_invariants()
+    got = run_steps(llama, x[:, N:], steps[1:], cache, before=lambda c, s, q: c.check_invariants())
+    kept = {}
+    for layer, k in enumerate(keeps):
+        kept.update(reference_kvzip_kept({layer: want_scores[layer]}, k, sink=1, recent=2))
+    want = kept_heads_reference(llama, x, N, kept)
+    assert (got - want[:, N:]).abs().max() < CROSS_STEP_LOGIT_ATOL  # every step after the compression
+    uniform = prefilled(llama, x[:, :N], KVzip(budget=10, sink_tokens=1, recent_tokens=2, chunk_tokens=8))
+    compress_context(llama, uniform, x[:, :N], prompt_ids=PROMPT)
+    other = run_steps(llama, x[:, N:], steps[1:], uniform)
+    assert (got - other).abs().max() > 1e-3  # the budgets changed what attention saw
+    stats = cache.retention_stats()
+    assert stats.tokens_seen == sum(steps)
+    assert list(stats.tokens_held_per_layer) == [k + sum(steps[1:]) for k in keeps]
+    cache.check_invariants()
+    for c in (cache, uniform):
+        c.release()
+        assert c.pool.stats().blocks_in_use == 0
+
+
+def test_global_layer_budgets_stay_on_the_block_grid_within_the_uniform_total():
+    policy = KVzip(budget=40, sink_tokens=4, recent_tokens=4, layer_budgets="global")
+    g = torch.Generator().manual_seed(3)
+    for trial in range(20):
+        held = 64 + trial * 7
+        scores = [[torch.rand(2, 3, held, generator=g) ** (1 + 4 * t)] for t in range(5)]  # layers of other spreads
+        keeps = policy.score_budgets(scores, 40, held, 16)
+        span = max(keeps)
+        assert span <= held and all((span - k) % 16 == 0 and 9 <= k <= span for k in keeps), keeps
+        assert sum(keeps) <= 5 * 40, keeps
+    assert KVzip(budget=40).score_budgets(scores, 40, held, 16) is None  # uniform: the default tier budgets
+    # AdaKV's safeguard: every head first keeps a share of its uniform budget; all of it gives the uniform budgets
+    plain = policy.score_budgets(scores, 40, held, 16)
+    guarded = KVzip(budget=40, sink_tokens=4, recent_tokens=4, layer_budgets="global", safeguard=0.5)
+    half = guarded.score_budgets(scores, 40, held, 16)
+    full = KVzip(budget=40, sink_tokens=4, recent_tokens=4, layer_budgets="global", safeguard=1.0)
+    assert len(set(plain)) > 1 and max(plain) - min(plain) >= max(half) - min(half)
+    assert full.score_budgets(scores, 40, held, 16) == [40] * 5
+    for bad in (-0.1, 1.5, True, "0.2"):
+        with pytest.raises(ValueError, match="safeguard"):
+            KVzip(budget=40, layer_budgets="global", safeguard=bad)
+    with pytest.raises(ValueError, match="layer_budgets"):
+        KVzip(budget=40, layer_budgets="per_head")
+    with pytest.raises(ValueError, match="config=model.config"):
+        PagedCache(retention=KVzip(budget=40, layer_budgets="global"))

@@ -270,8 +270,8 @@ class BlockPool:
                 if (other.tier or target.tier) and other.window == target.window:
                     raise ValueError(
                         f"This BlockPool holds layer {layer_idx} in its {other.name} layer group, but a cache uses "
-                        f"it as {target.name}: a tiered retention policy (PyramidKV) gives each tier of layers its "
-                        "own layer group, so the caches sharing a pool must all use the same tiers; use a separate "
+                        f"it as {target.name}: a tiered retention policy (PyramidKV, KVzip with global layer budgets) "
+                        "gives each tier of layers its own layer group, so the caches sharing a pool must all use the same tiers; use a separate "
                         "BlockPool for caches with other tiers."
                     )
                 raise ValueError(

@@ -160,7 +160,7 @@ class PagedCache(Cache):
         if config is not None:
             plan = layer_plan(config)
             full = [idx for idx, (kind, window) in enumerate(plan) if kind != "dummy" and window is None]
-            # a tiered policy (PyramidKV) gives each tier of full-attention layers its own layer group
+            # a tiered policy (PyramidKV, KVzip's global budgets) gives each tier of full-attention layers its own layer group
             tier_of = {} if retention is None else dict(zip(full, retention.layer_tiers(len(full))))
             for idx, (kind, window) in enumerate(plan):
                 if kind == "dummy":

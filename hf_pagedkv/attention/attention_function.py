@@ -59,7 +59,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     view = PagedView.of(key)
     if view is not None and attention_mask is not None and attention_mask.dim() == 4 \
             and attention_mask.shape[-1] > key.shape[-2]:
-        # NOTE: a layer of a retention tier holding fewer tokens (PyramidKV) holds the last of the positions the
+        # NOTE: a layer of a retention tier holding fewer tokens (PyramidKV, KVzip's global budgets) holds the last of the positions the
         # model's first full-attention layer holds, whose sizes transformers built the one mask from
         # (`PagedLayer.get_mask_sizes`): its keys are the mask's last columns
         attention_mask = attention_mask[..., -key.shape[-2]:]

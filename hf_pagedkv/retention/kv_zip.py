@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -96,10 +97,13 @@ class KVzip(ImportancePolicy):
         if self.layer_budgets not in LAYER_BUDGETS:
             raise ValueError(f"`layer_budgets` must be one of {LAYER_BUDGETS} (\"global\": KVzip's ranking of the "
                              f"scores across layers), got {self.layer_budgets!r}.")
-        if isinstance(self.safeguard, bool) or not isinstance(self.safeguard, (int, float)) \
+        if isinstance(self.safeguard, bool) or not isinstance(self.safeguard, numbers.Real) \
                 or not 0 <= self.safeguard <= 1:
             raise ValueError(f"`safeguard` must be a number in [0, 1] (the share of each head's uniform budget it "
                              f"keeps before the ranking across layers), got {self.safeguard!r}.")
+        if self.safeguard and not self.is_tiered():
+            raise ValueError(f"`safeguard` applies to the ranking across layers only: pass layer_budgets=\"global\" "
+                             f"with it (got layer_budgets={self.layer_budgets!r}, safeguard={self.safeguard!r}).")
 
     def is_tiered(self) -> bool:
         return self.layer_budgets == "global"
@@ -166,6 +170,10 @@ class KVzip(ImportancePolicy):
                 break
             t = max(down, key=lambda t: keeps[t] - wanted[t])
             keeps[t] -= B
+        if sum(k * n for k, n in zip(keeps, sizes)) > budget:
+            # NOTE: no block can go without a tier falling below the protected tokens (blocks large against the
+            # budgets' spread): the uniform budgets then, which the grid always holds
+            return [keep] * len(sizes)
         while True:  # room left: give a block to the most rounded down (below the span, so the grid holds)
             up = [t for t, k in enumerate(keeps) if k + B <= max(keeps)
                   and sum(k * n for k, n in zip(keeps, sizes)) + B * sizes[t] <= budget]

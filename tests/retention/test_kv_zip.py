@@ -359,6 +359,24 @@ def test_global_layer_budgets_stay_on_the_block_grid_within_the_uniform_total():
     for bad in (-0.1, 1.5, True, "0.2"):
         with pytest.raises(ValueError, match="safeguard"):
             KVzip(budget=40, layer_budgets="global", safeguard=bad)
+    with pytest.raises(ValueError, match='layer_budgets="global"'):
+        KVzip(budget=40, safeguard=0.5)  # it would do nothing
+
+
+def test_global_layer_budgets_never_exceed_the_uniform_total_with_large_blocks():
+    # a fresh user's case: blocks large against the layers' spread, so no tier could give a block back; the
+    # rounded-up span kept 22 per layer where the uniform budget is 21 (and 14 + 14 for 11 + 11 below)
+    policy = KVzip(budget=11, sink_tokens=3, recent_tokens=0, layer_budgets="global")
+    g = torch.Generator().manual_seed(0)
+    scores = [[torch.rand(1, 2, 20, generator=g) ** (1 + 3 * t)] for t in range(2)]
+    assert policy.score_budgets(scores, 11, 20, 16) == [11, 11]
+    for trial in range(300):
+        held, B = 24 + trial % 50, (4, 8, 16)[trial % 3]
+        p = KVzip(budget=min(held - 1, 21 + trial % 7), layer_budgets="global", safeguard=(0, 0.2, 0.5)[trial % 3])
+        keep = p.keep_for(held)
+        scores = [[torch.rand(2, 2, held, generator=g) ** (1 + 3 * t)] for t in range(3)]
+        keeps = p.score_budgets(scores, keep, held, B)
+        assert sum(keeps) <= 3 * keep and all((max(keeps) - k) % B == 0 and 0 < k <= held for k in keeps), keeps
     with pytest.raises(ValueError, match="layer_budgets"):
         KVzip(budget=40, layer_budgets="per_head")
     with pytest.raises(ValueError, match="config=model.config"):

@@ -219,6 +219,10 @@ def test_bad_settings_are_refused_and_the_spec_knows_it():
     assert parse_retention("kvzip:256") == KVzip(budget=256)
     assert parse_retention("kv_zip:0.5:0.25") == KVzip(compression_ratio=0.5, recent_share=0.25)
     assert parse_retention("kv_zip:256:0.5") == KVzip(budget=256, recent_share=0.5)
+    assert parse_retention("kv_zip_global:0.5") == parse_retention("kvzip_global:0.5") == KVzip(
+        compression_ratio=0.5, kernel_size=7, layer_budgets="global")
+    assert parse_retention("kv_zip_global:256:0.5") == KVzip(budget=256, recent_share=0.5, kernel_size=7,
+                                                             layer_budgets="global")
     with pytest.raises(ValueError, match="recent_share"):
         parse_retention("kv_zip:0.5:1.5")
     with pytest.raises(ValueError, match="SHARE"):

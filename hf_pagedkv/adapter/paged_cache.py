@@ -707,14 +707,19 @@ class PagedCache(Cache):
         """The cache's `RetentionPolicy`, or None."""
         return None if self._evictor is None else self._evictor.policy
 
-    def begin_context_scoring(self) -> None:
+    def begin_context_scoring(self, key_valid: torch.Tensor | None = None) -> None:
         """KVzip (`hf_pagedkv.compress_context` calls it): from the next forward step on, the ``"hf_pagedkv"``
         attention of every layer scores the tokens held now (the context) by the attention they receive
         (`ContextScores`), until `end_context_scoring`.
 
+        Args:
+            key_valid (`torch.BoolTensor` of shape `[batch, positions]`, *optional*): for a left-padded batch,
+                False at the padding of the context and of the steps to come (the attention mask they get);
+                padding then scores 0 and is kept only where a row has fewer real tokens than the budget.
+
         Raises:
             ValueError: no retention policy, one that is not scored by a reconstruction pass (`KVzip`), an empty
-                cache, or one that already evicted tokens.
+                cache, or one that already evicted tokens; `key_valid` not `[batch, >= held]` bool.
             CacheReleasedError: the cache was released.
         """
         self.check_usable()
@@ -724,7 +729,11 @@ class PagedCache(Cache):
         if not self._num_tokens:
             raise ValueError("compress_context: the cache holds no tokens; prefill the context first, e.g. "
                              "model(context_ids, past_key_values=cache).")
-        self._evictor.begin_scoring(self._num_tokens)
+        if key_valid is not None and (key_valid.dtype != torch.bool or key_valid.dim() != 2
+                                      or key_valid.shape[0] != self.num_rows or key_valid.shape[1] < self._num_tokens):
+            raise ValueError(f"begin_context_scoring: key_valid must be a [{self.num_rows}, >= {self._num_tokens}] "
+                             f"bool mask (rows, positions), got {key_valid.dtype} of shape {tuple(key_valid.shape)}.")
+        self._evictor.begin_scoring(self._num_tokens, key_valid)
 
     def end_context_scoring(self, tokens_to_remove: int, compress: bool = True) -> dict[int, torch.Tensor]:
         """End what `begin_context_scoring` started: crop the `tokens_to_remove` tokens added since (the
@@ -743,12 +752,12 @@ class PagedCache(Cache):
         self.check_usable()
         if self._evictor is None:
             raise ValueError("end_context_scoring: this cache has no retention policy.")
-        scores = self._evictor.end_scoring()
+        scores, valid = self._evictor.end_scoring()
         if tokens_to_remove:
             self.crop(-tokens_to_remove)
         if compress:
             with self.pool.lock:
-                self._evictor.compress(self, scores)
+                self._evictor.compress(self, scores, valid)
             self._after_change()
         return scores
 

@@ -20,7 +20,7 @@ def repeat_prompt_ids(tokenizer) -> list[int]:
 
 @torch.no_grad()
 def compress_context(model, cache, context_ids, tokenizer=None, prompt_ids: Sequence[int] | None = None,
-                     ) -> dict[int, torch.Tensor]:
+                     attention_mask: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
     """Compress the context a `PagedCache` with a `KVzip` policy holds: Kim et al., "KVzip: Query-Agnostic KV Cache
     Compression with Context Reconstruction" (arXiv 2505.23416).
 
@@ -44,14 +44,35 @@ def compress_context(model, cache, context_ids, tokenizer=None, prompt_ids: Sequ
             Pass one (or `prompt_ids`): without a prompt the context is repeated right after itself, which scored
             worse (1 of 3 keys against 2 of 3, same setting as `repeat_prompt_ids`).
         prompt_ids (`Sequence[int]`, *optional*): the repeat prompt's token ids.
+        attention_mask (`torch.Tensor` of shape `[batch, n]`, *optional*): for a left-padded batch, the context's
+            mask (1 for real tokens, 0 for left padding), as given to the prefill. The reconstruction pass then
+            gets the mask and the positions `generate` would give (padding masked; each row's positions count its
+            real tokens), padding scores 0, and each row keeps its best real tokens (the sinks are its first real
+            tokens): a row scores and keeps as it would in a batch of its own (`ImportancePolicy.select`). Padding
+            is kept only where a row has fewer real tokens than the budget, in the slots its mask masks, so
+            pass the same mask (extended by 1s) to `generate`. Prefill with the positions `generate` gives
+            (``position_ids = attention_mask.cumsum(-1) - 1``, or through `generate` itself).
 
     Returns:
-        `dict[int, torch.Tensor]`: the scores per layer index, `[batch, num_kv_heads, n]` float32 each.
+        `dict[int, torch.Tensor]`: the scores per layer index, `[batch, num_kv_heads, n]` float32 each (0 at
+        padding).
 
     Raises:
         ValueError: the model's attention is not ``"hf_pagedkv"``; the cache has no `KVzip` policy, is empty,
             already evicted tokens, or does not hold exactly `context_ids` (length or batch differ); a token id
-            outside the vocabulary. Nothing is evicted then, and the cache holds the context as before.
+            outside the vocabulary; `attention_mask` not of the context's shape `[batch, n]` or not left padding
+            (0s then 1s in each row, at least one 1). Nothing is evicted then, and the cache holds the context as
+            before.
+
+    Example (a left-padded batch):
+
+    ```python
+    >>> enc = tok(texts, return_tensors="pt", padding=True, padding_side="left")
+    >>> cache = PagedCache(config=model.config, retention=KVzip(compression_ratio=0.5))
+    >>> pos = (enc.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    >>> model(enc.input_ids, attention_mask=enc.attention_mask, position_ids=pos, **cache_kwargs(cache))
+    >>> compress_context(model, cache, enc.input_ids, tokenizer=tok, attention_mask=enc.attention_mask)
+    ```
     """
     from hf_pagedkv.adapter.paged_cache import PagedCache  # the cache module imports the retention package
 
@@ -95,15 +116,46 @@ def compress_context(model, cache, context_ids, tokenizer=None, prompt_ids: Sequ
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
             raise ValueError(f"`{name}` holds token ids outside the model's vocabulary [0, {vocab}): "
                              f"{int(ids.min())} .. {int(ids.max())}. Nothing was run or evicted.")
+    mask = _context_mask(attention_mask, tuple(ctx.shape), model.device)  # [batch, n] bool, or None: no padding
     recon = torch.cat([prompt, ctx], dim=1)  # [batch, prompt + n]
-    cache.begin_context_scoring()  # raises for an empty cache or one that already evicted
-    done = 0
+    full = positions = None
+    if mask is not None:  # the mask and positions of the context and the pass, as `generate` builds them
+        full = torch.cat([mask, torch.ones_like(prompt, dtype=torch.bool), mask], dim=1)  # [batch, n + prompt + n]
+        positions = (full.long().cumsum(-1) - 1).masked_fill_(~full, 1)
+    cache.begin_context_scoring(full)  # raises for an empty cache or one that already evicted
+    done, n = 0, ctx.shape[1]
     try:
         for lo in range(0, recon.shape[1], policy.chunk_tokens):
             chunk = recon[:, lo: lo + policy.chunk_tokens]
-            model(chunk, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
+            extra = {} if mask is None else {"attention_mask": full[:, : n + lo + chunk.shape[1]].long(),
+                                             "position_ids": positions[:, n + lo: n + lo + chunk.shape[1]]}
+            model(chunk, **cache_kwargs(cache), use_cache=True, logits_to_keep=1, **extra)
             done += chunk.shape[1]
     except BaseException:
         cache.end_context_scoring(cache.retention_stats().tokens_held - ctx.shape[1], compress=False)
         raise
     return cache.end_context_scoring(done)
+
+
+def _context_mask(attention_mask, shape: tuple[int, int], device) -> torch.Tensor | None:
+    """`attention_mask` as a `[batch, n]` bool tensor on `device`, or None when it masks nothing.
+
+    Raises:
+        ValueError: not of `shape`, or not left padding (`LeftPadding.from_mask`).
+    """
+    if attention_mask is None:
+        return None
+    from hf_pagedkv.adapter.left_padding import LeftPadding  # (the adapter package imports this one)
+
+    try:
+        padding = LeftPadding.from_mask(attention_mask)
+    except ValueError as exc:
+        raise ValueError(f"compress_context: {str(exc).removeprefix('set_padding: ')} Nothing was run or "
+                         "evicted.") from None
+    got = tuple(torch.as_tensor(attention_mask).shape)
+    if got != shape:
+        raise ValueError(f"compress_context: attention_mask has shape {got}, but the context is {shape} (rows, "
+                         "tokens): pass the mask of the very context the cache holds. Nothing was run or evicted.")
+    if not any(padding.tokens):
+        return None
+    return torch.as_tensor(attention_mask).to(device).bool()

@@ -24,13 +24,24 @@ class ContextScores:
     softmax normalisation the attention uses: query `i` of a step of `q` tokens over `n` keys sees keys
     ``0 .. n - q + i``. Only the max is kept, never the queries.
 
+    With `key_valid` (a left-padded batch) the softmax also leaves out the keys at padding, as the model's attention
+    mask does, and queries at padding score nothing: a pad token scores 0 and a row's real tokens score as they
+    would in a batch of that row alone.
+
     Invariant: `scores[layer]` is `[batch, num_kv_heads, num_context]` float32 with the batch of the cache's rows in
-    their current order (`select_rows`), every entry in [0, 1].
+    their current order (`select_rows`), every entry in [0, 1], 0 at the padding `key_valid` names; `key_valid`
+    follows the rows too.
+
+    Args:
+        num_context (`int`): the held tokens to score (the first of every step's keys).
+        key_valid (`torch.BoolTensor` of shape `[batch, positions]`, *optional*): False at the left padding of each
+            row, over the context and every token the scored steps add (the reconstruction pass); None: no padding.
     """
 
-    def __init__(self, num_context: int) -> None:
+    def __init__(self, num_context: int, key_valid: torch.Tensor | None = None) -> None:
         self.num_context = num_context  # the held tokens being scored (the context); fixed
         self.scores: dict[int, torch.Tensor] = {}  # layer index -> [batch, num_kv_heads, num_context]; via `record`
+        self.key_valid = key_valid  # [batch, positions] bool, False at padding; None: no padding
 
     def tag(self, keys: torch.Tensor, layer_idx: int) -> None:
         """Ask the attention of layer `layer_idx` to score the context with its query (through the keys the cache
@@ -42,7 +53,8 @@ class ContextScores:
         of layer `layer_idx`.
 
         Raises:
-            ValueError: the keys are gone, or the step's keys do not cover the context.
+            ValueError: the keys are gone, the step's keys do not cover the context, or `key_valid` does not cover
+                them or the batch.
         """
         keys = keys_ref()
         if keys is None:
@@ -56,6 +68,10 @@ class ContextScores:
             raise ValueError(f"ContextScores: layer {layer_idx} attends {q} queries over {n} keys ({H} KV heads, "
                              f"{num_heads} query heads); the {self.num_context} scored context tokens must come "
                              "before the step's tokens.")
+        valid = None if self.key_valid is None else self.key_valid[:, :n].to(keys.device)  # [batch, n]
+        if valid is not None and tuple(valid.shape) != (batch, n):
+            raise ValueError(f"ContextScores: layer {layer_idx} attends over {batch} rows of {n} keys, but the padding "
+                             f"mask covers {tuple(self.key_valid.shape)} (rows, positions).")
         G = num_heads // H
         k = keys.float().transpose(-1, -2)  # [batch, H, d, n]
         best = self.scores.get(layer_idx)
@@ -68,7 +84,11 @@ class ContextScores:
             s = torch.matmul(qs, k).mul_(scaling).view(batch, H, G, t, n)  # [batch, H, G, t, n]
             pos = torch.arange(n - q + lo, n - q + hi, device=keys.device)  # absolute positions of the queries
             s.masked_fill_(torch.arange(n, device=keys.device)[None, :] > pos[:, None], float("-inf"))
+            if valid is not None:  # (a query at a real position sees itself, so no row is all -inf)
+                s.masked_fill_(~valid[:, None, None, None, :], float("-inf"))
             w = s.softmax(dim=-1)[..., : self.num_context]  # [batch, H, G, t, num_context]
+            if valid is not None:  # queries at padding score nothing
+                w = w.masked_fill(~valid[:, None, None, n - q + lo: n - q + hi, None], 0.0)
             best = torch.maximum(best, w.amax(dim=(2, 3)))
         self.scores[layer_idx] = best
 
@@ -82,15 +102,26 @@ class ContextScores:
                                 f"{(num_rows, num_kv_heads.get(layer), self.num_context)}")
             elif s.numel() and not (0 <= float(s.min()) and float(s.max()) <= 1):
                 problems.append(f"layer {layer}: scores outside [0, 1]")
+            elif self.key_valid is not None and bool(
+                    s.masked_select(~self.key_valid[:, None, : self.num_context].to(s.device)).any()):
+                problems.append(f"layer {layer}: a pad token scored above 0")
+        if self.key_valid is not None and self.key_valid.shape[0] != num_rows:
+            problems.append(f"the padding mask has {self.key_valid.shape[0]} rows, the cache {num_rows}")
         return problems
 
     def select_rows(self, idx: list[int]) -> None:
         """Rows become copies of rows `idx` (the cache's `reorder_cache` / `batch_select_indices`)."""
         for layer, s in self.scores.items():
             self.scores[layer] = s[torch.tensor(idx, device=s.device)]  # [len(idx), H, num_context]
+        if self.key_valid is not None:
+            self.key_valid = self.key_valid[torch.tensor(idx, device=self.key_valid.device)]
+
+    def context_valid(self) -> torch.Tensor | None:
+        """`[batch, num_context]` bool, False at the context's padding; None without padding."""
+        return None if self.key_valid is None else self.key_valid[:, : self.num_context]
 
     def copy(self) -> ContextScores:
         """An independent copy (tensors are shared: `record` replaces them, never writes them)."""
-        other = ContextScores(self.num_context)
+        other = ContextScores(self.num_context, self.key_valid)
         other.scores = dict(self.scores)
         return other

@@ -110,8 +110,9 @@ class Evictor:
             self.scoring.select_rows(idx)
 
     # -- scoring by a reconstruction pass (KVzip, `hf_pagedkv.compress_context`) --------------------------------------
-    def begin_scoring(self, held: int) -> None:
-        """From now on, the attention of every step scores the `held` tokens the rows hold now (`ContextScores`).
+    def begin_scoring(self, held: int, key_valid: torch.Tensor | None = None) -> None:
+        """From now on, the attention of every step scores the `held` tokens the rows hold now (`ContextScores`;
+        `key_valid`: its padding mask, `[rows, positions]` bool).
 
         Raises:
             ValueError: the policy is not scored this way (`reconstructs`), or the rows already evicted tokens.
@@ -122,20 +123,23 @@ class Evictor:
         if self.num_evicted:
             raise ValueError(f"the cache already evicted {self.num_evicted} tokens per row: compress_context "
                              "compresses a context once, right after its prefill.")
-        self.scoring = ContextScores(held)
+        self.scoring = ContextScores(held, key_valid)
 
-    def end_scoring(self) -> dict[int, torch.Tensor]:
-        """Stop scoring; the scores per layer index, `[batch, num_kv_heads, held]` each (empty if none)."""
-        scores, self.scoring = ({} if self.scoring is None else self.scoring.scores), None
-        return scores
+    def end_scoring(self) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
+        """Stop scoring; the scores per layer index, `[batch, num_kv_heads, held]` each (empty if none), and the
+        context's padding mask, `[batch, held]` bool (False at padding; None without)."""
+        scoring, self.scoring = self.scoring, None
+        return ({}, None) if scoring is None else (scoring.scores, scoring.context_valid())
 
-    def compress(self, cache: RetentionOwner, scores: dict[int, torch.Tensor]) -> None:
+    def compress(self, cache: RetentionOwner, scores: dict[int, torch.Tensor], valid: torch.Tensor | None = None,
+                 ) -> None:
         """Compact every (row, layer, head) to the policy's `keep_for(held)` best-`scores` tokens, as `evict` does
-        for a compaction.
+        for a compaction; `valid` (`[rows, held]` bool, False at left padding) keeps padding only where a row has
+        fewer real tokens than the budget (`ImportancePolicy.select`).
 
         Raises:
-            ValueError: a layer has no scores (its attention is not ``"hf_pagedkv"``), or they do not cover exactly
-                the held tokens of every row (nothing changed then).
+            ValueError: a layer has no scores (its attention is not ``"hf_pagedkv"``), or they (or `valid`) do not
+                cover exactly the held tokens of every row (nothing changed then).
             PoolExhaustedError: as `evict`.
         """
         groups = cache.retention_tables()
@@ -151,13 +155,15 @@ class Evictor:
                 'model with attn_implementation="hf_pagedkv" (or call model.set_attn_implementation("hf_pagedkv")). '
                 "Nothing was evicted.")
         bad = {tuple(s.shape[::2]) for s in scores.values()} - {(rows, held)}
+        if valid is not None and tuple(valid.shape) != (rows, held):
+            bad.add(tuple(valid.shape))
         if bad:
             raise ValueError(f"retention={self.policy!r}: scores of (rows, tokens) {sorted(bad)} do not match the "
                              f"{rows} rows of {held} tokens the cache holds; nothing was evicted.")
         keep = self.policy.keep_for(held)
         if 0 < keep < held:
-            keeps = self._tier_keeps(cache, groups, keep, held, scores)
-            self._compact(cache, groups, keeps, scores, WindowRealign(cache, held, max(keeps)))
+            keeps = self._tier_keeps(cache, groups, keep, held, scores, valid)
+            self._compact(cache, groups, keeps, scores, WindowRealign(cache, held, max(keeps)), valid)
 
     # -- per step ----------------------------------------------------------------------------------------------------
     def before_step(self, cache: RetentionOwner, new: int) -> None:
@@ -240,26 +246,27 @@ class Evictor:
         self._evicted(cache, held - n, n, {rt.group: freed, **moved})
 
     def _tier_keeps(self, cache: RetentionOwner, groups: list[RowTables], keep: int, held: int,
-                    scores: dict[int, torch.Tensor] | None = None) -> list[int]:
+                    scores: dict[int, torch.Tensor] | None = None, valid: torch.Tensor | None = None) -> list[int]:
         """The tokens each of `groups` keeps for a uniform keep count `keep` of `held`: chosen from a
         reconstruction pass's `scores` (`score_budgets`) when the policy does, else `tier_budgets`."""
         layers = [layer for layer in cache.retention_layers() if layer.is_initialized]
         if scores is not None and len(groups) > 1:
             by_tier = [[scores[layer.layer_idx] for layer in layers if layer.group == rt.group] for rt in groups]
-            keeps = self.policy.score_budgets(by_tier, keep, held, cache.block_size)
+            keeps = self.policy.score_budgets(by_tier, keep, held, cache.block_size, valid)
             if keeps is not None:
                 return keeps
         sizes = [sum(layer.group == rt.group for layer in layers) for rt in groups]
         return self.policy.tier_budgets(keep, held, sizes, cache.block_size)
 
     def _compact(self, cache: RetentionOwner, groups: list[RowTables], keeps: list[int],
-                 scores: dict[int, torch.Tensor] | None = None, realign: WindowRealign | None = None) -> None:
+                 scores: dict[int, torch.Tensor] | None = None, realign: WindowRealign | None = None,
+                 valid: torch.Tensor | None = None) -> None:
         """Each (row, layer, head) of group ``groups[i]`` keeps the policy's ``keeps[i]`` tokens, written into fresh
         blocks (slot `j`: the head's `j`-th kept token); then the old blocks are freed. The tables span the most
         any group keeps, and a group keeping ``d * block_size`` fewer drops its first `d` logical block positions
         instead. `scores`
         (layer -> `[rows, num_kv_heads, held]`) are what `select` gets for a policy scored by a reconstruction pass
-        (`KVzip`). The sliding groups follow (`realign`)."""
+        (`KVzip`), `valid` their padding mask (`[rows, held]`). The sliding groups follow (`realign`)."""
         pool, B = cache.pool, cache.block_size
         held, span = groups[0].rows[0].num_tokens, max(keeps)
         assert all(0 < k <= span and (span - k) % B == 0 for k in keeps), f"tier budgets {keeps} of {span}"
@@ -273,7 +280,7 @@ class Evictor:
         rows_idx, layers = torch.tensor(writers), cache.retention_layers()
         for rt, keep in zip(groups, keeps):
             freed[rt.group] = self._compact_group(cache, rt, [layer for layer in layers if layer.group == rt.group],
-                                                  keep, span, by_table, rows_idx, scores)
+                                                  keep, span, by_table, rows_idx, scores, valid)
         self.num_intact_blocks = 0
         self._evicted(cache, span, held - span, freed, {rt.group: k for rt, k in zip(groups, keeps)})
 
@@ -289,7 +296,7 @@ class Evictor:
 
     def _compact_group(self, cache: RetentionOwner, rt: RowTables, layers: list, keep: int, span: int,
                        by_table: dict[tuple, list[int]], rows_idx: torch.Tensor,
-                       scores: dict[int, torch.Tensor] | None = None) -> list[int]:
+                       scores: dict[int, torch.Tensor] | None = None, valid: torch.Tensor | None = None) -> list[int]:
         """`_compact` in one layer group (its blocks reserved): the kept tokens of `layers` into fresh blocks at the
         logical positions ``span - keep .. span - 1``; returns the block ids let go."""
         pool, B, g = cache.pool, cache.block_size, rt.group
@@ -318,7 +325,10 @@ class Evictor:
                             self.observed.scaling[layer.layer_idx])
             if len(writers) < k.shape[0]:
                 k, v = k.index_select(0, rows_idx.to(device)), v.index_select(0, rows_idx.to(device))
-            idx = self.policy.select(k, keep, observed)  # [writers, num_kv_heads, keep]
+            v_rows = None if valid is None else valid.to(device)
+            if v_rows is not None and len(writers) < v_rows.shape[0]:
+                v_rows = v_rows.index_select(0, rows_idx.to(device))
+            idx = self.policy.select(k, keep, observed, valid=v_rows)  # [writers, num_kv_heads, keep]
             k = k.gather(2, idx[..., None].expand(-1, -1, -1, k.shape[-1]))  # [writers, num_kv_heads, keep, dim]
             v = v.gather(2, idx[..., None].expand(-1, -1, -1, v.shape[-1]))
             if device not in targets:  # (a quantized store encodes the kept tokens in their new blocks)

@@ -111,23 +111,34 @@ class ImportancePolicy(RetentionPolicy):
         query-aware policy (`needs_queries`) gets from the attention (`QueryWindow`); the others ignore it."""
         raise NotImplementedError
 
-    def select(self, keys: torch.Tensor, keep: int, observed: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    def select(self, keys: torch.Tensor, keep: int, observed: tuple[torch.Tensor, float] | None = None,
+               valid: torch.Tensor | None = None) -> torch.Tensor:
         """The `keep` highest-scoring tokens per head (ties: the older first), the protected sinks and the last
-        `recent_for(keep)` tokens first; ascending.
+        `recent_for(keep)` tokens first; ascending. With `valid` (a left-padded batch) the sinks are each row's first
+        real tokens and padding comes after every real token, so a row keeps padding only if it has fewer than
+        `keep` real tokens; kept in ascending order, that padding sits where the row's attention mask masks it.
 
         Args:
             keys (`torch.Tensor` of shape `[batch, num_kv_heads, held, head_dim]`).
             keep (`int`): tokens kept per head.
             observed (`(queries, scaling)`, *optional*): for a query-aware policy, the observation window's queries
                 `[batch, num_heads, w, head_dim]` and the attention's scale.
+            valid (`torch.BoolTensor` of shape `[batch, held]`, *optional*): False at each row's left padding.
 
         Returns:
             `torch.LongTensor` of shape `[batch, num_kv_heads, keep]`.
         """
         held = keys.shape[2]
         s = self.scores(keys, observed).clone()  # [batch, num_kv_heads, held]
-        s[..., : self.sink_tokens] = float("inf")
+        if valid is None:
+            s[..., : self.sink_tokens] = float("inf")
+        else:  # the sinks: the first real tokens of each row
+            first = (~valid).sum(dim=-1, keepdim=True)  # [batch, 1]: the row's padding
+            pos = torch.arange(held, device=s.device)[None, :] - first.to(s.device)  # [batch, held]
+            s.masked_fill_(((pos >= 0) & (pos < self.sink_tokens))[:, None, :], float("inf"))
         s[..., max(0, held - self.recent_for(keep)):] = float("inf")
+        if valid is not None:
+            s.masked_fill_(~valid.to(s.device)[:, None, :], float("-inf"))
         # NOTE: a stable sort, so equal scores keep the older token: equal scores are common (RoPE is a rotation, so
         # a repeated token has the same key norm at every position in the first layer), and the choice must not
         # depend on the kernel

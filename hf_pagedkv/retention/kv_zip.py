@@ -113,7 +113,7 @@ class KVzip(ImportancePolicy):
         return list(range(num_layers)) if self.is_tiered() else [0] * num_layers
 
     def score_budgets(self, scores: list[list[torch.Tensor]], keep: int, held: int,
-                      block_size: int) -> list[int] | None:
+                      block_size: int, valid: torch.Tensor | None = None) -> list[int] | None:
         """The tokens each tier keeps per (row, layer, KV head), from KVzip's ranking across layers
         (``layer_budgets="global"``; None otherwise, which keeps `keep` everywhere).
 
@@ -123,6 +123,9 @@ class KVzip(ImportancePolicy):
             keep (`int`): the uniform budget (`keep_for(held)`), ``0 < keep < held``.
             held (`int`): context tokens held.
             block_size (`int`): tokens per block.
+            valid (`torch.BoolTensor` of shape `[rows, held]`, *optional*): False at left padding, which is ranked
+                last. NOTE: the sinks are still counted at the first positions there (`select` keeps each row's
+                first real tokens), so a padded row's budget is estimated, not exact.
 
         Returns:
             `list[int]`: each tier's keep count, tier 0 first; each at least ``sink_tokens + recent_tokens + 1`` (or
@@ -133,16 +136,21 @@ class KVzip(ImportancePolicy):
             return None
         lo, hi = min(self.sink_tokens, held), max(min(self.sink_tokens, held), held - self.recent_tokens)
         protected = held - (hi - lo)  # kept by every head, not ranked
-        ranked = [[pool_scores(s.float(), self.kernel_size, self.pooling)[..., lo:hi] for s in tier] for tier in scores]
+        ranked = [[pool_scores(s.float(), self.kernel_size, self.pooling) for s in tier] for tier in scores]
+        if valid is not None:
+            ranked = [[s.masked_fill(~valid.to(s.device)[:, None, :], float("-inf")) for s in tier] for tier in ranked]
+        ranked = [[s[..., lo:hi] for s in tier] for tier in ranked]
         pairs = sum(s.shape[1] for tier in ranked for s in tier)
         per_head = max(0, min(keep - protected, hi - lo))  # the ranked tokens a uniform budget keeps per head
         guard = int(self.safeguard * per_head)
         if guard:  # each head's best `guard` tokens first (AdaKV's safeguard), then the ranking across layers
-            ranked = [[s.scatter(-1, s.topk(guard, dim=-1).indices, float("inf")) for s in tier] for tier in ranked]
+            ranked = [[torch.where(s.isneginf(), s, s.scatter(-1, s.topk(guard, dim=-1).indices, float("inf")))
+                       for s in tier] for tier in ranked]
         flat = torch.cat([s.reshape(s.shape[0], -1) for tier in ranked for s in tier], dim=1)  # [rows, pairs * m]
         chosen = torch.zeros_like(flat, dtype=torch.bool)
         if per_head:
             chosen.scatter_(1, flat.topk(per_head * pairs, dim=1).indices, True)
+            chosen &= ~flat.isneginf()  # (padding, where a row has fewer real tokens than the budget)
         means, at = [], 0  # per tier: the ranked tokens its heads hold on average, over rows, layers and heads
         for tier in ranked:
             width = sum(s.shape[1] * s.shape[2] for s in tier)

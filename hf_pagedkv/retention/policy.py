@@ -44,7 +44,8 @@ class RetentionPolicy:
         """For a query-aware policy: whether the queries of forward step `step` (0 for the first) are needed."""
         return False
 
-    def select(self, keys: torch.Tensor, keep: int, observed: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    def select(self, keys: torch.Tensor, keep: int, observed: tuple[torch.Tensor, float] | None = None,
+               valid: torch.Tensor | None = None) -> torch.Tensor:
         """For a token-level policy: which `keep` held tokens each head keeps.
 
         Args:
@@ -53,6 +54,7 @@ class RetentionPolicy:
             keep (`int`): tokens to keep per head, ``0 < keep < held``.
             observed (`(queries, scaling)`, *optional*): for a query-aware policy (`needs_queries`), the recorded
                 queries `[batch, num_heads, w, head_dim]` of the layer and its attention's scale.
+            valid (`torch.BoolTensor` of shape `[batch, held]`, *optional*): False at each row's left padding.
 
         Returns:
             `torch.LongTensor` of shape `[batch, num_kv_heads, keep]`: logical indices, ascending per head.
@@ -83,10 +85,10 @@ class RetentionPolicy:
         return [keep] * len(tier_sizes)
 
     def score_budgets(self, scores: list[list[torch.Tensor]], keep: int, held: int,
-                      block_size: int) -> list[int] | None:
+                      block_size: int, valid: torch.Tensor | None = None) -> list[int] | None:
         """For a policy scored by a reconstruction pass (`KVzip`): the tokens each tier keeps, chosen from the
-        `scores` (per tier, its layers' `[rows, num_kv_heads, held]` scores) for a uniform budget `keep` of `held`;
-        or None to use `tier_budgets`."""
+        `scores` (per tier, its layers' `[rows, num_kv_heads, held]` scores; `valid`: `[rows, held]`, False at left
+        padding) for a uniform budget `keep` of `held`; or None to use `tier_budgets`."""
         return None
 
     def max_held(self, new: int, block_size: int) -> int | None:

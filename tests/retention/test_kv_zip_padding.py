@@ -133,3 +133,29 @@ def test_a_mask_without_padding_changes_nothing(llama):
     assert all(torch.equal(p.keys, m.keys) for p, m in zip(plain.layers, masked.layers))
     plain.release()
     masked.release()
+
+
+def test_generate_after_a_padded_compression_answers_as_each_row_alone(llama):
+    # the user's path: prefill, compress_context with the mask, then generate(context + question, mask + 1s); generate
+    # gives the question its positions from the mask. Greedy tokens of each row equal the row compressed alone (the
+    # logits agree to 1e-4, far inside the gaps between a random model's top logits)
+    policy = KVzip(budget=10, sink_tokens=2, recent_tokens=3)
+    real = [ids(1, N, seed=38)[0], ids(1, N - 7, seed=39)[0]]
+    x = torch.stack([real[0], torch.cat([torch.full((7,), PAD), real[1]])])
+    mask = (x != PAD).long()
+    mask[0] = 1
+    question = ids(2, 3, seed=40)
+    cache = prefill(llama, x, policy, mask)
+    compress_context(llama, cache, x, prompt_ids=PROMPT, attention_mask=mask)
+    full = torch.cat([mask, torch.ones_like(question)], 1)
+    out = llama.generate(torch.cat([x, question], 1), attention_mask=full, **cache_kwargs(cache), max_new_tokens=4,
+                         do_sample=False, pad_token_id=PAD)
+    cache.check_invariants()
+    for r, row in enumerate(real):
+        solo = prefill(llama, row[None], policy)
+        compress_context(llama, solo, row[None], prompt_ids=PROMPT)
+        alone = llama.generate(torch.cat([row, question[r]])[None], **cache_kwargs(solo), max_new_tokens=4,
+                               do_sample=False, pad_token_id=PAD)
+        assert out[r, -4:].tolist() == alone[0, -4:].tolist()
+        solo.release()
+    cache.release()

@@ -149,7 +149,7 @@ def _context_mask(attention_mask, shape: tuple[int, int], device) -> torch.Tenso
 
     try:
         padding = LeftPadding.from_mask(attention_mask)
-    except ValueError as exc:
+    except (ValueError, TypeError, RuntimeError) as exc:  # (RuntimeError: e.g. a mask on the meta device)
         raise ValueError(f"compress_context: {str(exc).removeprefix('set_padding: ')} Nothing was run or "
                          "evicted.") from None
     got = tuple(torch.as_tensor(attention_mask).shape)

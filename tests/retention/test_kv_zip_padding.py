@@ -103,6 +103,7 @@ def test_padding_is_kept_last_by_the_ranking_across_layers(llama):
     (lambda m: m.flip(-1), "left padding"),  # right padding
     (lambda m: m * 2, "0s and 1s"),
     (lambda m: m[0], "0s and 1s"),  # 1-D
+    (lambda m: m.to("meta"), "meta"),  # no values to read
 ])
 def test_a_wrong_mask_is_refused_and_nothing_is_evicted(llama, bad, message):
     x = ids(2, N, seed=36)

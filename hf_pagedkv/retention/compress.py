@@ -152,10 +152,9 @@ def _context_mask(attention_mask, shape: tuple[int, int], device) -> torch.Tenso
     except (ValueError, TypeError, RuntimeError) as exc:  # (RuntimeError: e.g. a mask on the meta device)
         raise ValueError(f"compress_context: {str(exc).removeprefix('set_padding: ')} Nothing was run or "
                          "evicted.") from None
-    got = tuple(torch.as_tensor(attention_mask).shape)
-    if got != shape:
-        raise ValueError(f"compress_context: attention_mask has shape {got}, but the context is {shape} (rows, "
-                         "tokens): pass the mask of the very context the cache holds. Nothing was run or evicted.")
-    if not any(padding.tokens):
-        return None
-    return torch.as_tensor(attention_mask).to(device).bool()
+    mask = torch.as_tensor(attention_mask)
+    if tuple(mask.shape) != shape:
+        raise ValueError(f"compress_context: attention_mask has shape {tuple(mask.shape)}, but the context is {shape} "
+                         "(rows, tokens): pass the mask of the very context the cache holds. Nothing was run or "
+                         "evicted.")
+    return mask.to(device).bool() if any(padding.tokens) else None

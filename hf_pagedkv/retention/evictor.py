@@ -278,6 +278,8 @@ class Evictor:
         self._reserve(pool, {**need, **(realign.needs() if realign is not None else {})})
         freed = realign.apply() if realign is not None else {}
         rows_idx, layers = torch.tensor(writers), cache.retention_layers()
+        if valid is not None and len(writers) < valid.shape[0]:  # (the writers' rows, once for every layer)
+            valid = valid.index_select(0, rows_idx.to(valid.device))
         for rt, keep in zip(groups, keeps):
             freed[rt.group] = self._compact_group(cache, rt, [layer for layer in layers if layer.group == rt.group],
                                                   keep, span, by_table, rows_idx, scores, valid)
@@ -298,7 +300,8 @@ class Evictor:
                        by_table: dict[tuple, list[int]], rows_idx: torch.Tensor,
                        scores: dict[int, torch.Tensor] | None = None, valid: torch.Tensor | None = None) -> list[int]:
         """`_compact` in one layer group (its blocks reserved): the kept tokens of `layers` into fresh blocks at the
-        logical positions ``span - keep .. span - 1``; returns the block ids let go."""
+        logical positions ``span - keep .. span - 1``; returns the block ids let go. `valid` (`[writers, held]`): the
+        writers' padding mask."""
         pool, B, g = cache.pool, cache.block_size, rt.group
         nb, dropped = num_blocks_for(keep, B), (span - keep) // B
         writers = [members[0] for members in by_table.values()]
@@ -325,10 +328,7 @@ class Evictor:
                             self.observed.scaling[layer.layer_idx])
             if len(writers) < k.shape[0]:
                 k, v = k.index_select(0, rows_idx.to(device)), v.index_select(0, rows_idx.to(device))
-            v_rows = None if valid is None else valid.to(device)
-            if v_rows is not None and len(writers) < v_rows.shape[0]:
-                v_rows = v_rows.index_select(0, rows_idx.to(device))
-            idx = self.policy.select(k, keep, observed, valid=v_rows)  # [writers, num_kv_heads, keep]
+            idx = self.policy.select(k, keep, observed, valid=valid)  # [writers, num_kv_heads, keep]
             k = k.gather(2, idx[..., None].expand(-1, -1, -1, k.shape[-1]))  # [writers, num_kv_heads, keep, dim]
             v = v.gather(2, idx[..., None].expand(-1, -1, -1, v.shape[-1]))
             if device not in targets:  # (a quantized store encodes the kept tokens in their new blocks)

@@ -136,10 +136,14 @@ class KVzip(ImportancePolicy):
             return None
         lo, hi = min(self.sink_tokens, held), max(min(self.sink_tokens, held), held - self.recent_tokens)
         protected = held - (hi - lo)  # kept by every head, not ranked
-        ranked = [[pool_scores(s.float(), self.kernel_size, self.pooling) for s in tier] for tier in scores]
-        if valid is not None:
-            ranked = [[s.masked_fill(~valid.to(s.device)[:, None, :], float("-inf")) for s in tier] for tier in ranked]
-        ranked = [[s[..., lo:hi] for s in tier] for tier in ranked]
+
+        def rank(s: torch.Tensor) -> torch.Tensor:  # [rows, num_kv_heads, held] -> the ranked part, padding -inf
+            pooled = pool_scores(s.float(), self.kernel_size, self.pooling)
+            if valid is not None:
+                pooled = pooled.masked_fill(~valid.to(s.device)[:, None, :], float("-inf"))
+            return pooled[..., lo:hi]
+
+        ranked = [[rank(s) for s in tier] for tier in scores]
         pairs = sum(s.shape[1] for tier in ranked for s in tier)
         per_head = max(0, min(keep - protected, hi - lo))  # the ranked tokens a uniform budget keeps per head
         guard = int(self.safeguard * per_head)

@@ -165,18 +165,24 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             policy.layer_tiers(model.num_layers - model.num_sliding)  # PyramidKV: enough full-attention layers
         except ValueError as e:
             parser.error(f"--retention {args.retention}: {e}")
+        peak = min(held, args.max_seq_len)
         if held < args.max_seq_len:
             print(f"retention {policy}: each sequence of {args.max_seq_len:,} tokens holds at most {held:,} "
                   "once compressed")
-            peak = held
-            if isinstance(policy, ImportancePolicy):  # (SinkWindow drops whole blocks before a step: no peak)
-                # the prefill holds the whole prompt, and the compaction writes the kept tokens into fresh blocks
-                # before it frees the old ones; KVzip's reconstruction pass first holds the context twice
-                peak = (2 if policy.reconstructs else 1) * args.max_seq_len + held
-                print(f"while it compresses, a sequence holds up to {peak:,} tokens (the whole prompt"
-                      f"{' twice, for the reconstruction pass,' if policy.reconstructs else ''} plus the kept tokens "
-                      "in fresh blocks): the plan below is sized for that peak")
-            args.max_seq_len = peak
+        elif bound is None and ratio is None and policy.keep_for(args.max_seq_len) < args.max_seq_len:
+            print(f"retention {policy}: the prompt is compressed once, to {policy.budget:,} tokens per layer and KV "
+                  "head on average; the tokens generated after it are kept, so a sequence may hold all "
+                  f"{args.max_seq_len:,}")
+        kept = policy.keep_for(args.max_seq_len) if isinstance(policy, ImportancePolicy) else args.max_seq_len
+        if kept < args.max_seq_len:  # (SinkWindow drops whole blocks before a step: no peak beyond its bound)
+            # the prefill holds the whole prompt, and the compaction writes the kept tokens (and the step's token)
+            # into fresh blocks before it frees the old ones; KVzip's reconstruction pass first holds the context
+            # twice. The worst case is a prompt of max_seq_len tokens, budget or ratio alike.
+            peak = (2 if policy.reconstructs else 1) * args.max_seq_len + kept + 1
+            print(f"while it compresses, a sequence holds up to {peak:,} tokens (the whole prompt"
+                  f"{' twice, for the reconstruction pass,' if policy.reconstructs else ''} plus the kept tokens "
+                  "in fresh blocks): the plan below is sized for that peak")
+        args.max_seq_len = peak
     try:
         plan = plan_capacity(model, args.max_seq_len, args.batch, quant=args.quant, dtype=args.dtype,
                              block_size=args.block_size, value_group_size=args.value_group_size, memory=memory,

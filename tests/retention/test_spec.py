@@ -76,3 +76,17 @@ def test_plan_counts_the_protected_tokens_of_a_ratio(capsys):
     argv = ["plan", "--max-seq-len", "1000", "--batch", "1", "--memory", "1GiB", "--retention", "key_norm:0.99"]
     main(argv)
     assert "holds at most 70 once compressed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("spec, peak", [("kv_zip:2000", 2 * 4096 + 2000 + 1), ("kv_zip_global:3000", 2 * 4096 + 3001),
+                                        ("snapkv:3000", 4096 + 3001), ("key_norm:2000", 4096 + 2001)])
+def test_a_budget_plans_the_peak_while_it_compresses_as_a_ratio_does(spec, peak, capsys):
+    """A budget below max_seq_len compresses a prompt of max_seq_len tokens: the prefill (twice, for KVzip's
+    reconstruction pass) plus the kept tokens in fresh blocks; a budget the prompt never reaches plans no peak."""
+    argv = ["plan", "--max-seq-len", "4096", "--batch", "1", "--memory", "8GiB", "--block-size", "16"]
+    assert main(argv + ["--retention", spec]) == 0
+    out = capsys.readouterr().out
+    assert f"holds up to {peak:,} tokens" in out and f"per sequence: {peak:,} tokens" in out
+    assert main(argv + ["--retention", spec.split(":")[0] + ":5000"]) == 0
+    out = capsys.readouterr().out
+    assert "holds up to" not in out and "per sequence: 4,096 tokens" in out

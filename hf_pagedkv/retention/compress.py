@@ -43,7 +43,7 @@ def compress_context(model, cache, context_ids, tokenizer=None, prompt_ids: Sequ
         tokenizer (*optional*): builds the repeat prompt (`repeat_prompt_ids`) when `prompt_ids` is not given.
             Pass one (or `prompt_ids`): without a prompt the context is repeated right after itself, which scored
             worse (1 of 3 keys against 2 of 3, same setting as `repeat_prompt_ids`).
-        prompt_ids (`Sequence[int]`, *optional*): the repeat prompt's token ids.
+        prompt_ids (`Sequence[int]` or 1-D integer tensor, *optional*): the repeat prompt's token ids.
         attention_mask (`torch.Tensor` of shape `[batch, n]`, *optional*): for a left-padded batch, the context's
             mask (1 for real tokens, 0 for left padding), as given to the prefill. The reconstruction pass then
             gets the mask and the positions `generate` would give (padding masked; each row's positions count its
@@ -58,7 +58,8 @@ def compress_context(model, cache, context_ids, tokenizer=None, prompt_ids: Sequ
         padding).
 
     Raises:
-        ValueError: the model's attention is not ``"hf_pagedkv"``; the cache has no `KVzip` policy, is empty,
+        ValueError: `model` is not a transformers model or its attention is not ``"hf_pagedkv"``; `prompt_ids` not a
+            flat sequence of ints; `tokenizer` not a tokenizer; the cache has no `KVzip` policy, is empty,
             already evicted tokens, or does not hold exactly `context_ids` (length or batch differ); a token id
             outside the vocabulary; `attention_mask` not of the context's shape `[batch, n]` or not left padding
             (0s then 1s in each row, at least one 1). Nothing is evicted then, and the cache holds the context as
@@ -76,6 +77,9 @@ def compress_context(model, cache, context_ids, tokenizer=None, prompt_ids: Sequ
     """
     from hf_pagedkv.adapter.paged_cache import PagedCache  # the cache module imports the retention package
 
+    if not callable(getattr(model, "get_input_embeddings", None)) or not hasattr(model, "config"):
+        raise ValueError(f"compress_context runs a transformers causal LM (`AutoModelForCausalLM.from_pretrained(..., "
+                         f'attn_implementation="hf_pagedkv")`), got {type(model).__name__}.')
     if not isinstance(cache, PagedCache):
         raise ValueError(f"compress_context compresses a hf_pagedkv.PagedCache, got {type(cache).__name__}.")
     policy = cache.retention_policy
@@ -108,9 +112,7 @@ def compress_context(model, cache, context_ids, tokenizer=None, prompt_ids: Sequ
     if stats.tokens_seen and (stats.tokens_seen != ctx.shape[1] or cache.num_rows != ctx.shape[0]):
         raise ValueError(f"compress_context: the cache holds {cache.num_rows} rows of {stats.tokens_seen} tokens, "
                          f"but `context_ids` is {tuple(ctx.shape)}: prefill exactly the context, then compress.")
-    if prompt_ids is None:
-        prompt_ids = repeat_prompt_ids(tokenizer) if tokenizer is not None else []
-    prompt = torch.as_tensor(list(prompt_ids), dtype=torch.long, device=model.device)[None].expand(ctx.shape[0], -1)
+    prompt = _prompt_ids(tokenizer, prompt_ids, model.device)[None].expand(ctx.shape[0], -1)  # [batch, m]
     vocab = model.get_input_embeddings().num_embeddings
     for name, ids in (("context_ids", ctx), ("prompt_ids", prompt)):
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
@@ -135,6 +137,46 @@ def compress_context(model, cache, context_ids, tokenizer=None, prompt_ids: Sequ
         cache.end_context_scoring(cache.retention_stats().tokens_held - ctx.shape[1], compress=False)
         raise
     return cache.end_context_scoring(done)
+
+
+def _prompt_ids(tokenizer, prompt_ids, device) -> torch.Tensor:
+    """The repeat prompt as a `[m]` long tensor on `device`: `prompt_ids`, else `repeat_prompt_ids(tokenizer)`, else
+    empty.
+
+    Raises:
+        ValueError: `prompt_ids` not a flat sequence (or 1-D integer tensor) of ints (bools and floats refused: they
+            would be silently truncated); `tokenizer` not a tokenizer.
+    """
+    if prompt_ids is None and tokenizer is not None:
+        try:
+            prompt_ids = repeat_prompt_ids(tokenizer)
+        except Exception as exc:  # (what a non-tokenizer raises is anyone's guess)
+            raise ValueError(f"`tokenizer` must be a Hugging Face tokenizer (`AutoTokenizer.from_pretrained(...)`), "
+                             f"got {type(tokenizer).__name__} ({type(exc).__name__}: {exc}). Nothing was run or "
+                             "evicted.") from None
+    if prompt_ids is None:
+        return torch.empty(0, dtype=torch.long, device=device)
+    if isinstance(prompt_ids, Sequence) and not isinstance(prompt_ids, (str, bytes)):  # a list, tuple, range
+        ids = list(prompt_ids)
+        ok = all(not isinstance(i, bool) and hasattr(i, "__index__") for i in ids)  # (numpy ints too; not 1.5)
+    else:  # a tensor or an array
+        try:
+            t = torch.as_tensor(prompt_ids) if not isinstance(prompt_ids, (str, bytes)) else None
+        except (TypeError, ValueError, RuntimeError):
+            t = None
+        ok = t is not None and t.dim() == 1 and not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+        ids = t.tolist() if ok else None
+    if not ok:
+        raise ValueError(f"`prompt_ids` must be a flat sequence of ints (token ids, e.g. `repeat_prompt_ids(tokenizer)`)"
+                         f" or a 1-D integer tensor, got {_describe(prompt_ids)}. Nothing was run or evicted.")
+    return torch.tensor([i.__index__() for i in ids], dtype=torch.long, device=device)
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
 
 
 def _context_mask(attention_mask, shape: tuple[int, int], device) -> torch.Tensor | None:

@@ -6,6 +6,7 @@ head's evicted positions."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -149,6 +150,17 @@ def test_refusals_change_nothing(llama):
         compress_context(llama, cache, x, prompt_ids=[-1])
     with pytest.raises(ValueError, match="`context_ids` holds token ids outside"):
         compress_context(llama, cache, torch.full_like(x, llama.config.vocab_size), prompt_ids=PROMPT)
+    # a float or bool would be truncated to another token id, silently: refused, as are nested or non-int ids
+    for bad in ([1.5], [True], (5, 6.0), "hello", [[1]], [None], torch.tensor([[5, 6]]), torch.tensor([5.0]),
+                torch.tensor([True]), 7):
+        with pytest.raises(ValueError, match="`prompt_ids` must be a flat sequence of ints"):
+            compress_context(llama, cache, x, prompt_ids=bad)
+    for bad in (object(), "gpt2", lambda text, **kw: None):
+        with pytest.raises(ValueError, match="`tokenizer` must be a Hugging Face tokenizer"):
+            compress_context(llama, cache, x, tokenizer=bad)
+    for bad in (None, "llama", llama.model.layers):
+        with pytest.raises(ValueError, match="runs a transformers causal LM"):
+            compress_context(bad, cache, x, prompt_ids=PROMPT)
     assert cache.block_tables() == tables and cache.get_seq_length() == N
     cache.check_invariants()
     compress_context(llama, cache, x, prompt_ids=PROMPT)
@@ -166,6 +178,19 @@ def test_refusals_change_nothing(llama):
         other.release()
     with pytest.raises(ValueError, match="PagedCache"):
         compress_context(llama, object(), x)
+
+
+@pytest.mark.parametrize("form", [tuple, torch.tensor, np.array, lambda p: [np.int64(i) for i in p]])
+def test_prompt_ids_as_a_tuple_tensor_or_array_compress_as_the_list_does(llama, form):
+    x = ids(1, N, seed=26)
+    scores = {}
+    for key, prompt in (("list", PROMPT), ("form", form(PROMPT))):
+        cache = prefilled(llama, x, KVzip(budget=12, recent_tokens=2))
+        scores[key] = compress_context(llama, cache, x, prompt_ids=prompt)
+        cache.check_invariants()
+        cache.release()
+    assert scores["list"].keys() == scores["form"].keys()
+    assert all(torch.equal(scores["list"][i], scores["form"][i]) for i in scores["list"])  # the same steps: bit-equal
 
 
 def test_an_error_in_the_reconstruction_pass_crops_it_and_keeps_the_context(llama):

@@ -167,8 +167,8 @@ def _prompt_ids(tokenizer, prompt_ids, device) -> torch.Tensor:
         ok = t is not None and t.dim() == 1 and not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
         ids = t.tolist() if ok else None
     if not ok:
-        raise ValueError(f"`prompt_ids` must be a flat sequence of ints (token ids, e.g. `repeat_prompt_ids(tokenizer)`)"
-                         f" or a 1-D integer tensor, got {_describe(prompt_ids)}. Nothing was run or evicted.")
+        raise ValueError("`prompt_ids` must be a flat sequence of ints (token ids, e.g. `repeat_prompt_ids(tokenizer)`) "
+                         f"or a 1-D integer tensor, got {_describe(prompt_ids)}. Nothing was run or evicted.")
     return torch.tensor([i.__index__() for i in ids], dtype=torch.long, device=device)
 
 

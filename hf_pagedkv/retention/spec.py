@@ -33,24 +33,63 @@ def parse_retention(spec: str) -> RetentionPolicy:
     `PyramidKV(compression_ratio=0.5)`; ``"kv_zip:0.5"`` (or ``"kvzip:0.5"``) -> `KVzip(compression_ratio=0.5)`;
     ``"kv_zip:0.5:0.25"`` -> `KVzip(compression_ratio=0.5, recent_share=0.25)` (a third part, for any importance
     policy: its `recent_share`); ``"kv_zip_global:0.5"`` -> `KVzip(compression_ratio=0.5, kernel_size=7,
-    layer_budgets="global")` (the passkey eval's `kv_zip_global`; its cache needs ``config=``).
+    layer_budgets="global")` (the passkey eval's `kv_zip_global`; its cache needs ``config=``). Whitespace around
+    the spec is ignored.
 
     Raises:
-        ValueError: an unknown policy name or malformed numbers (the message lists the forms, `SPEC_HELP`).
+        ValueError: naming the part that is wrong and its form: an unknown policy name, the wrong number of parts or
+            an empty one, a number that is not one (or neither a RATIO in (0, 1) nor an int BUDGET), or settings the
+            policy refuses (e.g. a budget below its protected tokens).
     """
-    name, _, rest = spec.strip().partition(":")
-    parts = [p for p in rest.split(":") if p]
+    if not isinstance(spec, str):
+        raise ValueError(f"--retention: expected a string such as 'kv_zip:0.5', got {type(spec).__name__}.")
+    name, *parts = spec.strip().split(":")
+    if name != "sink_window" and name not in _IMPORTANCE:
+        raise ValueError(f"--retention {spec!r}: unknown policy {name!r}; the policies: "
+                         f"{', '.join(dict.fromkeys(['sink_window', *_IMPORTANCE]))} (`hf-pagedkv plan --help` gives their "
+                         "forms).")
+    form = ("sink_window:SINK:WINDOW, two ints (e.g. sink_window:4:1024)" if name == "sink_window" else
+            f"{name}:BUDGET or {name}:RATIO, then optionally :SHARE (e.g. {name}:512, {name}:0.5 or {name}:0.5:0.25)")
+    counts = (2,) if name == "sink_window" else (1, 2)
+    if len(parts) not in counts or any(not p.strip() for p in parts):
+        got = f"part {[p.strip() for p in parts].index('') + 1} after the name is empty" if "" in [
+            p.strip() for p in parts] else f"{len(parts)} part{'s' if len(parts) != 1 else ''} after the name"
+        raise ValueError(f"--retention {spec!r}: {got}; expected {form}.")
     try:
-        if name == "sink_window" and len(parts) == 2:
-            return SinkWindow(sink_tokens=int(parts[0]), window=int(parts[1]))
-        if name in _IMPORTANCE and len(parts) in (1, 2):
-            cls = _IMPORTANCE[name]
-            value = float(parts[0])
-            extra = dict(_SETTINGS.get(name, {}), **({"recent_share": float(parts[1])} if len(parts) == 2 else {}))
-            if 0 < value < 1:
-                return cls(compression_ratio=value, **extra)
-            return cls(budget=int(parts[0]), **extra)  # 0: a budget
+        if name == "sink_window":
+            return SinkWindow(sink_tokens=_int(spec, "SINK", parts[0]), window=_int(spec, "WINDOW", parts[1]))
+        extra = dict(_SETTINGS.get(name, {}))
+        if len(parts) == 2:
+            extra["recent_share"] = _float(spec, "SHARE (a float in [0, 1))", parts[1])
+        value = _float(spec, "BUDGET or RATIO (an int of tokens kept, or a float in (0, 1))", parts[0])
+        if 0 < value < 1:
+            return _IMPORTANCE[name](compression_ratio=value, **extra)
+        try:
+            budget = int(parts[0])
+        except ValueError:
+            raise ValueError(f"--retention {spec!r}: {parts[0].strip()!r} is neither a RATIO (a float in (0, 1), the "
+                             "fraction of the prompt removed) nor a BUDGET (an int, the tokens kept).") from None
+        return _IMPORTANCE[name](budget=budget, **extra)
     except ValueError as e:
-        detail = str(e) if str(e).startswith("`") else f"expected one of {SPEC_HELP}"  # int('a') says nothing useful
-        raise ValueError(f"--retention {spec!r}: {detail.rstrip('.')}.") from None
-    raise ValueError(f"--retention {spec!r}: expected one of {SPEC_HELP}.")
+        if str(e).startswith("--retention"):
+            raise
+        cls = _IMPORTANCE.get(name, SinkWindow).__name__
+        detail = str(e).rstrip(".").replace(  # (the command line sets no sink_tokens/recent_tokens)
+            "Lower sink_tokens/recent_tokens for a smaller budget",
+            f"Give a larger BUDGET or a RATIO; a smaller budget needs the policy built in Python with fewer protected "
+            f"tokens, e.g. {cls}(budget=..., sink_tokens=..., recent_tokens=...)")
+        raise ValueError(f"--retention {spec!r}: {detail}.") from None
+
+
+def _int(spec: str, what: str, text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"--retention {spec!r}: {what} must be an int, got {text.strip()!r}.") from None
+
+
+def _float(spec: str, what: str, text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"--retention {spec!r}: {what} is not a number: {text.strip()!r}.") from None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_pagedkv import KeyDiff, KeyNorm, PyramidKV, SinkWindow, SnapKV
+from hf_pagedkv import KeyDiff, KeyNorm, KVzip, PyramidKV, SinkWindow, SnapKV
 from hf_pagedkv.retention.spec import parse_retention
 from hf_pagedkv.tools.cli import main
 
@@ -17,9 +17,33 @@ def test_specs_parse_to_their_policies():
     assert parse_retention("snapkv:256") == SnapKV(budget=256)
     assert parse_retention("pyramidkv:0.5") == parse_retention("pyramid_kv:0.5") == PyramidKV(compression_ratio=0.5)
     assert parse_retention("pyramidkv:512") == PyramidKV(budget=512) != SnapKV(budget=512)
-    for bad in ("sink", "sink_window:4", "key_norm:x", "key_norm:10"):  # 10 < sinks + recent tokens + 1
-        with pytest.raises(ValueError, match="--retention"):
-            parse_retention(bad)
+    assert parse_retention(" kv_zip:512:0.25 ") == KVzip(budget=512, recent_share=0.25)  # whitespace around: fine
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("sink", "unknown policy 'sink'; the policies: sink_window, key_norm"),
+    ("", "unknown policy ''"),
+    ("sink_window:4", "1 part after the name; expected sink_window:SINK:WINDOW, two ints"),
+    ("sink_window:a:5", "SINK must be an int, got 'a'"),
+    ("sink_window:4:0", "`window` must be an int >= 1, got 0"),
+    ("key_norm", "0 parts after the name; expected key_norm:BUDGET or key_norm:RATIO"),
+    ("kv_zip:1:2:3", "3 parts after the name"),
+    ("kv_zip_global:0.5:", "part 2 after the name is empty"),  # a stray ':' is not silently dropped
+    ("kv_zip::0.5", "part 1 after the name is empty"),
+    ("key_norm:x", "BUDGET or RATIO (an int of tokens kept, or a float in (0, 1)) is not a number: 'x'"),
+    ("key_norm:1.5", "'1.5' is neither a RATIO (a float in (0, 1)"),
+    ("key_norm:-0.5", "'-0.5' is neither a RATIO"),
+    ("key_norm:nan", "'nan' is neither a RATIO"),
+    ("kv_zip:0.5:x", "SHARE (a float in [0, 1)) is not a number: 'x'"),
+    ("kv_zip:0.5:2", "`recent_share` must be a float in [0, 1)"),
+    # 10 < sinks + recent tokens + 1: the advice is one the command line can follow
+    ("key_norm:10", "got 10. Give a larger BUDGET or a RATIO; a smaller budget needs the policy built in Python"),
+])
+def test_a_bad_spec_names_the_part_that_is_wrong(spec, message):
+    with pytest.raises(ValueError) as e:
+        parse_retention(spec)
+    assert str(e.value).startswith(f"--retention {spec!r}: ") and message in str(e.value), str(e.value)
+    assert "StreamingLLM" not in str(e.value)  # not every form listed, only the one that applies
 
 
 def test_the_planner_sizes_a_sequence_by_what_it_keeps(capsys):

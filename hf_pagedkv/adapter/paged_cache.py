@@ -550,6 +550,13 @@ class PagedCache(Cache):
         return len(self._groups[0].rows) if self._groups else 0
 
     @property
+    def num_layer_groups(self) -> int:
+        """Sets of block tables this cache holds: one per layer group (full attention, each sliding window) and
+        retention tier (`PyramidKV`'s tiers; one per layer for `KVzip(layer_budgets="global")`); 0 before the first
+        step. The pool's block counts are summed over them."""
+        return len(self._groups)
+
+    @property
     def _rows(self) -> list[BlockTable]:
         """The rows' block tables in the first layer group (full attention when the model has it)."""
         return self._groups[0].rows if self._groups else []

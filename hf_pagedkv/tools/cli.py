@@ -94,7 +94,9 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"retention {retention}: {kept.tokens_held} of {kept.tokens_seen} tokens held "
               f"({kept.num_evictions} evictions)")
     fmt = f" ({quant.name})" if quant.is_quantized else ""
-    print(f"PagedCache{fmt}: {stats.blocks_in_use} blocks of {stats.block_size} tokens for {cached} cached tokens, "
+    groups = f" in {cache.num_layer_groups} layer groups" if cache.num_layer_groups > 1 else ""  # (summed over them)
+    print(f"PagedCache{fmt}: {stats.blocks_in_use} blocks of {stats.block_size} tokens{groups} for {cached} cached "
+          "tokens, "
           f"{stats.bytes_in_use / MiB:.1f} MiB held ({stats.bytes_in_use / max(cached, 1) / 1024:.1f} KiB/token), "
           f"fragmentation {stats.fragmentation:.1%}, pool reserved {stats.bytes_reserved / MiB:.1f} MiB")
     status = 0
@@ -111,7 +113,16 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"DynamicCache would hold {ref_bytes / MiB:.1f} MiB: PagedCache holds "
               f"{stats.bytes_in_use / ref_bytes:.3f}x")
         lossy = [f"--quant {quant.name}: quantized K/V"] if quant.is_quantized else []
-        lossy += [f"--retention {args.retention}: evicted tokens"] if retention is not None else []
+        kept = cache.retention_stats()
+        evicted = kept.tokens_evicted if retention is not None else 0
+        mean = " (the mean over layers)" if kept.tokens_held_per_layer else ""
+        lossy += [f"--retention {args.retention}: {evicted} of {kept.tokens_seen} tokens evicted{mean}"] if evicted \
+            else []
+        # nothing evicted, yet not the reference's steps: float rounding only (so a token may differ, rarely)
+        if retention is not None and not evicted and retention.reconstructs:  # prefill, KVzip's pass, then generate
+            lossy += [f"--retention {args.retention}: nothing evicted, but the context prefilled in a step of its own"]
+        elif retention is not None and not evicted and retention.needs_queries:
+            lossy += [f"--retention {args.retention}: nothing evicted, but another attention kernel (hf_pagedkv)"]
         expected = f" (expected with {'; '.join(lossy)})" if lossy and diff > 0 else ""
         print(f"check: generated tokens {'IDENTICAL to' if same else 'DIFFERENT from'} DynamicCache's "
               f"({ref.sequences.shape[1] - input_ids.shape[1]} tokens), max |logit difference| {diff:.3g}{expected}")

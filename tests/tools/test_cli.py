@@ -217,7 +217,25 @@ def test_generate_check_with_a_retention_policy_reports_the_difference_and_does_
             "--retention", "sink_window:4:8", "--block-size", "4", "--check"]
     assert cli.main(argv) == 0  # evicting tokens changes the logits by design: reported, not a failure
     out = capsys.readouterr().out
-    assert "(expected with --retention sink_window:4:8: evicted tokens)" in out
+    held, seen = map(int, re.search(r"\): (\d+) of (\d+) tokens held", out).groups())
+    assert 0 < held < seen
+    assert f"(expected with --retention sink_window:4:8: {seen - held} of {seen} tokens evicted)" in out
+    # a policy that evicts nothing is not an excuse: the run is DynamicCache's, bit for bit, and says so
+    argv[argv.index("sink_window:4:8")] = "sink_window:4:1000"
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "(0 evictions)" in out and "IDENTICAL" in out
+    assert "max |logit difference| 0\n" in out and "expected with" not in out
+
+
+def test_generate_with_per_layer_groups_says_its_blocks_are_summed_over_them(monkeypatch, capsys):
+    cli = _cli_with_tiny_model(monkeypatch)
+    argv = ["generate", "--no-chat", "--prompt", "The history of the city " * 6, "--max-new-tokens", "4",
+            "--retention", "kv_zip_global:0.5", "--block-size", "4", "--check"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    layers = cli.load_model()[0].config.num_hidden_layers
+    assert f"blocks of 4 tokens in {layers} layer groups for" in out and "tokens evicted (the mean over layers)" in out
 
 
 def test_generate_quant_option(monkeypatch, capsys):

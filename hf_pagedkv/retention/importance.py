@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_pagedkv.retention.policy import EvictionPlan, RetentionPolicy, check_int
+from hf_pagedkv.retention.policy import EvictionPlan, RetentionPolicy, builtin_numbers, check_int
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,7 @@ class ImportancePolicy(RetentionPolicy):
     recent_share: float = 0.0
 
     def __post_init__(self) -> None:
+        builtin_numbers(self)  # (np.int64(512) is a budget; the fields of the subclasses too)
         check_int("sink_tokens", self.sink_tokens, 0)
         check_int("recent_tokens", self.recent_tokens, 0)
         if isinstance(self.recent_share, bool) or not isinstance(self.recent_share, (int, float)) \

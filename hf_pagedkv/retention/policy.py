@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import numbers
 from typing import NamedTuple
 
 import torch
@@ -94,6 +96,20 @@ class RetentionPolicy:
     def max_held(self, new: int, block_size: int) -> int | None:
         """The most tokens a row may hold after a step of `new` tokens (for invariant 3), or None (no bound)."""
         return None
+
+
+def builtin_numbers(policy) -> None:
+    """Turn a frozen dataclass policy's numpy (or other `numbers`) integer and real scalars into Python's `int` and
+    `float`, so ``budget=np.int64(512)`` is the budget 512, as ``compression_ratio=np.float32(0.5)`` is 0.5; bools
+    (and `numpy.bool_`) stay as they are, for the checks to refuse."""
+    for f in dataclasses.fields(policy):
+        value = getattr(policy, f.name)
+        if isinstance(value, bool) or type(value) in (int, float):
+            continue
+        if isinstance(value, numbers.Integral):
+            object.__setattr__(policy, f.name, int(value))
+        elif isinstance(value, numbers.Real):
+            object.__setattr__(policy, f.name, float(value))
 
 
 def check_int(name: str, value, low: int) -> None:

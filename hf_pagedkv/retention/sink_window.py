@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hf_pagedkv.pool.block_table import num_blocks_for
-from hf_pagedkv.retention.policy import EvictionPlan, RetentionPolicy, check_int
+from hf_pagedkv.retention.policy import EvictionPlan, RetentionPolicy, builtin_numbers, check_int
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,7 @@ class SinkWindow(RetentionPolicy):
     name = "sink_window"
 
     def __post_init__(self) -> None:
+        builtin_numbers(self)
         check_int("sink_tokens", self.sink_tokens, 0)
         check_int("window", self.window, 1)
 

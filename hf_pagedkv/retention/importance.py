@@ -107,9 +107,12 @@ class ImportancePolicy(RetentionPolicy):
     def max_held(self, new: int, block_size: int) -> int | None:
         return None if self.budget is None else self.budget + new
 
-    def scores(self, keys: torch.Tensor, observed: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    def scores(self, keys: torch.Tensor, observed: tuple[torch.Tensor, float] | None = None,
+               valid: torch.Tensor | None = None) -> torch.Tensor:
         """Importance of each held token, `[batch, num_kv_heads, held]` float32 (higher: keep). `observed` is what a
-        query-aware policy (`needs_queries`) gets from the attention (`QueryWindow`); the others ignore it."""
+        query-aware policy (`needs_queries`) gets from the attention (`QueryWindow`); the others ignore it. `valid`
+        (`[batch, held]` bool, False at left padding; `select` ranks padding last whatever its score) is for a
+        policy whose score of a token reads its neighbours' (`KVzip`'s average pooling)."""
         raise NotImplementedError
 
     def select(self, keys: torch.Tensor, keep: int, observed: tuple[torch.Tensor, float] | None = None,
@@ -130,7 +133,7 @@ class ImportancePolicy(RetentionPolicy):
             `torch.LongTensor` of shape `[batch, num_kv_heads, keep]`.
         """
         held = keys.shape[2]
-        s = self.scores(keys, observed).clone()  # [batch, num_kv_heads, held]
+        s = self.scores(keys, observed, valid=valid).clone()  # [batch, num_kv_heads, held]
         if valid is None:
             s[..., : self.sink_tokens] = float("inf")
         else:  # the sinks: the first real tokens of each row

@@ -26,7 +26,7 @@ class KeyDiff(ImportancePolicy):
 
     name = "key_diff"
 
-    def scores(self, keys: torch.Tensor, observed=None) -> torch.Tensor:
+    def scores(self, keys: torch.Tensor, observed=None, valid=None) -> torch.Tensor:
         unit = torch.nn.functional.normalize(keys.float(), dim=-1)  # [batch, num_kv_heads, held, head_dim]
         anchor = torch.nn.functional.normalize(unit.mean(dim=2, keepdim=True), dim=-1)  # [batch, heads, 1, dim]
         return -(unit * anchor).sum(-1)  # [batch, num_kv_heads, held]: minus the cosine to the anchor

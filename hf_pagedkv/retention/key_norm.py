@@ -26,5 +26,5 @@ class KeyNorm(ImportancePolicy):
 
     name = "key_norm"
 
-    def scores(self, keys: torch.Tensor, observed=None) -> torch.Tensor:
+    def scores(self, keys: torch.Tensor, observed=None, valid=None) -> torch.Tensor:
         return -keys.float().norm(dim=-1)  # [batch, num_kv_heads, held]

@@ -138,7 +138,8 @@ class KVzip(ImportancePolicy):
         protected = held - (hi - lo)  # kept by every head, not ranked
 
         def rank(s: torch.Tensor) -> torch.Tensor:  # [rows, num_kv_heads, held] -> the ranked part, padding -inf
-            pooled = pool_scores(s.float(), self.kernel_size, self.pooling)
+            pooled = pool_scores(s.float(), self.kernel_size, self.pooling,
+                                 None if valid is None else valid.to(s.device)[:, None, :])
             if valid is not None:
                 pooled = pooled.masked_fill(~valid.to(s.device)[:, None, :], float("-inf"))
             return pooled[..., lo:hi]
@@ -202,12 +203,15 @@ class KVzip(ImportancePolicy):
     def max_held(self, new: int, block_size: int) -> int | None:
         return None  # the context is compressed once; what comes after is kept
 
-    def scores(self, keys: torch.Tensor, observed: torch.Tensor | None = None) -> torch.Tensor:
+    def scores(self, keys: torch.Tensor, observed: torch.Tensor | None = None,
+               valid: torch.Tensor | None = None) -> torch.Tensor:
         """The reconstruction scores of the held tokens.
 
         Args:
             keys (`torch.Tensor` of shape `[batch, num_kv_heads, held, head_dim]`): one layer's held keys.
             observed (`torch.Tensor` of shape `[batch, num_kv_heads, held]`): the layer's `ContextScores`.
+            valid (`torch.BoolTensor` of shape `[batch, held]`, *optional*): False at left padding, which average
+                pooling leaves out of each window, as a row alone has nothing there.
 
         Returns:
             `torch.Tensor` of shape `[batch, num_kv_heads, held]`, float32: `observed`, max- or average-pooled
@@ -221,4 +225,5 @@ class KVzip(ImportancePolicy):
             raise ValueError(f"KVzip scores tokens by a reconstruction pass: expected scores of shape "
                              f"{tuple(keys.shape[:3])}, got {got}. Call hf_pagedkv.compress_context(model, cache, "
                              "context_ids) after the prefill.")
-        return pool_scores(observed.float(), self.kernel_size, self.pooling)
+        return pool_scores(observed.float(), self.kernel_size, self.pooling,
+                           None if valid is None else valid.to(observed.device)[:, None, :])

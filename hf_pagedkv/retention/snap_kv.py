@@ -85,7 +85,8 @@ class SnapKV(ImportancePolicy):
         """Whether the queries of forward step `step` are needed (those of the step before the compression)."""
         return step == 0
 
-    def scores(self, keys: torch.Tensor, observed: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    def scores(self, keys: torch.Tensor, observed: tuple[torch.Tensor, float] | None = None,
+               valid: torch.Tensor | None = None) -> torch.Tensor:
         """SnapKV's votes for each held token.
 
         Args:

@@ -277,6 +277,12 @@ def test_kernel_size_max_or_avg_pools_the_scores_over_neighbours():
     assert torch.allclose(avg[0, 0], torch.tensor([0, 0, 1, 1, 1, 0, 0, 0]) / 3)  # the mean of each window
     assert torch.allclose(avg[0, 1], torch.tensor([0.25, 0.5 / 3, 0, 0, 0, 0, 0, 0]))  # the edge: 2 tokens counted
     assert torch.equal(KVzip(budget=64, pooling="avg").scores(keys, observed), observed)  # kernel 1: no pooling
+    # left padding (2 tokens, scoring 0) is left out of the mean as the edge is: the real tokens pool as alone
+    padded = torch.cat([torch.zeros(1, 2, 2), observed], -1)  # [1, 2, 10]
+    valid = torch.tensor([[False, False] + [True] * 8])
+    got = KVzip(budget=64, kernel_size=3, pooling="avg").scores(torch.zeros(1, 2, 10, 4), padded, valid=valid)
+    torch.testing.assert_close(got[..., 2:], avg, atol=1e-7, rtol=0)  # (x / 3) / (2 / 3) against x / 2: rounding
+    assert torch.equal(got[..., :2], torch.zeros(1, 2, 2))
 
 
 def test_context_scores_keep_a_running_max_and_check_their_shape():

@@ -44,8 +44,11 @@ def ask(model, cache, question, mask=None) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("pads", [5, 18])  # row 1 holds 19 real tokens (above the budget), or 6 (below it)
-def test_a_padded_row_scores_keeps_and_answers_as_alone(llama, pads):
-    policy = KVzip(budget=10, sink_tokens=2, recent_tokens=3)
+# pooled over 9 tokens, a row's first real tokens have padding in their window: averaged over its real tokens only,
+# as alone; (a max is not changed by padding's 0)
+@pytest.mark.parametrize("pooling", [dict(), dict(kernel_size=9, pooling="avg"), dict(kernel_size=9, pooling="max")])
+def test_a_padded_row_scores_keeps_and_answers_as_alone(llama, pads, pooling):
+    policy = KVzip(budget=10, sink_tokens=1, recent_tokens=3, **pooling)
     real = [ids(1, N, seed=31)[0], ids(1, N - pads, seed=32)[0]]
     x = torch.stack([real[0], torch.cat([torch.full((pads,), PAD), real[1]])])  # [2, N]
     mask = (x != PAD).long()

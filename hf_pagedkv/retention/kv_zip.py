@@ -14,6 +14,9 @@ from hf_pagedkv.retention.score_pooling import check_pooling, pool_scores
 
 #: the instruction of the reconstruction pass, before the context is given again (KVzip's repeat prompt)
 REPEAT_PROMPT = "Repeat the previous context exactly."
+#: the most tokens `repeat_prompt_ids` can give (its text's bytes, plus one for a leading piece: at most one token per
+#: byte with byte-level BPE or SentencePiece's byte fallback), for the planner's peak of the reconstruction pass
+REPEAT_PROMPT_MAX_TOKENS = len(("\n\n" + REPEAT_PROMPT + "\n").encode()) + 1
 #: how `KVzip` divides its budget over the layers: the same everywhere, or by its ranking across layers
 LAYER_BUDGETS = ("uniform", "global")
 

@@ -137,8 +137,10 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--tp {args.tp}: {e}")
     if args.dtype == "auto":
         args.dtype = _auto_dtype(args.model)
-    if getattr(args, "retention", None):  # a retention policy bounds what each sequence holds
+    retention = None  # what the plan says of the policy (--json)
+    if getattr(args, "retention", None) is not None:  # a retention policy bounds what each sequence holds
         from hf_pagedkv.retention.importance import ImportancePolicy
+        from hf_pagedkv.retention.kv_zip import REPEAT_PROMPT_MAX_TOKENS
         from hf_pagedkv.retention.spec import parse_retention
 
         try:
@@ -167,23 +169,32 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             policy.layer_tiers(model.num_layers - model.num_sliding)  # PyramidKV: enough full-attention layers
         except ValueError as e:
             parser.error(f"--retention {args.retention}: {e}")
-        peak = min(held, args.max_seq_len)
-        if held < args.max_seq_len:
-            print(f"retention {policy}: each sequence of {args.max_seq_len:,} tokens holds at most {held:,} "
-                  "once compressed")
-        elif bound is None and ratio is None and policy.keep_for(args.max_seq_len) < args.max_seq_len:
-            print(f"retention {policy}: the prompt is compressed once, to {policy.budget:,} tokens per layer and KV "
-                  "head on average; the tokens generated after it are kept, so a sequence may hold all "
-                  f"{args.max_seq_len:,}")
-        kept = policy.keep_for(args.max_seq_len) if isinstance(policy, ImportancePolicy) else args.max_seq_len
-        if kept < args.max_seq_len:  # (SinkWindow drops whole blocks before a step: no peak beyond its bound)
-            # the prefill holds the whole prompt, and the compaction writes the kept tokens (and the step's token)
-            # into fresh blocks before it frees the old ones; KVzip's reconstruction pass first holds the context
-            # twice. The worst case is a prompt of max_seq_len tokens, budget or ratio alike.
-            peak = (2 if policy.reconstructs else 1) * args.max_seq_len + kept + 1
-            print(f"while it compresses, a sequence holds up to {peak:,} tokens (the whole prompt"
-                  f"{' twice, for the reconstruction pass,' if policy.reconstructs else ''} plus the kept tokens "
-                  "in fresh blocks): the plan below is sized for that peak")
+        L = args.max_seq_len
+        say = print if not args.json else (lambda *a, **k: None)  # (--json prints the JSON only)
+        if held < L:
+            when = "once compressed" if isinstance(policy, ImportancePolicy) else "(its sinks and window)"
+            say(f"retention {policy}: each sequence of {L:,} tokens holds at most {held:,} {when}")
+        elif bound is None and ratio is None and policy.keep_for(L) < L:
+            say(f"retention {policy}: the prompt is compressed once, to {policy.budget:,} tokens per layer and KV "
+                f"head on average; the tokens generated after it are kept, so a sequence may hold all {L:,}")
+        kept = policy.keep_for(L) if isinstance(policy, ImportancePolicy) else L
+        peak = min(held, L)
+        # The worst case is a prompt of max_seq_len tokens, budget or ratio alike. KVzip's reconstruction pass holds
+        # the context, the repeat prompt and the context again (whatever the budget: it runs even if nothing is
+        # evicted), then crops back to the context before the compaction, which needs less. Another importance
+        # policy's prefill holds the whole prompt, and the compaction writes the kept tokens (and the step's token)
+        # into fresh blocks before it frees the old ones. (SinkWindow drops whole blocks: no peak beyond its bound.)
+        if policy.reconstructs:
+            peak = 2 * L + REPEAT_PROMPT_MAX_TOKENS
+            say(f"while it compresses, a sequence holds up to {peak:,} tokens (the reconstruction pass: the whole "
+                f"prompt twice and the repeat instruction, up to {REPEAT_PROMPT_MAX_TOKENS} tokens): the plan below "
+                "is sized for that peak")
+        elif kept < L:
+            peak = L + kept + 1
+            say(f"while it compresses, a sequence holds up to {peak:,} tokens (the whole prompt plus the kept "
+                "tokens in fresh blocks): the plan below is sized for that peak")
+        retention = {"policy": str(policy), "spec": args.retention, "max_seq_len": L, "held": min(held, L),
+                     "peak": peak}
         args.max_seq_len = peak
     try:
         plan = plan_capacity(model, args.max_seq_len, args.batch, quant=args.quant, dtype=args.dtype,
@@ -194,7 +205,8 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                      else f"--quant {args.quant}: {e}")
     host = _host_tier(plan, args.host_memory, parser) if args.host_memory else None
     if args.json:
-        print(json.dumps({**plan.to_dict(), **({"host_tier": host} if host else {})}, indent=2))
+        extra = {**({"host_tier": host} if host else {}), **({"retention": retention} if retention else {})}
+        print(json.dumps({**plan.to_dict(), **extra}, indent=2))  # (with retention, max_seq_len is its peak)
         return 0 if plan.fits else 1
     m = model
     sliding = f", {m.num_sliding} of them sliding-window ({m.sliding_window} tokens)" if m.num_sliding else ""

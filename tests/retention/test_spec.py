@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from hf_pagedkv import KeyDiff, KeyNorm, KVzip, PyramidKV, SinkWindow, SnapKV
@@ -69,7 +71,7 @@ def test_the_planner_sizes_the_pool_for_the_peak_while_a_policy_compresses(capsy
     assert "holds up to 125,001 tokens" in out and "per sequence: 125,001 tokens" in out
     assert main(argv + ["--retention", "kv_zip:0.5"]) == 0
     out = capsys.readouterr().out  # the reconstruction pass holds the context twice
-    assert "holds up to 250,001 tokens" in out and "reconstruction pass" in out
+    assert "holds up to 200,040 tokens" in out and "reconstruction pass" in out  # (+ the repeat instruction)
     assert main(argv + ["--retention", "sink_window:4:2048"]) == 0  # drops whole blocks: no peak beyond its bound
     assert "holds up to" not in capsys.readouterr().out
 
@@ -102,15 +104,32 @@ def test_plan_counts_the_protected_tokens_of_a_ratio(capsys):
     assert "holds at most 70 once compressed" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("spec, peak", [("kv_zip:2000", 2 * 4096 + 2000 + 1), ("kv_zip_global:3000", 2 * 4096 + 3001),
-                                        ("snapkv:3000", 4096 + 3001), ("key_norm:2000", 4096 + 2001)])
-def test_a_budget_plans_the_peak_while_it_compresses_as_a_ratio_does(spec, peak, capsys):
-    """A budget below max_seq_len compresses a prompt of max_seq_len tokens: the prefill (twice, for KVzip's
-    reconstruction pass) plus the kept tokens in fresh blocks; a budget the prompt never reaches plans no peak."""
+RECON = 2 * 4096 + 40  # KVzip's reconstruction pass: the context twice and the repeat instruction (at most 40)
+
+
+@pytest.mark.parametrize("spec, peak, unevicted_peak", [
+    ("kv_zip:2000", RECON, RECON), ("kv_zip_global:3000", RECON, RECON),  # the pass runs even if nothing is evicted
+    ("snapkv:3000", 4096 + 3001, None), ("key_norm:2000", 4096 + 2001, None)])
+def test_a_budget_plans_the_peak_while_it_compresses_as_a_ratio_does(spec, peak, unevicted_peak, capsys):
+    """A budget below max_seq_len compresses a prompt of max_seq_len tokens: the prefill plus the kept tokens in fresh
+    blocks, or KVzip's reconstruction pass; a budget the prompt never reaches plans no peak, but KVzip's pass."""
     argv = ["plan", "--max-seq-len", "4096", "--batch", "1", "--memory", "8GiB", "--block-size", "16"]
     assert main(argv + ["--retention", spec]) == 0
     out = capsys.readouterr().out
     assert f"holds up to {peak:,} tokens" in out and f"per sequence: {peak:,} tokens" in out
     assert main(argv + ["--retention", spec.split(":")[0] + ":5000"]) == 0
     out = capsys.readouterr().out
-    assert "holds up to" not in out and "per sequence: 4,096 tokens" in out
+    if unevicted_peak is None:
+        assert "holds up to" not in out and "per sequence: 4,096 tokens" in out
+    else:
+        assert f"per sequence: {unevicted_peak:,} tokens" in out
+    assert main(argv + ["--retention", spec, "--json"]) == 0  # the JSON alone, and what the policy changed
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["max_seq_len"] == peak and plan["retention"]["peak"] == peak
+    assert plan["retention"]["max_seq_len"] == 4096 and plan["retention"]["spec"] == spec
+
+
+def test_an_empty_retention_spec_is_refused_not_ignored(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--max-seq-len", "4096", "--memory", "8GiB", "--retention", ""])
+    assert e.value.code == 2 and "--retention ''" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Sequence
 
 import torch
@@ -77,7 +78,8 @@ def compress_context(model, cache, context_ids, tokenizer=None, prompt_ids: Sequ
     """
     from hf_pagedkv.adapter.paged_cache import PagedCache  # the cache module imports the retention package
 
-    if not callable(getattr(model, "get_input_embeddings", None)) or not hasattr(model, "config"):
+    if not callable(getattr(model, "get_input_embeddings", None)) or not hasattr(model, "config") \
+            or not hasattr(model, "device"):
         raise ValueError(f"compress_context runs a transformers causal LM (`AutoModelForCausalLM.from_pretrained(..., "
                          f'attn_implementation="hf_pagedkv")`), got {type(model).__name__}.')
     if not isinstance(cache, PagedCache):
@@ -147,7 +149,9 @@ def _prompt_ids(tokenizer, prompt_ids, device) -> torch.Tensor:
         ValueError: `prompt_ids` not a flat sequence (or 1-D integer tensor) of ints (bools and floats refused: they
             would be silently truncated); `tokenizer` not a tokenizer.
     """
+    source = "prompt_ids"
     if prompt_ids is None and tokenizer is not None:
+        source = "tokenizer"
         try:
             prompt_ids = repeat_prompt_ids(tokenizer)
         except Exception as exc:  # (what a non-tokenizer raises is anyone's guess)
@@ -158,7 +162,7 @@ def _prompt_ids(tokenizer, prompt_ids, device) -> torch.Tensor:
         return torch.empty(0, dtype=torch.long, device=device)
     if isinstance(prompt_ids, Sequence) and not isinstance(prompt_ids, (str, bytes)):  # a list, tuple, range
         ids = list(prompt_ids)
-        ok = all(not isinstance(i, bool) and hasattr(i, "__index__") for i in ids)  # (numpy ints too; not 1.5)
+        ok = all(not isinstance(i, bool) and isinstance(i, numbers.Integral) for i in ids)  # (numpy ints; not 1.5)
     else:  # a tensor or an array
         try:
             t = torch.as_tensor(prompt_ids) if not isinstance(prompt_ids, (str, bytes)) else None
@@ -166,10 +170,14 @@ def _prompt_ids(tokenizer, prompt_ids, device) -> torch.Tensor:
             t = None
         ok = t is not None and t.dim() == 1 and not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
         ids = t.tolist() if ok else None
+    if ok and any(not -2**63 <= int(i) < 2**63 for i in ids):  # (the vocabulary check below names the range)
+        ok = False
     if not ok:
-        raise ValueError("`prompt_ids` must be a flat sequence of ints (token ids, e.g. `repeat_prompt_ids(tokenizer)`) "
-                         f"or a 1-D integer tensor, got {_describe(prompt_ids)}. Nothing was run or evicted.")
-    return torch.tensor([i.__index__() for i in ids], dtype=torch.long, device=device)
+        what = ("`prompt_ids` must be" if source == "prompt_ids" else
+                "`tokenizer` must be a Hugging Face tokenizer whose input_ids (repeat_prompt_ids) are")
+        raise ValueError(f"{what} a flat sequence of ints (token ids, e.g. `repeat_prompt_ids(tokenizer)`) or a 1-D "
+                         f"integer tensor, got {_describe(prompt_ids)}. Nothing was run or evicted.")
+    return torch.tensor([int(i) for i in ids], dtype=torch.long, device=device)
 
 
 def _describe(value) -> str:

@@ -43,11 +43,17 @@ def parse_retention(spec: str) -> RetentionPolicy:
     """
     if not isinstance(spec, str):
         raise ValueError(f"--retention: expected a string such as 'kv_zip:0.5', got {type(spec).__name__}.")
-    name, *parts = spec.strip().split(":")
+    if not spec.strip(" :"):
+        raise ValueError(f"--retention {spec!r}: the spec is empty; expected NAME:VALUE, e.g. kv_zip:0.5 or "
+                         "sink_window:4:1024 (`hf-pagedkv plan --help` gives the forms).")
+    if not spec.isascii():  # int() and float() would take other scripts' digits (and look-alike spaces)
+        raise ValueError(f"--retention {spec!r}: use ASCII letters and digits only.")
+    name, *parts = (p.strip() for p in spec.strip().split(":"))
+    name = name.lower()
     if name != "sink_window" and name not in _IMPORTANCE:
-        raise ValueError(f"--retention {spec!r}: unknown policy {name!r}; the policies: "
-                         f"{', '.join(dict.fromkeys(['sink_window', *_IMPORTANCE]))} (`hf-pagedkv plan --help` gives their "
-                         "forms).")
+        names = ", ".join(dict.fromkeys(["sink_window", *_IMPORTANCE]))
+        raise ValueError(f"--retention {spec!r}: unknown policy {name!r}; the policies: {names} (`hf-pagedkv plan "
+                         "--help` gives their forms).")
     form = ("sink_window:SINK:WINDOW, two ints (e.g. sink_window:4:1024)" if name == "sink_window" else
             f"{name}:BUDGET or {name}:RATIO, then optionally :SHARE (e.g. {name}:512, {name}:0.5 or {name}:0.5:0.25)")
     counts = (2,) if name == "sink_window" else (1, 2)
@@ -59,9 +65,9 @@ def parse_retention(spec: str) -> RetentionPolicy:
         if name == "sink_window":
             return SinkWindow(sink_tokens=_int(spec, "SINK", parts[0]), window=_int(spec, "WINDOW", parts[1]))
         extra = dict(_SETTINGS.get(name, {}))
+        value = _float(spec, "BUDGET or RATIO (an int of tokens kept, or a float in (0, 1))", parts[0])
         if len(parts) == 2:
             extra["recent_share"] = _float(spec, "SHARE (a float in [0, 1))", parts[1])
-        value = _float(spec, "BUDGET or RATIO (an int of tokens kept, or a float in (0, 1))", parts[0])
         if 0 < value < 1:
             return _IMPORTANCE[name](compression_ratio=value, **extra)
         try:
@@ -74,8 +80,8 @@ def parse_retention(spec: str) -> RetentionPolicy:
         if str(e).startswith("--retention"):
             raise
         cls = _IMPORTANCE.get(name, SinkWindow).__name__
-        detail = str(e).rstrip(".").replace(  # (the command line sets no sink_tokens/recent_tokens)
-            "Lower sink_tokens/recent_tokens for a smaller budget",
+        detail = str(e).rstrip(".").replace("`recent_share` must", "SHARE (`recent_share`) must").replace(
+            "Lower sink_tokens/recent_tokens for a smaller budget",  # (the command line sets no sink/recent tokens)
             f"Give a larger BUDGET or a RATIO; a smaller budget needs the policy built in Python with fewer protected "
             f"tokens, e.g. {cls}(budget=..., sink_tokens=..., recent_tokens=...)")
         raise ValueError(f"--retention {spec!r}: {detail}.") from None

@@ -91,7 +91,8 @@ def _generate(args: argparse.Namespace) -> int:
     cached = cache.get_seq_length()
     if retention is not None:
         kept = cache.retention_stats()
-        print(f"retention {retention}: {kept.tokens_held} of {kept.tokens_seen} tokens held "
+        mean = " (the mean over layers)" if kept.tokens_held_per_layer else ""
+        print(f"retention {retention}: {kept.tokens_held} of {kept.tokens_seen} tokens held{mean} "
               f"({kept.num_evictions} evictions)")
     fmt = f" ({quant.name})" if quant.is_quantized else ""
     groups = f" in {cache.num_layer_groups} layer groups" if cache.num_layer_groups > 1 else ""  # (summed over them)
@@ -162,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--quant", default="fp", choices=list(PRESETS),
                    help="KV storage format, e.g. k8v4: 8-bit keys, 4-bit values (default: %(default)s)")
     g.add_argument("--retention", metavar="SPEC", help="a retention policy that evicts tokens and frees their blocks: "
-                   "sink_window:SINK:WINDOW, or key_norm/key_diff/snapkv/pyramidkv/kv_zip/kv_zip_global:BUDGET|RATIO[:SHARE] "
-                   "(the "
+                   "sink_window:SINK:WINDOW, or key_norm/key_diff/snapkv/pyramidkv/kv_zip/kv_zip_global:"
+                   "BUDGET|RATIO[:SHARE] (the "
                    "query-aware ones switch the model to the hf_pagedkv attention)")
     g.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     g.add_argument("--temperature", type=float, help="sampling temperature, with --do-sample (default: the model's)")

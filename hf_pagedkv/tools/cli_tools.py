@@ -167,8 +167,9 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                          "key_norm or sink_window")
         try:
             policy.layer_tiers(model.num_layers - model.num_sliding)  # PyramidKV: enough full-attention layers
-        except ValueError as e:
-            parser.error(f"--retention {args.retention}: {e}")
+        except ValueError as e:  # (the command line's pyramidkv has 4 tiers; fewer are set in Python)
+            fewer = "build PyramidKV(tiers=...) with fewer tiers in Python, or use snapkv"
+            parser.error(f"--retention {args.retention}: {str(e).replace('lower `tiers`', fewer)}")
         L = args.max_seq_len
         say = print if not args.json else (lambda *a, **k: None)  # (--json prints the JSON only)
         if held < L:

@@ -152,13 +152,16 @@ def test_refusals_change_nothing(llama):
         compress_context(llama, cache, torch.full_like(x, llama.config.vocab_size), prompt_ids=PROMPT)
     # a float or bool would be truncated to another token id, silently: refused, as are nested or non-int ids
     for bad in ([1.5], [True], (5, 6.0), "hello", [[1]], [None], torch.tensor([[5, 6]]), torch.tensor([5.0]),
-                torch.tensor([True]), 7):
+                torch.tensor([True]), 7, [torch.tensor(1.5)], [torch.tensor([1])], [2**70]):
         with pytest.raises(ValueError, match="`prompt_ids` must be a flat sequence of ints"):
             compress_context(llama, cache, x, prompt_ids=bad)
-    for bad in (object(), "gpt2", lambda text, **kw: None):
-        with pytest.raises(ValueError, match="`tokenizer` must be a Hugging Face tokenizer"):
+    for bad in (object(), "gpt2", lambda text, **kw: None, lambda text, **kw: {"input_ids": [[1, 2]]}):
+        with pytest.raises(ValueError, match="`tokenizer` must be a Hugging Face tokenizer"):  # (not `prompt_ids`)
             compress_context(llama, cache, x, tokenizer=bad)
-    for bad in (None, "llama", llama.model.layers):
+    class NoDevice:  # a model-like object without `.device`
+        config, get_input_embeddings = llama.config, llama.get_input_embeddings
+
+    for bad in (None, "llama", llama.model.layers, NoDevice()):
         with pytest.raises(ValueError, match="runs a transformers causal LM"):
             compress_context(bad, cache, x, prompt_ids=PROMPT)
     assert cache.block_tables() == tables and cache.get_seq_length() == N

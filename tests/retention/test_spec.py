@@ -20,11 +20,16 @@ def test_specs_parse_to_their_policies():
     assert parse_retention("pyramidkv:0.5") == parse_retention("pyramid_kv:0.5") == PyramidKV(compression_ratio=0.5)
     assert parse_retention("pyramidkv:512") == PyramidKV(budget=512) != SnapKV(budget=512)
     assert parse_retention(" kv_zip:512:0.25 ") == KVzip(budget=512, recent_share=0.25)  # whitespace around: fine
+    assert parse_retention("KV_Zip : 0.5") == KVzip(compression_ratio=0.5)  # around each part, and in any case
 
 
 @pytest.mark.parametrize("spec, message", [
     ("sink", "unknown policy 'sink'; the policies: sink_window, key_norm"),
-    ("", "unknown policy ''"),
+    ("", "the spec is empty"),
+    (" : ", "the spec is empty"),
+    ("kv_zip:\u0661\u0662\u0663", "use ASCII letters and digits only"),  # (int() takes Arabic-Indic digits)
+    ("kv_zip:x:y", "BUDGET or RATIO (an int of tokens kept, or a float in (0, 1)) is not a number: 'x'"),  # first
+    ("kv_zip:0.5:1", "SHARE (`recent_share`) must be a float in [0, 1)"),
     ("sink_window:4", "1 part after the name; expected sink_window:SINK:WINDOW, two ints"),
     ("sink_window:a:5", "SINK must be an int, got 'a'"),
     ("sink_window:4:0", "`window` must be an int >= 1, got 0"),
@@ -37,7 +42,7 @@ def test_specs_parse_to_their_policies():
     ("key_norm:-0.5", "'-0.5' is neither a RATIO"),
     ("key_norm:nan", "'nan' is neither a RATIO"),
     ("kv_zip:0.5:x", "SHARE (a float in [0, 1)) is not a number: 'x'"),
-    ("kv_zip:0.5:2", "`recent_share` must be a float in [0, 1)"),
+    ("kv_zip:0.5:2", "SHARE (`recent_share`) must be a float in [0, 1)"),
     # 10 < sinks + recent tokens + 1: the advice is one the command line can follow
     ("key_norm:10", "got 10. Give a larger BUDGET or a RATIO; a smaller budget needs the policy built in Python"),
 ])
@@ -90,7 +95,7 @@ def test_plan_with_retention_on_a_hybrid_model(tmp_path, capsys):
     for spec, message in (("sink_window:4:256", "must keep at least window - 1 tokens"),
                           ("sink_window:0:4", "keeps as few as 3 tokens"),  # (its bound of 19 is a maximum)
                           ("kv_zip:0.5", "KVzip is not supported on models with sliding-window"),
-                          ("pyramidkv:0.5", "at least 4 full-attention layers")):  # 2 of its 4 layers are full attention
+                          ("pyramidkv:0.5", "has 2: build PyramidKV(tiers=...) with fewer tiers")):  # 2 of 4 are full attention
         with pytest.raises(SystemExit) as e:
             main(argv + ["--retention", spec])
         assert e.value.code == 2, spec

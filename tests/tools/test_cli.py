@@ -236,6 +236,7 @@ def test_generate_with_per_layer_groups_says_its_blocks_are_summed_over_them(mon
     out = capsys.readouterr().out
     layers = cli.load_model()[0].config.num_hidden_layers
     assert f"blocks of 4 tokens in {layers} layer groups for" in out and "tokens evicted (the mean over layers)" in out
+    assert "tokens held (the mean over layers)" in out
 
 
 def test_generate_quant_option(monkeypatch, capsys):

@@ -218,7 +218,9 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if plan.tp > 1:
         print(f"tensor parallel: {plan.tp} ranks, each holds {plan.kv_heads_per_rank} of the {m.num_kv_heads} KV "
               f"heads; bytes below are per rank (the job holds {plan.tp}x)")
-    print(f"KV format: {plan.quant} ({plan.dtype} full precision), block_size {plan.block_size}")
+    dtype = (f"integer codes with fp16 scales; {plan.dtype} where kept in full precision"
+             if plan.quant not in (None, "fp") else plan.dtype)  # (`QuantConfig`: codes and fp16 scales)
+    print(f"KV format: {plan.quant} ({dtype}), block_size {plan.block_size}")
     per_head = plan.bytes_per_token / (m.num_layers * plan.kv_heads_per_rank)
     print(f"bytes per token{rank}: {plan.bytes_per_token:,.0f} B ({fmt_bytes(plan.bytes_per_token)}) = "
           f"{m.num_layers} layers x {plan.kv_heads_per_rank} KV heads x {per_head:,.1f} B (K+V of head_dim "

@@ -179,6 +179,8 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             say(f"retention {policy}: the prompt is compressed once, to {policy.budget:,} tokens per layer and KV "
                 f"head on average; the tokens generated after it are kept, so a sequence may hold all {L:,}")
         kept = policy.keep_for(L) if isinstance(policy, ImportancePolicy) else L
+        if held >= L and kept >= L:
+            say(f"retention {policy}: keeps every token of a sequence of {L:,}: it evicts nothing at this length")
         peak = min(held, L)
         # The worst case is a prompt of max_seq_len tokens, budget or ratio alike. KVzip's reconstruction pass holds
         # the context, the repeat prompt and the context again (whatever the budget: it runs even if nothing is
@@ -188,8 +190,8 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if policy.reconstructs:
             peak = 2 * L + REPEAT_PROMPT_MAX_TOKENS
             say(f"while it compresses, a sequence holds up to {peak:,} tokens (the reconstruction pass: the whole "
-                f"prompt twice and the repeat instruction, up to {REPEAT_PROMPT_MAX_TOKENS} tokens): the plan below "
-                "is sized for that peak")
+                f"prompt twice and the built-in repeat instruction, up to {REPEAT_PROMPT_MAX_TOKENS} tokens; a longer "
+                "`prompt_ids` needs as many more): the plan below is sized for that peak")
         elif kept < L:
             peak = L + kept + 1
             say(f"while it compresses, a sequence holds up to {peak:,} tokens (the whole prompt plus the kept "

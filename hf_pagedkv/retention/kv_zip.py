@@ -141,10 +141,10 @@ class KVzip(ImportancePolicy):
         protected = held - (hi - lo)  # kept by every head, not ranked
 
         def rank(s: torch.Tensor) -> torch.Tensor:  # [rows, num_kv_heads, held] -> the ranked part, padding -inf
-            pooled = pool_scores(s.float(), self.kernel_size, self.pooling,
-                                 None if valid is None else valid.to(s.device)[:, None, :])
-            if valid is not None:
-                pooled = pooled.masked_fill(~valid.to(s.device)[:, None, :], float("-inf"))
+            real = None if valid is None else valid.to(s.device)[:, None, :]  # [rows, 1, held]
+            pooled = pool_scores(s.float(), self.kernel_size, self.pooling, real)
+            if real is not None:
+                pooled = pooled.masked_fill(~real, float("-inf"))
             return pooled[..., lo:hi]
 
         ranked = [[rank(s) for s in tier] for tier in scores]

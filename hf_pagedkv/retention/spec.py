@@ -57,33 +57,33 @@ def parse_retention(spec: str) -> RetentionPolicy:
     form = ("sink_window:SINK:WINDOW, two ints (e.g. sink_window:4:1024)" if name == "sink_window" else
             f"{name}:BUDGET or {name}:RATIO, then optionally :SHARE (e.g. {name}:512, {name}:0.5 or {name}:0.5:0.25)")
     counts = (2,) if name == "sink_window" else (1, 2)
-    if len(parts) not in counts or any(not p.strip() for p in parts):
-        got = f"part {[p.strip() for p in parts].index('') + 1} after the name is empty" if "" in [
-            p.strip() for p in parts] else f"{len(parts)} part{'s' if len(parts) != 1 else ''} after the name"
+    if len(parts) not in counts or "" in parts:  # (the parts are stripped)
+        got = (f"part {parts.index('') + 1} after the name is empty" if "" in parts
+               else f"{len(parts)} part{'s' if len(parts) != 1 else ''} after the name")
         raise ValueError(f"--retention {spec!r}: {got}; expected {form}.")
-    try:
-        if name == "sink_window":
-            return SinkWindow(sink_tokens=_int(spec, "SINK", parts[0]), window=_int(spec, "WINDOW", parts[1]))
-        extra = dict(_SETTINGS.get(name, {}))
+    # the numbers first (each message names its part), then the policy's own checks
+    if name == "sink_window":
+        cls, kwargs = SinkWindow, dict(sink_tokens=_int(spec, "SINK", parts[0]), window=_int(spec, "WINDOW", parts[1]))
+    else:
+        cls, kwargs = _IMPORTANCE[name], dict(_SETTINGS.get(name, {}))
         value = _float(spec, "BUDGET or RATIO (an int of tokens kept, or a float in (0, 1))", parts[0])
         if len(parts) == 2:
-            extra["recent_share"] = _float(spec, "SHARE (a float in [0, 1))", parts[1])
+            kwargs["recent_share"] = _float(spec, "SHARE (a float in [0, 1))", parts[1])
         if 0 < value < 1:
-            return _IMPORTANCE[name](compression_ratio=value, **extra)
-        try:
-            budget = int(parts[0])
-        except ValueError:
-            raise ValueError(f"--retention {spec!r}: {parts[0].strip()!r} is neither a RATIO (a float in (0, 1), the "
-                             "fraction of the prompt removed) nor a BUDGET (an int, the tokens kept).") from None
-        return _IMPORTANCE[name](budget=budget, **extra)
+            kwargs["compression_ratio"] = value
+        else:
+            try:
+                kwargs["budget"] = int(parts[0])
+            except ValueError:
+                raise ValueError(f"--retention {spec!r}: {parts[0]!r} is neither a RATIO (a float in (0, 1), the "
+                                 "fraction of the prompt removed) nor a BUDGET (an int, the tokens kept).") from None
+    try:
+        return cls(**kwargs)
     except ValueError as e:
-        if str(e).startswith("--retention"):
-            raise
-        cls = _IMPORTANCE.get(name, SinkWindow).__name__
         detail = str(e).rstrip(".").replace("`recent_share` must", "SHARE (`recent_share`) must").replace(
             "Lower sink_tokens/recent_tokens for a smaller budget",  # (the command line sets no sink/recent tokens)
             f"Give a larger BUDGET or a RATIO; a smaller budget needs the policy built in Python with fewer protected "
-            f"tokens, e.g. {cls}(budget=..., sink_tokens=..., recent_tokens=...)")
+            f"tokens, e.g. {cls.__name__}(budget=..., sink_tokens=..., recent_tokens=...)")
         raise ValueError(f"--retention {spec!r}: {detail}.") from None
 
 
@@ -91,11 +91,11 @@ def _int(spec: str, what: str, text: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise ValueError(f"--retention {spec!r}: {what} must be an int, got {text.strip()!r}.") from None
+        raise ValueError(f"--retention {spec!r}: {what} must be an int, got {text!r}.") from None
 
 
 def _float(spec: str, what: str, text: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise ValueError(f"--retention {spec!r}: {what} is not a number: {text.strip()!r}.") from None
+        raise ValueError(f"--retention {spec!r}: {what} is not a number: {text!r}.") from None

@@ -89,9 +89,9 @@ def _generate(args: argparse.Namespace) -> int:
     print(f"prompt: {input_ids.shape[1]} tokens ({source}); generated {len(new_tokens)} tokens in {seconds:.1f} s "
           f"({len(new_tokens) / seconds:.1f} tokens/s)")
     cached = cache.get_seq_length()
+    kept = cache.retention_stats()
+    mean = " (the mean over layers)" if kept.tokens_held_per_layer else ""
     if retention is not None:
-        kept = cache.retention_stats()
-        mean = " (the mean over layers)" if kept.tokens_held_per_layer else ""
         print(f"retention {retention}: {kept.tokens_held} of {kept.tokens_seen} tokens held{mean} "
               f"({kept.num_evictions} evictions)")
     fmt = f" ({quant.name})" if quant.is_quantized else ""
@@ -114,15 +114,13 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"DynamicCache would hold {ref_bytes / MiB:.1f} MiB: PagedCache holds "
               f"{stats.bytes_in_use / ref_bytes:.3f}x")
         lossy = [f"--quant {quant.name}: quantized K/V"] if quant.is_quantized else []
-        kept = cache.retention_stats()
         evicted = kept.tokens_evicted if retention is not None else 0
-        mean = " (the mean over layers)" if kept.tokens_held_per_layer else ""
-        lossy += [f"--retention {args.retention}: {evicted} of {kept.tokens_seen} tokens evicted{mean}"] if evicted \
-            else []
+        if evicted:
+            lossy += [f"--retention {args.retention}: {evicted} of {kept.tokens_seen} tokens evicted{mean}"]
         # nothing evicted, yet not the reference's steps: float rounding only (so a token may differ, rarely)
-        if retention is not None and not evicted and retention.reconstructs:  # prefill, KVzip's pass, then generate
+        elif retention is not None and retention.reconstructs:  # prefill, KVzip's pass, then generate
             lossy += [f"--retention {args.retention}: nothing evicted, but the context prefilled in a step of its own"]
-        elif retention is not None and not evicted and retention.needs_queries:
+        elif retention is not None and retention.needs_queries:
             lossy += [f"--retention {args.retention}: nothing evicted, but another attention kernel (hf_pagedkv)"]
         expected = f" (expected with {'; '.join(lossy)})" if lossy and diff > 0 else ""
         print(f"check: generated tokens {'IDENTICAL to' if same else 'DIFFERENT from'} DynamicCache's "

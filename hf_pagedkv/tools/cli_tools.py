@@ -172,14 +172,14 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"--retention {args.retention}: {str(e).replace('lower `tiers`', fewer)}")
         L = args.max_seq_len
         say = print if not args.json else (lambda *a, **k: None)  # (--json prints the JSON only)
+        kept = policy.keep_for(L) if isinstance(policy, ImportancePolicy) else L  # of a prompt of L tokens
         if held < L:
             when = "once compressed" if isinstance(policy, ImportancePolicy) else "(its sinks and window)"
             say(f"retention {policy}: each sequence of {L:,} tokens holds at most {held:,} {when}")
-        elif bound is None and ratio is None and policy.keep_for(L) < L:
+        elif bound is None and ratio is None and kept < L:  # a one-shot budget (SnapKV, KVzip): what follows is kept
             say(f"retention {policy}: the prompt is compressed once, to {policy.budget:,} tokens per layer and KV "
                 f"head on average; the tokens generated after it are kept, so a sequence may hold all {L:,}")
-        kept = policy.keep_for(L) if isinstance(policy, ImportancePolicy) else L
-        if held >= L and kept >= L:
+        elif kept >= L:
             say(f"retention {policy}: keeps every token of a sequence of {L:,}: it evicts nothing at this length")
         peak = min(held, L)
         # The worst case is a prompt of max_seq_len tokens, budget or ratio alike. KVzip's reconstruction pass holds

@@ -8,6 +8,7 @@ import torch
 
 from hf_pagedkv._compat import sdpa_attention_function
 from hf_pagedkv.attention.compiled_read import CompiledCodeAttention
+from hf_pagedkv.attention.native_read import NativeCodeAttention
 from hf_pagedkv.attention.paged_attention import DEFAULT_TILE_TOKENS, paged_attention
 from hf_pagedkv.attention.paged_view import PagedView
 from hf_pagedkv.retention.query_window import recorder_of
@@ -85,20 +86,31 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                            compiled=compiled), None
 
 
-#: the compiled quantized read of ``"hf_pagedkv_compiled"``: one per process (its graphs serve every layer)
+#: the compiled quantized reads of ``"hf_pagedkv_compiled"``: one each per process (the C library and the graphs
+#: serve every layer)
+NATIVE_READ = NativeCodeAttention()
 COMPILED_READ = CompiledCodeAttention()
+
+
+def compiled_quantized_read(qh: torch.Tensor, read, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The quantized read of ``"hf_pagedkv_compiled"``: the C function where it applies and builds
+    (`NativeCodeAttention`), else the `torch.compile`d one (`CompiledCodeAttention`), else None (the eager read)."""
+    out = NATIVE_READ(qh, read, bias)
+    return out if out is not None else COMPILED_READ(qh, read, bias)
 
 
 def compiled_paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                                      value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
                                      scaling: float | None = None, is_causal: bool | None = None,
                                      **kwargs) -> tuple[torch.Tensor, None]:
-    """`paged_attention_forward` with quantized (int8/int4) reads computed by `torch.compile`d code
-    (`CompiledCodeAttention`): registered as ``"hf_pagedkv_compiled"``, opt-in. Same arguments, shapes and result
-    (up to fp32 rounding: the sums run in another order); reads it does not take, and any compile error, use the
-    eager read. The first decode steps of a process pay the compile time (seconds per graph, see the README)."""
+    """`paged_attention_forward` with quantized (int8/int4) reads computed by compiled code
+    (`compiled_quantized_read`: a C function built once per machine, else `torch.compile`d code): registered as
+    ``"hf_pagedkv_compiled"``, opt-in. Same arguments, shapes and result (up to fp32 rounding: the sums run in
+    another order); reads neither takes, and any build or compile error, use the eager read. The first decode step
+    on a machine builds the C library (about 1 s); a read only `torch.compile` takes pays its compile time (seconds
+    per graph, see the README)."""
     return paged_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                   is_causal=is_causal, compiled=COMPILED_READ, **kwargs)
+                                   is_causal=is_causal, compiled=compiled_quantized_read, **kwargs)
 
 
 def _fallback(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -1,0 +1,176 @@
+"""`NativeCodeAttention`: the quantized decode read (`fused_code_read`'s contract) as one C function
+(`native/code_read.c`), built with the machine's C compiler at first use and called through `ctypes`.
+
+Used by the ``"hf_pagedkv_compiled"`` attention implementation before its `torch.compile`d read.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from hf_pagedkv.storage.code_read import CodeRead
+from hf_pagedkv.storage.codecs.int4 import Int4Codec
+from hf_pagedkv.storage.codecs.int8 import Int8Codec
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native") / "code_read.c"
+#: compiler flags: OpenMP for batches on several threads; no fast-math (the scores hold -inf)
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fPIC",
+         "-shared", "-std=c11")
+#: the C side's limits (`code_read.c`): head_dim, query rows per key/value head, block size; head_dim a multiple of
+#: LANES
+MAX_DIM, MAX_ROWS, MAX_BLOCK, LANES = 256, 64, 256, 16
+
+
+def _cpu_key() -> str:
+    """What the built library depends on besides its source and flags: the CPU (``-march=native``)."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = ""
+    return f"{platform.machine()}|{platform.processor()}|{flags}"
+
+
+def library_path() -> Path:
+    """Where the built library lives: ``$HF_PAGEDKV_NATIVE_DIR`` or ``~/.cache/hf_pagedkv/native``, one file per
+    (source, flags, CPU)."""
+    key = hashlib.blake2b("|".join((SOURCE.read_text(), " ".join(FLAGS), _cpu_key())).encode(),
+                          digest_size=8).hexdigest()
+    root = os.environ.get("HF_PAGEDKV_NATIVE_DIR") or Path.home() / ".cache" / "hf_pagedkv" / "native"
+    return Path(root) / f"code_read-{key}.so"
+
+
+def build(path: Path) -> Path:
+    """Compile `SOURCE` into `path` (written to a temporary file, then renamed over: concurrent builds are safe).
+
+    Raises:
+        RuntimeError: no C compiler (``$CC``, ``cc``, ``gcc``) or the compile failed (its output in the message).
+    """
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{cc} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def _strides(t: torch.Tensor, dims: int) -> list[int]:
+    return [t.stride(i) for i in range(dims)]
+
+
+class NativeCodeAttention:
+    """The quantized read in C: per (key/value head, row) it decodes one block of int8/int4 codes at a time into a
+    fp32 tile, scores it against the query rows, takes one softmax over the read and sums the values the same way
+    (key scales folded into the query, value scales into the probabilities, as `fused_code_read`). No Python or
+    torch headers: `ctypes` calls one function with the tensors' pointers and strides (about 10 us per call).
+
+    Reads it takes: those of `CompiledCodeAttention.supports`, on the CPU, fp32 queries and full-precision tokens,
+    fp16 scales, head_dim <= 256, at most 64 query rows per key/value head, blocks of at most 256 tokens. Anything
+    else returns None (the caller reads another way). The library is built once per machine (about 1 s) into
+    `library_path()`; no compiler, or a failed build, logs a warning once and turns this object off.
+    """
+
+    def __init__(self) -> None:
+        self._fn = None  # the loaded C function, made on first use
+        self.failed = False  # no compiler or a failed build/load: off for the rest of the process
+
+    def load(self):
+        """The C function (built and loaded on first call), or None when it cannot be built here."""
+        if self._fn is None and not self.failed:
+            try:
+                path = library_path()
+                if not path.exists():
+                    build(path)
+                fn = ctypes.CDLL(str(path)).hf_pagedkv_code_read
+                fn.argtypes = (ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64))
+                fn.restype = ctypes.c_int
+                self._fn = fn
+            except Exception as e:  # noqa: BLE001 - no compiler, no writable cache: the other reads are right
+                self.failed = True
+                logger.warning("hf_pagedkv: the native quantized read is off (%s: %s); reading with torch",
+                               type(e).__name__, e)
+        return self._fn
+
+    @staticmethod
+    def supports(qh: torch.Tensor, read: CodeRead, bias: torch.Tensor | None) -> bool:
+        """Whether the C function computes this read: its form (as `CompiledCodeAttention.supports`), dtypes and
+        devices, and every shape the C side indexes by (it trusts them: a wrong one would read out of bounds)."""
+        kc, vc = read.codecs
+        dk, dv = read.dims
+        if not (sys.byteorder == "little" and read.lo == read.pos0 and dk == dv and dk <= MAX_DIM and dk % LANES == 0
+                and type(kc) in (Int8Codec, Int4Codec) and type(vc) in (Int8Codec, Int4Codec)
+                and kc.axis == "channel" and vc.axis == "token" and vc.group(dv) == dv and read.num_encoded > 0
+                and read.block_size <= MAX_BLOCK and read.block_size % 2 == 0):
+            return False
+        H, batch, rows, dim = qh.shape
+        n, bs, sink = read.num_encoded, read.block_size, max(0, read.sink_end - read.lo)
+        m = read.end - read.pos0 - n * bs + sink  # the tail, then the sink tokens
+        shapes = [(qh, (H, batch, rows, dim)), (read.full[0], (H, batch, m, dim)), (read.full[1], (H, batch, m, dim)),
+                  (read.codes[0], (H, batch, n, bs * dim * kc.bits // 8)),
+                  (read.codes[1], (H, batch, n, bs * dim * vc.bits // 8)),
+                  (read.scales[0], (H, batch, n, dim * (1 if kc.bits == 8 else 2))),
+                  (read.scales[1], (H, batch, n, bs * (1 if vc.bits == 8 else 2)))]
+        if bias is not None:
+            if bias.dim() != 4 or bias.shape[2] not in (1, rows):
+                return False
+            shapes.append((bias, (1, batch, bias.shape[2], read.end - read.lo)))
+        dtypes = [torch.float32] * 3 + [torch.uint8] * 2 + [torch.float16] * 2 + [torch.float32]
+        return (dim == dk and rows <= MAX_ROWS
+                and all(tuple(t.shape) == shape and t.dtype == dtype and t.device.type == "cpu" and t.stride(-1) == 1
+                        for (t, shape), dtype in zip(shapes, dtypes)))
+
+    def __call__(self, qh: torch.Tensor, read: CodeRead, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """Attention over `read` (see `code_attention`), or None where this path does not apply.
+
+        Args:
+            qh (`torch.Tensor` of shape `[H, batch, rows, dim]`): the scaled query.
+            read (`CodeRead`): the quantized read.
+            bias (`torch.Tensor` of shape `[1, batch, rows | 1, end - lo]`, *optional*): additive mask.
+
+        Returns:
+            `torch.Tensor` of shape `[H, batch, rows, dim]`, or None.
+        """
+        if not self.supports(qh, read, bias):
+            return None
+        fn = self.load()
+        if fn is None:
+            return None
+        H, batch, rows, dim = qh.shape
+        (kc, vc), (ks, vs), (fk, fv) = read.codes, read.scales, read.full
+        kcodec, vcodec = read.codecs
+        out = torch.empty((H, batch, rows, dim), dtype=torch.float32)
+        b = None if bias is None else bias[0]  # [batch, rows | 1, width]
+        meta = [H, batch, rows, dim, read.num_encoded, fk.shape[2], kcodec.bits, vcodec.bits, read.block_size,
+                max(0, read.sink_end - read.lo), torch.get_num_threads()]
+        for t in (qh, kc, ks, vc, vs, fk, fv):
+            meta += _strides(t, 3)
+        meta += [0, 0] if b is None else [b.stride(0), b.stride(1) if b.shape[1] > 1 else 0]
+        ptrs = [t.data_ptr() for t in (qh, kc, ks, vc, vs, fk, fv)] + [None if b is None else b.data_ptr(),
+                                                                     out.data_ptr()]
+        if fn((ctypes.c_void_p * 9)(*ptrs), (ctypes.c_int64 * len(meta))(*meta)):
+            return None
+        return out
+
+
+__all__ = ["NativeCodeAttention", "build", "library_path"]

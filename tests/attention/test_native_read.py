@@ -1,0 +1,168 @@
+"""The quantized read in C (`NativeCodeAttention`, the first read of ``"hf_pagedkv_compiled"``): its result against
+"de-quantize, then attend" in float64 and against the eager read, the reads it refuses, no compiler, and generation
+through a model."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import hf_pagedkv.attention.attention_function as attention_function
+import hf_pagedkv.attention.native_read as native_read
+from hf_pagedkv import PagedCache, cache_kwargs
+from hf_pagedkv.attention import COMPILED_ATTENTION_NAME
+from hf_pagedkv.attention.native_read import NativeCodeAttention
+from hf_pagedkv.attention.paged_attention import code_attention
+from tests.attention.test_compiled_read import PAIRS, _bias
+from tests.attention.test_paged_attention import _code_read
+from tests.conftest import VOCAB, tiny_model
+
+READER = NativeCodeAttention()
+needs_compiler = pytest.mark.skipif(READER.load() is None, reason="no C compiler here: the native read is off")
+
+
+@needs_compiler
+@pytest.mark.parametrize("key_codec,value_codec", PAIRS)
+@pytest.mark.parametrize("offset", [0.0, 8.0])
+@pytest.mark.parametrize("mask", [None, "rows", "broadcast"])
+def test_native_read_within_fp32_of_decoding(key_codec, value_codec, offset, mask):
+    """The C read equals "de-quantize, then softmax" in float64 on the same codes (keys decoded, the sink token in
+    full precision, the mask's -inf columns dropped) within 1e-5, and the eager read within 1e-5; with a mask per
+    query row and one shared by the rows (`[1, batch, 1, width]`)."""
+    read, k, v = _code_read(key_codec, value_codec, batch=2, offset=offset)
+    qh = torch.randn(2, 2, 3, 16, generator=torch.Generator().manual_seed(1)) * 0.25  # [H, batch, rows, D]
+    bias = None if mask is None else _bias(2, 3 if mask == "rows" else 1, read.end - read.lo)
+    if mask == "rows":  # each query row its own mask: row r of batch row 0 does not attend to column 20 + r
+        for r in range(3):
+            bias[:, 0, r, 20 + r] = float("-inf")
+    s = qh.double() @ k.double().transpose(-1, -2)  # [H, batch, rows, 36]: token order
+    if bias is not None:
+        s = s + bias.double()
+    want = torch.softmax(s, -1) @ v.double()
+    got = READER(qh, read, bias)
+    assert got is not None and got.shape == want.shape == (2, 2, 3, 16)
+    assert (got.double() - want).abs().max().item() <= 1e-5
+    assert (got - code_attention(qh, read, bias, 2048)).abs().max().item() <= 1e-5
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_read_of_strided_codes_on_threads(threads):
+    """Codes and scales as views of larger arrays (a pool's consecutive blocks: strided along the blocks), a batch
+    of 3 split over OpenMP threads: the eager read's result within 1e-5."""
+    full, _, _ = _code_read("int4", "int8", batch=3, offset=4.0, seed=2)
+    read = full._replace(codes=tuple(c[:, :, :3] for c in full.codes),
+                         scales=tuple(s[:, :, :3] for s in full.scales), end=3 * 8 + 3)
+    assert not read.codes[0].is_contiguous()
+    qh = torch.randn(2, 3, 3, 16, generator=torch.Generator().manual_seed(4))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = READER(qh, read, None)
+    finally:
+        torch.set_num_threads(before)
+    assert got is not None
+    assert (got - code_attention(qh, read, None, 2048)).abs().max().item() <= 1e-5
+
+
+def test_refuses_what_it_does_not_compute():
+    """Other codecs, a sliding window's cut first block, head dims not a multiple of 16, fp64 queries, shapes that
+    disagree with the read (the C side trusts them) and masks of another width: None, the caller reads eagerly."""
+    read, _, _ = _code_read("int4", "int8", batch=2, offset=0.0)
+    qh = torch.zeros(2, 2, 3, 16)
+    assert NativeCodeAttention.supports(qh, read, None)
+    assert NativeCodeAttention.supports(qh, read, _bias(2, 3, read.end))
+    refused = [
+        (qh, _code_read("ref-int4", "ref-int4", batch=2, offset=0.0)[0], None),
+        (qh, read._replace(lo=3), None),
+        (qh.double(), read, None),
+        (torch.zeros(2, 2, 3, 8), read._replace(dims=(8, 8)), None),
+        (torch.zeros(2, 3, 3, 16), read, None),  # a batch the read does not have
+        (qh, read._replace(end=read.end + 1), None),  # one token more than the tail holds
+        (qh, read, _bias(2, 3, read.end + 1)),
+        (qh, read, _bias(2, 2, read.end)),
+    ]
+    for q, r, b in refused:
+        assert not NativeCodeAttention.supports(q, r, b)
+        assert NativeCodeAttention()(q, r, b) is None
+
+
+def test_no_compiler_turns_it_off_once(monkeypatch, tmp_path, caplog):
+    """Without a C compiler (and no library built before) the read logs one warning and stays off; the
+    ``"hf_pagedkv_compiled"`` read then goes on to its other engines."""
+    monkeypatch.setenv("HF_PAGEDKV_NATIVE_DIR", str(tmp_path))
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(native_read.shutil, "which", lambda name: None)
+    read, _, _ = _code_read("int4", "int4", batch=2, offset=0.0)
+    qh = torch.randn(2, 2, 3, 16)
+    reader = NativeCodeAttention()
+    with caplog.at_level(logging.WARNING, logger=native_read.__name__):
+        assert reader(qh, read, None) is None
+        assert reader(qh, read, None) is None
+    assert reader.failed and not list(tmp_path.iterdir())
+    assert sum("native quantized read is off" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_failed_build_says_why(monkeypatch, tmp_path):
+    """A compiler that fails: `build` raises with its output, and leaves no file behind."""
+    monkeypatch.setenv("CC", "false")
+    with pytest.raises(RuntimeError, match="false failed"):
+        native_read.build(tmp_path / "x.so")
+    assert not list(tmp_path.iterdir())
+
+
+@needs_compiler
+@pytest.mark.parametrize("quant", ["k8v4", "k4v4", "k8v8"])
+def test_generation_matches_the_eager_read(quant, monkeypatch):
+    """Greedy generation through ``"hf_pagedkv_compiled"``, its quantized reads all in C (the `torch.compile`d
+    engine made to fail if reached), gives the tokens of ``"hf_pagedkv"`` and logits within 1e-4 (the same codes
+    are written; the first layer of each step is `sdpa` in both); a batch of 2 with left padding."""
+    calls, native = [], []
+    monkeypatch.setattr(attention_function, "COMPILED_READ", lambda *a: calls.append(a))
+    monkeypatch.setattr(attention_function, "NATIVE_READ", lambda *a: native.append(READER(*a)) or native[-1])
+    model = tiny_model("llama")
+    ids = torch.randint(1, VOCAB, (2, 40), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    out = {}
+    for impl in ("hf_pagedkv", COMPILED_ATTENTION_NAME):
+        model.set_attn_implementation(impl)
+        try:
+            cache = PagedCache(config=model.config, quant=quant, block_size=8)
+            with torch.no_grad():
+                res = model.generate(ids, attention_mask=mask, **cache_kwargs(cache), do_sample=False,
+                                     max_new_tokens=6, output_logits=True, return_dict_in_generate=True)
+            cache.release()
+        finally:
+            model.set_attn_implementation("sdpa")
+        out[impl] = res.sequences, torch.stack(res.logits, 1)
+    (ids_e, logits_e), (ids_c, logits_c) = out.values()
+    assert torch.equal(ids_e, ids_c)
+    assert (logits_e - logits_c).abs().max().item() <= 1e-4
+    assert native and all(o is not None for o in native) and not calls  # every quantized read was the C one
+
+
+@needs_compiler
+@pytest.mark.parametrize("bits", [(8, 8), (8, 4), (4, 4)])
+def test_native_read_at_model_sizes(bits):
+    """SmolLM2's sizes (3 key/value heads, 3 query rows each, head_dim 64) in 32-token blocks, 2,048 encoded tokens,
+    a 5-token tail and 4 sink tokens, batch 2 with a mask: the eager read's result within 1e-5."""
+    from hf_pagedkv.storage.code_read import CodeRead
+    from hf_pagedkv.storage.codecs.int4 import Int4Codec
+    from hf_pagedkv.storage.codecs.int8 import Int8Codec
+
+    g = torch.Generator().manual_seed(6)
+    H, batch, n, bs, D = 3, 2, 64, 32, 64
+    kc = Int8Codec(axis="channel") if bits[0] == 8 else Int4Codec(axis="channel")
+    vc = Int8Codec(axis="token") if bits[1] == 8 else Int4Codec(axis="token")
+    (kcodes, kscales), (vcodes, vscales) = (c.encode(torch.randn(H, batch, n, bs, D, generator=g)) for c in (kc, vc))
+    full = tuple(torch.randn(H, batch, 9, D, generator=g) for _ in range(2))  # 5 tail, then 4 sink tokens
+    read = CodeRead(0, 0, n * bs + 5, bs, (D, D), (kc, vc), (kcodes, vcodes), (kscales, vscales), full, 4)
+    qh = torch.randn(H, batch, 3, D, generator=g) * 0.3
+    bias = torch.zeros(1, batch, 3, read.end)
+    bias[:, 1, :, :100] = float("-inf")  # left padding of batch row 1
+    got = READER(qh, read, bias)
+    assert got is not None
+    assert (got - code_attention(qh, read, bias, 2048)).abs().max().item() <= 1e-5

@@ -224,32 +224,36 @@ static int read_pair_64(const Pair *a) { return read_pair(a, 64); }
 static int read_pair_128(const Pair *a) { return read_pair(a, 128); }
 static int read_pair_any(const Pair *a, int64_t D) { return read_pair(a, D); }
 
+/* pair `hb` (= h * B + b) of the call's arrays (see below) */
+static int read_one(void **ptr, const int64_t *meta, int64_t hb) {
+    const int64_t B = meta[1], R = meta[2], D = meta[3], *st = meta + 11;
+    const int64_t h = hb / B, b = hb % B;
+    const float *bias = ptr[7];
+    const Pair a = {(const float *)ptr[0] + h * st[0] + b * st[1], (const float *)ptr[5] + h * st[15] + b * st[16],
+                    (const float *)ptr[6] + h * st[18] + b * st[19], bias ? bias + b * st[21] : NULL,
+                    (const uint8_t *)ptr[1] + h * st[3] + b * st[4], (const uint8_t *)ptr[3] + h * st[9] + b * st[10],
+                    (const half *)ptr[2] + h * st[6] + b * st[7], (const half *)ptr[4] + h * st[12] + b * st[13],
+                    (float *)ptr[8] + hb * R * D, st[2], st[5], st[8], st[11], st[14], st[17], st[20], st[22], R,
+                    meta[4], meta[5], meta[8], meta[9], (int)meta[6], (int)meta[7]};
+    return D == 64 ? read_pair_64(&a) : D == 128 ? read_pair_128(&a) : read_pair_any(&a, D);
+}
+
 /* ptr: q, kc, ks, vc, vs, fk, fv, bias (or NULL), out.
  * meta: H, B, R, D, n, m, kbits, vbits, bs, sink, nthreads, then the strides of dims 0..2 of q, kc, ks, vc, vs,
  * fk, fv and of the bias's dims 1..2 (h stride: none, it is shared by every head).
  * Returns 0, or 1 for unsupported sizes / no memory (nothing written that the caller keeps). */
 int hf_pagedkv_code_read(void **ptr, const int64_t *meta) {
-    const int64_t H = meta[0], B = meta[1], R = meta[2], D = meta[3], n = meta[4], m = meta[5];
-    const int kbits = (int)meta[6], vbits = (int)meta[7];
-    const int64_t bs = meta[8], sink = meta[9];
-    const int nthreads = (int)meta[10];
-    const int64_t *st = meta + 11; /* 7 arrays x 3 strides, then the bias's 2 */
+    const int64_t H = meta[0], B = meta[1], R = meta[2], D = meta[3], bs = meta[8];
+    const int kbits = (int)meta[6], vbits = (int)meta[7], nthreads = (int)meta[10];
     if (D > MAX_DIM || D % LANES || R > 64 || bs > MAX_BLOCK || bs % 2 || (kbits != 8 && kbits != 4)
         || (vbits != 8 && vbits != 4))
         return 1;
-    const float *q = ptr[0], *fk = ptr[5], *fv = ptr[6], *bias = ptr[7];
-    const uint8_t *kc = ptr[1], *vc = ptr[3];
-    const half *ks = ptr[2], *vs = ptr[4];
-    float *out = ptr[8];
     int failed = 0;
-#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(| : failed) if (nthreads > 1)
-    for (int64_t hb = 0; hb < H * B; hb++) {
-        const int64_t h = hb / B, b = hb % B;
-        const Pair a = {q + h * st[0] + b * st[1], fk + h * st[15] + b * st[16], fv + h * st[18] + b * st[19],
-                        bias ? bias + b * st[21] : NULL, kc + h * st[3] + b * st[4], vc + h * st[9] + b * st[10],
-                        ks + h * st[6] + b * st[7], vs + h * st[12] + b * st[13], out + hb * R * D,
-                        st[2], st[5], st[8], st[11], st[14], st[17], st[20], st[22], R, n, m, bs, sink, kbits, vbits};
-        failed |= D == 64 ? read_pair_64(&a) : D == 128 ? read_pair_128(&a) : read_pair_any(&a, D);
+    if (nthreads > 1 && H * B > 1) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(| : failed)
+        for (int64_t hb = 0; hb < H * B; hb++) failed |= read_one(ptr, meta, hb);
+    } else { /* one thread: no OpenMP region at all */
+        for (int64_t hb = 0; hb < H * B; hb++) failed |= read_one(ptr, meta, hb);
     }
     return failed;
 }

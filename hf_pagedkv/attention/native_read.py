@@ -102,7 +102,11 @@ class NativeCodeAttention:
                 path = library_path()
                 if not path.exists():
                     build(path)
-                fn = ctypes.CDLL(str(path)).hf_pagedkv_code_read
+                try:
+                    lib = ctypes.CDLL(str(path))
+                except OSError:  # a truncated or corrupted file (a disk full while copying it): built again, once
+                    lib = ctypes.CDLL(str(build(path)))
+                fn = lib.hf_pagedkv_code_read
                 fn.argtypes = (ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64))
                 fn.restype = ctypes.c_int
                 self._fn = fn

@@ -5,6 +5,7 @@ through a model."""
 from __future__ import annotations
 
 import logging
+import shutil
 
 import pytest
 import torch
@@ -166,3 +167,15 @@ def test_native_read_at_model_sizes(bits):
     got = READER(qh, read, bias)
     assert got is not None
     assert (got - code_attention(qh, read, bias, 2048)).abs().max().item() <= 1e-5
+
+
+def test_a_corrupted_library_is_built_again(monkeypatch, tmp_path):
+    """A cached library that does not load (garbage bytes where the file was) is built again and then used."""
+    monkeypatch.setenv("HF_PAGEDKV_NATIVE_DIR", str(tmp_path))
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler here")
+    path = native_read.library_path()
+    path.write_bytes(b"not a shared library")
+    reader = NativeCodeAttention()
+    assert reader.load() is not None and not reader.failed
+    assert path.read_bytes() != b"not a shared library"

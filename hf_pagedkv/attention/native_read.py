@@ -19,9 +19,8 @@ from pathlib import Path
 
 import torch
 
+from hf_pagedkv.attention.compiled_read import CompiledCodeAttention
 from hf_pagedkv.storage.code_read import CodeRead
-from hf_pagedkv.storage.codecs.int4 import Int4Codec
-from hf_pagedkv.storage.codecs.int8 import Int8Codec
 
 logger = logging.getLogger(__name__)
 
@@ -121,11 +120,9 @@ class NativeCodeAttention:
         """Whether the C function computes this read: its form (as `CompiledCodeAttention.supports`), dtypes and
         devices, and every shape the C side indexes by (it trusts them: a wrong one would read out of bounds)."""
         kc, vc = read.codecs
-        dk, dv = read.dims
-        if not (sys.byteorder == "little" and read.lo == read.pos0 and dk == dv and dk <= MAX_DIM and dk % LANES == 0
-                and type(kc) in (Int8Codec, Int4Codec) and type(vc) in (Int8Codec, Int4Codec)
-                and kc.axis == "channel" and vc.axis == "token" and vc.group(dv) == dv and read.num_encoded > 0
-                and read.block_size <= MAX_BLOCK and read.block_size % 2 == 0):
+        dk = read.dims[0]
+        if not (sys.byteorder == "little" and CompiledCodeAttention.supports(read) and dk <= MAX_DIM
+                and dk % LANES == 0 and read.block_size <= MAX_BLOCK and read.block_size % 2 == 0):
             return False
         H, batch, rows, dim = qh.shape
         n, bs, sink = read.num_encoded, read.block_size, max(0, read.sink_end - read.lo)

@@ -28,7 +28,7 @@ _NEUTRAL_KWARGS = {"position_ids", "use_cache", "cache_position", "sliding_windo
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                             is_causal: bool | None = None, compiled: CompiledCodeAttention | None = None,
-                            **kwargs) -> tuple[torch.Tensor, None]:
+                            native=None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract (the signature of `sdpa_attention_forward`), reading a
     `PagedCache`'s pool in place at decode steps.
 
@@ -50,6 +50,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         dropout, scaling, is_causal: as `sdpa_attention_forward`.
         compiled (`CompiledCodeAttention`, *optional*): the compiled quantized read (``"hf_pagedkv_compiled"``);
             `None`: eager.
+        native (*optional*): the quantized read that follows block tables, tried first (`native_table_read`,
+            ``"hf_pagedkv_compiled"``); `None`: none.
 
     Returns:
         `(attn_output, None)`, `attn_output` of shape `[batch, q, num_heads, head_dim]`.
@@ -83,7 +85,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if compiled is None:
         return paged_attention(query, view, scale, attention_mask, tile_tokens=DEFAULT_TILE_TOKENS), None
     return paged_attention(query, view, scale, attention_mask, tile_tokens=DEFAULT_TILE_TOKENS,
-                           compiled=compiled), None
+                           compiled=compiled, native=native), None
 
 
 #: the compiled quantized reads of ``"hf_pagedkv_compiled"``: one each per process (the C library and the graphs
@@ -99,6 +101,13 @@ def compiled_quantized_read(qh: torch.Tensor, read, bias: torch.Tensor | None) -
     return out if out is not None else COMPILED_READ(qh, read, bias)
 
 
+def native_table_read(qh: torch.Tensor, view: PagedView, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The first read of ``"hf_pagedkv_compiled"``: the C function following the view's block table
+    (`NativeCodeAttention.read_view`: no codes gathered, no tail copied), or None (then `compiled_quantized_read`
+    over the view's `CodeRead`)."""
+    return NATIVE_READ.read_view(qh, view, bias)
+
+
 def compiled_paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                                      value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
                                      scaling: float | None = None, is_causal: bool | None = None,
@@ -110,7 +119,8 @@ def compiled_paged_attention_forward(module: torch.nn.Module, query: torch.Tenso
     on a machine builds the C library (about 1 s); a read only `torch.compile` takes pays its compile time (seconds
     per graph, see the README)."""
     return paged_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                   is_causal=is_causal, compiled=compiled_quantized_read, **kwargs)
+                                   is_causal=is_causal, compiled=compiled_quantized_read, native=native_table_read,
+                                   **kwargs)
 
 
 def _fallback(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

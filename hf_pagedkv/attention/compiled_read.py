@@ -117,11 +117,17 @@ class CompiledCodeAttention:
     @staticmethod
     def supports(read: CodeRead) -> bool:
         """Whether `read` has the form `fused_code_read` computes."""
-        kc, vc = read.codecs
-        dk, dv = read.dims
-        return (read.lo == read.pos0 and dk == dv and type(kc) in (Int8Codec, Int4Codec)
-                and type(vc) in (Int8Codec, Int4Codec) and kc.axis == "channel" and vc.axis == "token"
-                and vc.group(dv) == dv and read.num_encoded > 0)
+        return read.lo == read.pos0 and read.num_encoded > 0 and CompiledCodeAttention.supports_codecs(read.codecs,
+                                                                                                     read.dims)
+
+    @staticmethod
+    def supports_codecs(codecs: tuple, dims: tuple[int, int]) -> bool:
+        """Whether keys and values coded with `codecs` (key and value head dims `dims`) have the form
+        `fused_code_read` computes: int8/int4 keys per channel, values per token in one group per head."""
+        kc, vc = codecs
+        dk, dv = dims
+        return (dk == dv and type(kc) in (Int8Codec, Int4Codec) and type(vc) in (Int8Codec, Int4Codec)
+                and kc.axis == "channel" and vc.axis == "token" and vc.group(dv) == dv)
 
     def __call__(self, qh: torch.Tensor, read: CodeRead, bias: torch.Tensor | None) -> torch.Tensor | None:
         """Attention over `read` (see `code_attention`), or None where this path does not apply or failed.

@@ -21,6 +21,7 @@ import torch
 
 from hf_pagedkv.attention.compiled_read import CompiledCodeAttention
 from hf_pagedkv.storage.code_read import CodeRead
+from hf_pagedkv.storage.code_table import CodeTable
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ class NativeCodeAttention:
 
     def __init__(self) -> None:
         self._fn = None  # the loaded C function, made on first use
+        self._table_fn = None  # its form that follows block ids (`read_table`), loaded with it
         self.failed = False  # no compiler or a failed build/load: off for the rest of the process
 
     def load(self):
@@ -105,10 +107,10 @@ class NativeCodeAttention:
                     lib = ctypes.CDLL(str(path))
                 except OSError:  # a truncated or corrupted file (a disk full while copying it): built again, once
                     lib = ctypes.CDLL(str(build(path)))
-                fn = lib.hf_pagedkv_code_read
-                fn.argtypes = (ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64))
-                fn.restype = ctypes.c_int
-                self._fn = fn
+                for fn in (lib.hf_pagedkv_code_read, lib.hf_pagedkv_code_table_read):
+                    fn.argtypes = (ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64))
+                    fn.restype = ctypes.c_int
+                self._fn, self._table_fn = lib.hf_pagedkv_code_read, lib.hf_pagedkv_code_table_read
             except Exception as e:  # noqa: BLE001 - no compiler, no writable cache: the other reads are right
                 self.failed = True
                 logger.warning("hf_pagedkv: the native quantized read is off (%s: %s); reading with torch",
@@ -172,6 +174,91 @@ class NativeCodeAttention:
         if fn((ctypes.c_void_p * 9)(*ptrs), (ctypes.c_int64 * len(meta))(*meta)):
             return None
         return out
+
+    @staticmethod
+    def supports_table(qh: torch.Tensor, table: CodeTable, bias: torch.Tensor | None) -> bool:
+        """Whether the C function that follows block ids computes this read: the form of `supports`, and the pool's,
+        staging's, new tokens' and sinks' shapes, dtypes and devices (it trusts them)."""
+        kc, vc = table.codecs
+        dk = table.dims[0]
+        if not (sys.byteorder == "little" and CompiledCodeAttention.supports_codecs(table.codecs, table.dims)
+                and dk <= MAX_DIM and dk % LANES == 0 and table.block_size <= MAX_BLOCK and table.block_size % 2 == 0):
+            return False
+        H, batch, rows, dim = qh.shape
+        bs, n = table.block_size, table.num_encoded
+        q = 0 if table.new is None else table.new[0].shape[2]
+        if dim != dk or rows > MAX_ROWS or n * bs + table.rest + q != table.end - table.lo:
+            return False
+        pools = [(table.codes[0], bs * dim * kc.bits // 8, torch.uint8),
+                 (table.scales[0], dim * (1 if kc.bits == 8 else 2), torch.float16),
+                 (table.codes[1], bs * dim * vc.bits // 8, torch.uint8),
+                 (table.scales[1], bs * (1 if vc.bits == 8 else 2), torch.float16)]
+        starts = table.codes[0].starts
+        if not all(t.starts == starts and t.d0 == H and t.d2 == size and t.dtype == dtype
+                   and t.device.type == "cpu" and all(seg.is_contiguous() for seg in t.segments)
+                   for t, size, dtype in pools):
+            return False
+        full = [t for part in (table.staged, table.new, table.sinks) if part is not None for t in part]
+        shapes = [(qh, (H, batch, rows, dim), torch.float32), (table.ids, (batch, n), torch.long)]
+        shapes += [(t, (batch, H, q, dim) if t.dim() == 4 else (H, t.shape[1], dim), torch.float32) for t in full]
+        shapes += [(t, (batch,), torch.long) for t in (table.stage, table.sink_slot) if t is not None]
+        if bias is not None:
+            if bias.dim() != 4 or bias.shape[2] not in (1, rows):
+                return False
+            shapes.append((bias, (1, batch, bias.shape[2], table.end - table.lo), torch.float32))
+        return (table.ids.is_contiguous()
+                and all(tuple(t.shape) == shape and t.dtype == dtype and t.device.type == "cpu" and t.stride(-1) == 1
+                        for t, shape, dtype in shapes))
+
+    def read_table(self, qh: torch.Tensor, table: CodeTable, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """Attention over `table` (the read of `__call__`, its blocks found through their ids in the C function), or
+        None where this path does not apply.
+
+        Args:
+            qh (`torch.Tensor` of shape `[H, batch, rows, dim]`): the scaled query.
+            table (`CodeTable`): the quantized read, where it lies.
+            bias (`torch.Tensor` of shape `[1, batch, rows | 1, end - lo]`, *optional*): additive mask.
+
+        Returns:
+            `torch.Tensor` of shape `[H, batch, rows, dim]`, or None.
+        """
+        if not self.supports_table(qh, table, bias) or self.load() is None:
+            return None
+        H, batch, rows, dim = qh.shape
+        kcodec, vcodec = table.codecs
+        out = torch.empty((H, batch, rows, dim), dtype=torch.float32)
+        b = None if bias is None else bias[0]  # [batch, rows | 1, width]
+        q = 0 if table.new is None else table.new[0].shape[2]
+        staged = table.staged or (None, None)
+        new = table.new or (None, None)
+        sinks = table.sinks or (None, None)
+        meta = [H, batch, rows, dim, table.num_encoded, kcodec.bits, vcodec.bits, table.block_size,
+                table.sink_end - table.lo if table.sink_end else 0, torch.get_num_threads(), table.rest, q]
+        meta += _strides(qh, 3)
+        pools = (table.codes[0], table.scales[0], table.codes[1], table.scales[1])
+        for t in pools:
+            meta += [0, t.d2]  # (the head stride is each segment's)
+        segs = torch.tensor([[start] + [x for t in pools for x in (t.segments[i].data_ptr(), t.segments[i].stride(0))]
+                             for i, start in enumerate(pools[0].starts)], dtype=torch.long)  # [nseg, 9]
+        for t in staged:
+            meta += [0, 0] if t is None else _strides(t, 2)
+        for t in new:
+            meta += [0, 0, 0] if t is None else _strides(t, 3)
+        for t in sinks:
+            meta += [0, 0] if t is None else _strides(t, 2)
+        meta += [0, 0] if b is None else [b.stride(0), b.stride(1) if b.shape[1] > 1 else 0]
+        meta.append(len(segs))
+        tensors = (qh, segs, None, None, None, table.ids, table.stage,
+                   *staged, *new, table.sink_slot, *sinks, b, out)
+        ptrs = [None if t is None else t.data_ptr() for t in tensors]
+        if self._table_fn((ctypes.c_void_p * 16)(*ptrs), (ctypes.c_int64 * len(meta))(*meta)):
+            return None
+        return out
+
+    def read_view(self, qh: torch.Tensor, view, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """`read_table` over a `PagedView`'s quantized tokens (`PagedView.code_table`), or None."""
+        table = view.code_table()
+        return None if table is None else self.read_table(qh, table, bias)
 
 
 __all__ = ["NativeCodeAttention", "build", "library_path"]

@@ -25,7 +25,7 @@ NEGLIGIBLE = -64 * math.log(2)
 
 
 def paged_attention(query: torch.Tensor, view: PagedView, scaling: float, mask: torch.Tensor | None = None,
-                    tile_tokens: int = DEFAULT_TILE_TOKENS, compiled=None) -> torch.Tensor:
+                    tile_tokens: int = DEFAULT_TILE_TOKENS, compiled=None, native=None) -> torch.Tensor:
     """Attention of `query` over the tokens `view` names, read where they lie.
 
     - Quantized stores (`code_attention`): the encoded blocks' codes and scales, de-quantized inside the products
@@ -52,6 +52,8 @@ def paged_attention(query: torch.Tensor, view: PagedView, scaling: float, mask: 
         tile_tokens (`int`): tokens per page tile (peak extra memory: one tile of keys and values).
         compiled (`CompiledCodeAttention`, *optional*): reads quantized codes with its compiled function where it
             applies (``"hf_pagedkv_compiled"``); `None` (the default): eager only.
+        native (*optional*): `(qh, view, bias) -> out | None`, tried first for a quantized store: a read that
+            follows the block table itself (`NativeCodeAttention.read_view`, ``"hf_pagedkv_compiled"``).
 
     Returns:
         `torch.Tensor` of shape `[batch, q, num_heads, value_dim]` (what transformers' attention functions return).
@@ -62,6 +64,10 @@ def paged_attention(query: torch.Tensor, view: PagedView, scaling: float, mask: 
     # [batch, H, G, q, D] -> [H, batch, G * q, D]: a query row per (query head of the group, query token)
     qh = (query * scaling).view(batch, H, G, q, dim).transpose(0, 1).reshape(H, batch, G * q, dim)
     bias = _mask_bias(mask, batch, G, q, query.dtype)  # [1, batch, G*q | 1, end - lo] or None
+    if native is not None and view.store.is_quantized:
+        out = native(qh, view, bias)  # [H, batch, G*q, Dv] or None
+        if out is not None:
+            return _unpack(out, batch, H, G, q, num_heads)
     read = view.code_read()  # quantized: codes and scales of the encoded blocks, or None
     if read is not None:
         out = None if compiled is None else compiled(qh, read, bias)

@@ -7,6 +7,7 @@ from typing import Callable, Iterator
 import torch
 
 from hf_pagedkv.storage.code_read import CodeRead
+from hf_pagedkv.storage.code_table import CodeTable
 from hf_pagedkv.storage.read_request import ReadRequest
 
 def _one_segment(t, lo: int, hi: int) -> bool:
@@ -101,6 +102,15 @@ class PagedView:
         if not self.store.is_quantized:
             return None
         return self.store.read_codes(self.layer_idx, ReadRequest(self.table, self.lo, self.end, self.block_size,
+                                                                 self._first_block(), self.new))
+
+    def code_table(self) -> CodeTable | None:
+        """A quantized store's tokens ``lo .. end - 1`` where they lie, found through the block table
+        (`QuantizedPageStore.code_table`), for a kernel that follows block ids; None for a full-precision store or
+        where that form does not hold (read `code_read` then)."""
+        if not self.store.is_quantized:
+            return None
+        return self.store.code_table(self.layer_idx, ReadRequest(self.table, self.lo, self.end, self.block_size,
                                                                  self._first_block(), self.new))
 
     # -- chunks ----------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import torch
 
 from hf_pagedkv.config import QuantConfig
 from hf_pagedkv.storage.code_read import CodeRead
+from hf_pagedkv.storage.code_table import CodeTable
 from hf_pagedkv.storage.codecs import BlockLayout, check_finite, codec_name, make_codec
 from hf_pagedkv.storage.page_store import LayerSpec, check_block_tensors
 from hf_pagedkv.storage.quantized_block_states import QuantizedBlockStates
@@ -373,6 +374,43 @@ class QuantizedPageStore:
                 full = [torch.cat((f, x), 2) for f, x in zip(full, sink)]
         return CodeRead(first * B, request.lo, request.end, B, (spec.key_dim, spec.value_dim), self.codecs,
                         (parts[0], parts[1]), (parts[2], parts[3]), (full[0], full[1]), sink_end)
+
+    def code_table(self, layer_idx: int, request: ReadRequest) -> CodeTable | None:
+        """Tokens ``request.lo .. request.end - 1`` of every row where they lie, for a kernel that follows block ids
+        (`CodeTable`): the layer's pool of codes and scales with each row's encoded block ids, the staged partial
+        block, the step's tokens and the sink stage, nothing gathered. The same tokens as `read_codes`; None where
+        that form does not hold (`lo` not at a block start, no encoded block, a partial block that is not staged:
+        a crop's), and `read_codes` serves. A pool grown into several storage segments is
+        handed over as its `SegmentedTensor`s (the kernel finds each id's segment)."""
+        B, spec = self.block_size, self.specs[layer_idx]
+        lo, end, new = request.lo, request.end, request.new
+        start = end if new is None else new[0]
+        first, enc = request.first_position, start // B
+        if lo % B or enc <= first:
+            return None
+        table = request.table
+        ids = table[:, first:enc]
+        if not ids.is_contiguous():
+            ids = ids.contiguous()
+        rest, stage, staged = start - enc * B, None, None
+        if rest:
+            stages = [self.states.stage_of.get(b) for b in table[:, enc].tolist()]
+            if None in stages or any(self.states.encoded[b] for b in table[:, enc].tolist()):
+                return None
+            stage = torch.tensor(stages, dtype=torch.long) * self.staging.block_size
+            staged = (self.staging.keys[layer_idx], self.staging.values[layer_idx])
+        sink_end, sink_slot, sinks = 0, None, None
+        n_sink = min(self.sink_tokens, start) if first == 0 else 0
+        if n_sink > 0:
+            slots = [self.states.sink_of.get(b) for b in table[:, 0].tolist()]
+            if None not in slots:  # (retention freed a first block: its successor is read decoded)
+                sink_end = n_sink
+                sink_slot = torch.tensor(slots, dtype=torch.long) * self.sinks.block_size
+                sinks = (self.sinks.keys[layer_idx], self.sinks.values[layer_idx])
+        (kc, vc), (ks, vs) = self.codes[layer_idx], self.scales[layer_idx]
+        return CodeTable(lo, end, B, (spec.key_dim, spec.value_dim), self.codecs, ids, (kc, vc), (ks, vs), rest,
+                         stage, staged,
+                         None if new is None or end == start else (new[1], new[2]), sink_end, sink_slot, sinks)
 
     def _sink_rows(self, store: dict, layer_idx: int, stages: list[int]) -> torch.Tensor:
         """Each row's sink stage, `[num_kv_heads, batch, sink_tokens, dim]` (a view for one row)."""

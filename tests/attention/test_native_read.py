@@ -114,15 +114,35 @@ def test_a_failed_build_says_why(monkeypatch, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+class _Recording(NativeCodeAttention):
+    """The C reads, recording which one served each quantized read: "table" (`read_view`), "view" (`__call__`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def read_view(self, qh, view, bias):
+        out = super().read_view(qh, view, bias)
+        if out is not None:
+            self.reads.append("table")
+        return out
+
+    def __call__(self, qh, read, bias):
+        out = super().__call__(qh, read, bias)
+        self.reads.append("view" if out is not None else "none")
+        return out
+
+
 @needs_compiler
 @pytest.mark.parametrize("quant", ["k8v4", "k4v4", "k8v8"])
 def test_generation_matches_the_eager_read(quant, monkeypatch):
     """Greedy generation through ``"hf_pagedkv_compiled"``, its quantized reads all in C (the `torch.compile`d
     engine made to fail if reached), gives the tokens of ``"hf_pagedkv"`` and logits within 1e-4 (the same codes
     are written; the first layer of each step is `sdpa` in both); a batch of 2 with left padding."""
-    calls, native = [], []
+    calls = []
     monkeypatch.setattr(attention_function, "COMPILED_READ", lambda *a: calls.append(a))
-    monkeypatch.setattr(attention_function, "NATIVE_READ", lambda *a: native.append(READER(*a)) or native[-1])
+    native = _Recording()
+    monkeypatch.setattr(attention_function, "NATIVE_READ", native)
     model = tiny_model("llama")
     ids = torch.randint(1, VOCAB, (2, 40), generator=torch.Generator().manual_seed(5))
     mask = torch.ones_like(ids)
@@ -142,7 +162,8 @@ def test_generation_matches_the_eager_read(quant, monkeypatch):
     (ids_e, logits_e), (ids_c, logits_c) = out.values()
     assert torch.equal(ids_e, ids_c)
     assert (logits_e - logits_c).abs().max().item() <= 1e-4
-    assert native and all(o is not None for o in native) and not calls  # every quantized read was the C one
+    # every quantized read was a C one, through the block table (4 layers, batch 2: one segment, staged tails)
+    assert native.reads and native.reads.count("table") == len(native.reads) and not calls
 
 
 @needs_compiler
@@ -179,3 +200,87 @@ def test_a_corrupted_library_is_built_again(monkeypatch, tmp_path):
     reader = NativeCodeAttention()
     assert reader.load() is not None and not reader.failed
     assert path.read_bytes() != b"not a shared library"
+
+
+@needs_compiler
+@pytest.mark.parametrize("quant", ["k8v8", "k8v4", "k4v4"])
+@pytest.mark.parametrize("prompt", [22, 24])
+def test_table_read_equals_the_gathered_read(quant, prompt):
+    """The C read through block ids (`read_table`: the pool's codes, each row's staged partial block, the step's
+    token and the sink token where they lie) on 3 rows whose decode blocks interleave in a fixed pool gives the C
+    read of the gathered `CodeRead` bit for bit (the same sums in the same order), and the eager read within 1e-5;
+    a 22-token prompt leaves a staged partial block, 24 none before the step's token."""
+    from hf_pagedkv import BlockPool, QuantConfig
+    from hf_pagedkv.attention import PagedView
+
+    cache = PagedCache(pool=BlockPool(block_size=4, num_blocks=40, quant=QuantConfig.preset(quant)))
+    g = torch.Generator().manual_seed(13)
+    with torch.no_grad():
+        for q in (prompt,) + (1,) * 12:
+            k = torch.randn(3, 2, q, 16, generator=g)
+            for layer in (0, 1):
+                cache.update(k, k + 1, layer)
+        k = torch.randn(3, 2, 1, 16, generator=g)
+        view = PagedView.of(cache.update(k, k * 0.5, 0)[0])
+    table, read = view.code_table(), view.code_read()
+    assert table is not None and read is not None
+    ids = table.ids
+    assert ids.shape == (3, (prompt + 12) // 4) and (ids[:, 1:] - ids[:, :-1] != 1).any()  # blocks out of order
+    assert table.rest == (prompt + 12) % 4 and table.new is not None and table.sink_end == 1
+    qh = torch.randn(2, 3, 2, 16, generator=g) * 0.3  # [H, batch, rows, D]
+    bias = _bias(3, 2, table.end - table.lo)
+    bias[:, 1, :, 5] = float("-inf")
+    got = READER.read_table(qh, table, bias)
+    assert got is not None and torch.equal(got, READER(qh, read, bias))
+    assert (got - code_attention(qh, read, bias, 2048)).abs().max().item() <= 1e-5
+    cache.check_invariants()
+    cache.release()
+
+
+@needs_compiler
+def test_table_read_of_a_grown_pool():
+    """A growable pool that grew into several storage segments while a row was written: `read_table` finds each
+    block id's segment, and gives the gathered read bit for bit."""
+    from hf_pagedkv import BlockPool, QuantConfig
+    from hf_pagedkv.attention import PagedView
+
+    cache = PagedCache(pool=BlockPool(block_size=4, quant=QuantConfig.preset("k4v4")))
+    g = torch.Generator().manual_seed(14)
+    with torch.no_grad():
+        for q in (30, 70, 1):
+            k = torch.randn(2, 2, q, 16, generator=g)
+            view = PagedView.of(cache.update(k, k - 1, 0)[0])
+    table, read = view.code_table(), view.code_read()
+    assert len(table.codes[0].segments) > 1 and table.num_encoded == 25
+    qh = torch.randn(2, 2, 2, 16, generator=g) * 0.3
+    got = READER.read_table(qh, table, None)
+    assert got is not None and torch.equal(got, READER(qh, read, None))
+    cache.check_invariants()
+    cache.release()
+
+
+@needs_compiler
+def test_table_read_declines_a_window_start():
+    """A sliding window's read starts inside a block: `code_table` is None, and ``"hf_pagedkv_compiled"`` reads
+    the gathered way; greedy tokens of the eager ``"hf_pagedkv"`` on a sliding-window model (Gemma 3, window 8)."""
+    model = tiny_model("gemma3")
+    ids = torch.randint(1, VOCAB, (1, 21), generator=torch.Generator().manual_seed(15))
+    tokens, tables = {}, []
+    real = NativeCodeAttention.read_view
+    for impl in ("hf_pagedkv", COMPILED_ATTENTION_NAME):
+        model.set_attn_implementation(impl)
+        try:
+            c = PagedCache(config=model.config, quant="k8v8", block_size=4)
+            with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+                mp.setattr(NativeCodeAttention, "read_view",
+                           lambda self, qh, view, bias: tables.append((view.lo, view.code_table())) or real(
+                               self, qh, view, bias))
+                tokens[impl] = model.generate(ids, **cache_kwargs(c), do_sample=False, max_new_tokens=5)
+            c.check_invariants()
+            c.release()
+        finally:
+            model.set_attn_implementation("sdpa")
+    assert torch.equal(*tokens.values())
+    windowed = [t for lo, t in tables if lo % 4]
+    assert windowed and all(t is None for t in windowed)
+    assert any(t is not None for lo, t in tables if lo == 0)  # the full-attention layers follow the table

@@ -75,6 +75,35 @@ static inline v16 load16h(const half *p) {
     return __builtin_convertvector(v, v16);
 }
 
+/* fold(x, y, w): lanes in groups of w; x's and y's groups 2k and 2k + 1 added pairwise, x's before y's */
+#define FOLD(x, y, ...) (__builtin_shuffle(x, y, (v16i){__VA_ARGS__}) + \
+                         __builtin_shuffle(x, y, (v16i){__VA_ARGS__} + w))
+static inline v16 fold8(v16 x, v16 y) {
+    const int w = 8;
+    return FOLD(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+}
+static inline v16 fold4(v16 x, v16 y) {
+    const int w = 4;
+    return FOLD(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+}
+static inline v16 fold2(v16 x, v16 y) {
+    const int w = 2;
+    return FOLD(x, y, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+}
+static inline v16 fold1(v16 x, v16 y) {
+    const int w = 1;
+    return FOLD(x, y, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+}
+
+/* lane t of the result = the sum of a[t]'s lanes, for 16 vectors: four levels of folds (15 in all, against 16
+ * separate `hsum`s of 4 steps each); the folds leave the vectors in bit-reversed order, so they go in bit-reversed */
+static inline v16 hsum16(const v16 *a) {
+    v16 b0 = fold8(a[0], a[8]), b1 = fold8(a[4], a[12]), b2 = fold8(a[2], a[10]), b3 = fold8(a[6], a[14]);
+    v16 b4 = fold8(a[1], a[9]), b5 = fold8(a[5], a[13]), b6 = fold8(a[3], a[11]), b7 = fold8(a[7], a[15]);
+    v16 c0 = fold4(b0, b1), c1 = fold4(b2, b3), c2 = fold4(b4, b5), c3 = fold4(b6, b7);
+    return fold1(fold2(c0, c1), fold2(c2, c3));
+}
+
 /* one block of codes -> bs x D integer values in fp32 (int8: signed; int4: 0..15) */
 static void decode_block(const uint8_t *c, int bits, int64_t bs, int64_t D, float *tile) {
     if (bits == 8) {
@@ -88,25 +117,55 @@ static void decode_block(const uint8_t *c, int bits, int64_t bs, int64_t D, floa
     }
 }
 
-/* one (key/value head, row) pair's read: pointers at its first element, strides along its last dims */
+/* full-precision tokens of one pair: `n` rows of keys and of values, `ks` / `vs` floats apart */
 typedef struct {
-    const float *q, *fk, *fv, *bias;
+    const float *k, *v;
+    int64_t n, ks, vs;
+} Segment;
+
+#define SEGMENTS 3
+
+/* a pool's storage segment (`SegmentedTensor`): its first block id, then for key codes, key scales, value codes and
+ * value scales the address of its element 0 and its head stride (elements) */
+#define SEG_WIDTH 9
+
+/* one (key/value head, row) pair's read: pointers at its first element, strides along its last dims. Encoded
+ * block j: `kc_sn` (...) elements on from `kc` (...) per block, or with `ids`, block `ids[j]` of head `h` of the
+ * pool whose `nseg` segments `segs` describes. The full-precision columns are the segments' rows one after another
+ * (the tail, the step's tokens, the sink tokens) */
+typedef struct {
+    const float *q, *bias;
     const uint8_t *kc, *vc;
     const half *ks, *vs;
+    const int64_t *ids, *segs;
     float *out;
-    int64_t q_sr, kc_sn, ks_sn, vc_sn, vs_sn, fk_sm, fv_sm, bi_sr, R, n, m, bs, sink;
+    Segment seg[SEGMENTS];
+    int64_t q_sr, kc_sn, ks_sn, vc_sn, vs_sn, bi_sr, R, n, bs, sink, nseg, h;
     int kbits, vbits;
 } Pair;
 
+/* where encoded block j of a pair lies: its codes and its scales, keys (`half_` 0) or values (1) */
+static inline void locate(const Pair *a, int64_t j, int half_, const uint8_t **codes, const half **scales) {
+    if (!a->ids) {
+        *codes = (half_ ? a->vc : a->kc) + j * (half_ ? a->vc_sn : a->kc_sn);
+        *scales = (half_ ? a->vs : a->ks) + j * (half_ ? a->vs_sn : a->ks_sn);
+        return;
+    }
+    const int64_t id = a->ids[j];
+    int64_t s = a->nseg - 1;
+    while (s > 0 && a->segs[s * SEG_WIDTH] > id) s--;
+    const int64_t *e = a->segs + s * SEG_WIDTH + 1 + 4 * half_, local = id - a->segs[s * SEG_WIDTH];
+    *codes = (const uint8_t *)(intptr_t)e[0] + a->h * e[1] + local * (half_ ? a->vc_sn : a->kc_sn);
+    *scales = (const half *)(intptr_t)e[2] + a->h * e[3] + local * (half_ ? a->vs_sn : a->ks_sn);
+}
+
 /* the read of one pair, every query row of it; `D` a constant where the callers below specialise it */
 static inline __attribute__((always_inline)) int read_pair(const Pair *a, const int64_t D) {
-    const float *q = a->q, *fk = a->fk, *fv = a->fv, *bias = a->bias;
-    const uint8_t *kc = a->kc, *vc = a->vc;
-    const half *ks = a->ks, *vs = a->vs;
+    const float *q = a->q, *bias = a->bias;
     float *out = a->out;
-    const int64_t q_sr = a->q_sr, kc_sn = a->kc_sn, ks_sn = a->ks_sn, vc_sn = a->vc_sn, vs_sn = a->vs_sn;
-    const int64_t fk_sm = a->fk_sm, fv_sm = a->fv_sm, bi_sr = a->bi_sr, R = a->R, n = a->n, m = a->m, bs = a->bs;
-    const int64_t sink = a->sink;
+    const int64_t q_sr = a->q_sr, bi_sr = a->bi_sr, R = a->R, n = a->n, bs = a->bs, sink = a->sink;
+    const Segment *seg = a->seg;
+    const int64_t m = seg[0].n + seg[1].n + seg[2].n;
     const int kbits = a->kbits, vbits = a->vbits;
     const int64_t T = n * bs, W = T + m, width = W - sink;
     float *scores = malloc(sizeof(float) * R * W);
@@ -121,8 +180,11 @@ static inline __attribute__((always_inline)) int read_pair(const Pair *a, const 
     float l[64];
     /* scores of the encoded blocks: q . (s_d c + z_d) = (q * s) . c + q . z */
     for (int64_t j = 0; j < n; j++) {
-        decode_block(kc + j * kc_sn, kbits, bs, D, tile);
-        const half *s = ks + j * ks_sn, *z = kbits == 4 ? s + D : NULL;
+        const uint8_t *codes;
+        const half *s;
+        locate(a, j, 0, &codes, &s);
+        decode_block(codes, kbits, bs, D, tile);
+        const half *z = kbits == 4 ? s + D : NULL;
         for (int64_t r = 0; r < R; r++) {
             const float *qr = q + r * q_sr;
             v16 zq16 = (v16){0};
@@ -133,7 +195,18 @@ static inline __attribute__((always_inline)) int read_pair(const Pair *a, const 
             }
             const float zq = z ? hsum(zq16) : 0.0f;
             float *sr = scores + r * W + j * bs;
-            for (int64_t t = 0; t < bs; t++) {
+            int64_t t = 0;
+            for (; t + LANES <= bs; t += LANES) { /* 16 tokens' dot products, summed across lanes together */
+                v16 acc[LANES];
+                for (int64_t u = 0; u < LANES; u++) {
+                    const v16 *kt = (const v16 *)(tile + (t + u) * D);
+                    acc[u] = qs[0] * kt[0];
+                    for (int64_t c = 1; c < C; c++) acc[u] += qs[c] * kt[c];
+                }
+                const v16 sc = hsum16(acc) + zq;
+                memcpy(sr + t, &sc, sizeof sc);
+            }
+            for (; t < bs; t++) {
                 const v16 *kt = (const v16 *)(tile + t * D);
                 v16 acc = qs[0] * kt[0];
                 for (int64_t c = 1; c < C; c++) acc += qs[c] * kt[c];
@@ -145,13 +218,13 @@ static inline __attribute__((always_inline)) int read_pair(const Pair *a, const 
     for (int64_t r = 0; r < R; r++) {
         const float *qr = q + r * q_sr;
         float *sr = scores + r * W;
-        for (int64_t c = 0; c < m; c++) {
-            const float *k = fk + c * fk_sm;
-            float acc = 0.0f;
-
-            for (int64_t d = 0; d < D; d++) acc += qr[d] * k[d];
-            sr[T + c] = acc;
-        }
+        for (int64_t i = 0, c = T; i < SEGMENTS; i++)
+            for (int64_t t = 0; t < seg[i].n; t++, c++) {
+                const float *k = seg[i].k + t * seg[i].ks;
+                float acc = 0.0f;
+                for (int64_t d = 0; d < D; d++) acc += qr[d] * k[d];
+                sr[c] = acc;
+            }
         for (int64_t c = 0; c < sink && c < W; c++) sr[c] = -INFINITY;
         if (bias) {
             const float *br = bias + r * bi_sr;
@@ -183,21 +256,25 @@ static inline __attribute__((always_inline)) int read_pair(const Pair *a, const 
         l[r] = sum;
         float *o = out + r * D;
         memset(o, 0, sizeof(float) * D);
-        for (int64_t c = 0; c < m; c++) {
-            const float p = sr[T + c], *v = fv + c * fv_sm;
-            if (p == 0.0f) continue;
+        for (int64_t i = 0, c = T; i < SEGMENTS; i++)
+            for (int64_t t = 0; t < seg[i].n; t++, c++) {
+                const float p = sr[c], *v = seg[i].v + t * seg[i].vs;
+                if (p == 0.0f) continue;
 #pragma omp simd
-            for (int64_t d = 0; d < D; d++) o[d] += p * v[d];
-        }
+                for (int64_t d = 0; d < D; d++) o[d] += p * v[d];
+            }
     }
     /* values of the encoded blocks: sum_t p_t (s_t c_t + z_t) */
     for (int64_t j = 0; j < n; j++) {
-        const half *s = vs + j * vs_sn, *z = vbits == 4 ? s + bs : NULL;
+        const uint8_t *codes;
+        const half *s;
+        locate(a, j, 1, &codes, &s);
+        const half *z = vbits == 4 ? s + bs : NULL;
         int any = 0;
         for (int64_t r = 0; r < R && !any; r++)
             for (int64_t t = 0; t < bs; t++) any |= scores[r * W + j * bs + t] != 0.0f;
         if (!any) continue;
-        decode_block(vc + j * vc_sn, vbits, bs, D, tile);
+        decode_block(codes, vbits, bs, D, tile);
         for (int64_t r = 0; r < R; r++) {
             const float *p = scores + r * W + j * bs;
             float pz = 0.0f;
@@ -223,19 +300,25 @@ static inline __attribute__((always_inline)) int read_pair(const Pair *a, const 
 static int read_pair_64(const Pair *a) { return read_pair(a, 64); }
 static int read_pair_128(const Pair *a) { return read_pair(a, 128); }
 static int read_pair_any(const Pair *a, int64_t D) { return read_pair(a, D); }
+static int dispatch(const Pair *a, int64_t D) {
+    return D == 64 ? read_pair_64(a) : D == 128 ? read_pair_128(a) : read_pair_any(a, D);
+}
 
 /* pair `hb` (= h * B + b) of the call's arrays (see below) */
 static int read_one(void **ptr, const int64_t *meta, int64_t hb) {
     const int64_t B = meta[1], R = meta[2], D = meta[3], *st = meta + 11;
     const int64_t h = hb / B, b = hb % B;
     const float *bias = ptr[7];
-    const Pair a = {(const float *)ptr[0] + h * st[0] + b * st[1], (const float *)ptr[5] + h * st[15] + b * st[16],
-                    (const float *)ptr[6] + h * st[18] + b * st[19], bias ? bias + b * st[21] : NULL,
-                    (const uint8_t *)ptr[1] + h * st[3] + b * st[4], (const uint8_t *)ptr[3] + h * st[9] + b * st[10],
-                    (const half *)ptr[2] + h * st[6] + b * st[7], (const half *)ptr[4] + h * st[12] + b * st[13],
-                    (float *)ptr[8] + hb * R * D, st[2], st[5], st[8], st[11], st[14], st[17], st[20], st[22], R,
-                    meta[4], meta[5], meta[8], meta[9], (int)meta[6], (int)meta[7]};
-    return D == 64 ? read_pair_64(&a) : D == 128 ? read_pair_128(&a) : read_pair_any(&a, D);
+    const Pair a = {.q = (const float *)ptr[0] + h * st[0] + b * st[1], .bias = bias ? bias + b * st[21] : NULL,
+                    .kc = (const uint8_t *)ptr[1] + h * st[3] + b * st[4],
+                    .vc = (const uint8_t *)ptr[3] + h * st[9] + b * st[10],
+                    .ks = (const half *)ptr[2] + h * st[6] + b * st[7], .vs = (const half *)ptr[4] + h * st[12] + b * st[13],
+                    .ids = NULL, .out = (float *)ptr[8] + hb * R * D,
+                    .seg = {{(const float *)ptr[5] + h * st[15] + b * st[16], (const float *)ptr[6] + h * st[18] + b * st[19],
+                             meta[5], st[17], st[20]}},
+                    .q_sr = st[2], .kc_sn = st[5], .ks_sn = st[8], .vc_sn = st[11], .vs_sn = st[14], .bi_sr = st[22],
+                    .R = R, .n = meta[4], .bs = meta[8], .sink = meta[9], .kbits = (int)meta[6], .vbits = (int)meta[7]};
+    return dispatch(&a, D);
 }
 
 /* ptr: q, kc, ks, vc, vs, fk, fv, bias (or NULL), out.
@@ -254,6 +337,54 @@ int hf_pagedkv_code_read(void **ptr, const int64_t *meta) {
         for (int64_t hb = 0; hb < H * B; hb++) failed |= read_one(ptr, meta, hb);
     } else { /* one thread: no OpenMP region at all */
         for (int64_t hb = 0; hb < H * B; hb++) failed |= read_one(ptr, meta, hb);
+    }
+    return failed;
+}
+
+/* pair `hb` of a read through block tables (see below) */
+static int read_table_one(void **ptr, const int64_t *meta, int64_t hb) {
+    const int64_t B = meta[1], R = meta[2], D = meta[3], n = meta[4], rest = meta[10], qn = meta[11], *st = meta + 12;
+    const int64_t h = hb / B, b = hb % B, sink = meta[8];
+    const float *bias = ptr[14];
+    const int64_t *stage = ptr[6], *sink_row = ptr[11];
+    const Pair a = {.q = (const float *)ptr[0] + h * st[0] + b * st[1], .bias = bias ? bias + b * st[25] : NULL,
+                    .segs = (const int64_t *)ptr[1], .nseg = meta[12 + 27], .h = h,
+                    .ids = (const int64_t *)ptr[5] + b * n, .out = (float *)ptr[15] + hb * R * D,
+                    .seg = {{rest ? (const float *)ptr[7] + h * st[11] + stage[b] * st[12] : NULL,
+                             rest ? (const float *)ptr[8] + h * st[13] + stage[b] * st[14] : NULL, rest, st[12], st[14]},
+                            {qn ? (const float *)ptr[9] + b * st[15] + h * st[16] : NULL,
+                             qn ? (const float *)ptr[10] + b * st[18] + h * st[19] : NULL, qn, st[17], st[20]},
+                            {sink ? (const float *)ptr[12] + h * st[21] + sink_row[b] * st[22] : NULL,
+                             sink ? (const float *)ptr[13] + h * st[23] + sink_row[b] * st[24] : NULL, sink, st[22],
+                             st[24]}},
+                    .q_sr = st[2], .kc_sn = st[4], .ks_sn = st[6], .vc_sn = st[8], .vs_sn = st[10], .bi_sr = st[26],
+                    .R = R, .n = n, .bs = meta[7], .sink = sink, .kbits = (int)meta[5], .vbits = (int)meta[6]};
+    return dispatch(&a, D);
+}
+
+/* The same read, its encoded blocks found through each row's block ids and its full-precision tokens where they
+ * lie (the row's staged partial block, the step's tokens, the row's sink stage): nothing gathered beforehand.
+ * ptr: q [H, B, R, D], segs [nseg, SEG_WIDTH] int64 (the layer's pool: where its segments' key codes and scales
+ *      and value codes and scales lie, `[H, blocks, size]` each), three unused, ids [B, n] int64 (contiguous), stage [B] int64 (each row's staged partial block: its first slot), staged
+ *      keys and values ([H, slots, D]), the step's keys and values ([B, H, qn, D]), sink [B] int64 (each row's
+ *      first sink slot read), sink keys and values ([H, slots, D]), bias (or NULL), out [H, B, R, D].
+ * meta: H, B, R, D, n, kbits, vbits, bs, sink (sink tokens read), nthreads, rest (staged tokens per row), qn, then
+ *       the strides of q (3 dims), of the four pool arrays (heads: unused, blocks), of the staged keys and values
+ *       (heads, slots), of the step's keys and values (3 dims), of the sink keys and values (heads, slots), of the
+ *       bias (dims 1..2), then nseg.
+ * Returns 0, or 1 for unsupported sizes / no memory. */
+int hf_pagedkv_code_table_read(void **ptr, const int64_t *meta) {
+    const int64_t H = meta[0], B = meta[1], R = meta[2], D = meta[3], bs = meta[7];
+    const int kbits = (int)meta[5], vbits = (int)meta[6], nthreads = (int)meta[9];
+    if (D > MAX_DIM || D % LANES || R > 64 || bs > MAX_BLOCK || bs % 2 || (kbits != 8 && kbits != 4)
+        || (vbits != 8 && vbits != 4))
+        return 1;
+    int failed = 0;
+    if (nthreads > 1 && H * B > 1) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(| : failed)
+        for (int64_t hb = 0; hb < H * B; hb++) failed |= read_table_one(ptr, meta, hb);
+    } else {
+        for (int64_t hb = 0; hb < H * B; hb++) failed |= read_table_one(ptr, meta, hb);
     }
     return failed;
 }

@@ -25,83 +25,114 @@
 #define MAX_BLOCK 256
 
 typedef _Float16 half;
-/* 16 floats (gcc's vector extension: AVX-512, two AVX2 or four SSE/NEON registers); loads need no alignment */
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
+/* LANES floats a vector (gcc's vector extension; loads need no alignment): 16 where AVX-512 gives 32 registers of
+ * 16, else 8 (AVX2's 16 registers of 8, two NEON registers). 16-float vectors on AVX2 spilled: the 16 key-score
+ * accumulators and their lane-crossing folds did not fit its registers (a 2,048-token read 3x slower on a Zen 3) */
+#if defined(__AVX512F__)
 #define LANES 16
+#else
+#define LANES 8
+#endif
+typedef float vf __attribute__((vector_size(4 * LANES), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(4 * LANES), aligned(4)));
+typedef _Float16 vh __attribute__((vector_size(2 * LANES), aligned(2)));
 
-typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
-
-/* exp(x) for x in [NEGLIGIBLE, 0], 16 at a time: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by Cephes' degree-7 expf
- * polynomial (Moshier, Cephes Math Library; about 1 ulp), times 2**n built in the exponent bits (n >= -64: no
- * denormals). Scalar expf on every probability was a third of the read. */
-static inline v16 exp16(v16 x) {
-    v16 fx = x * 1.44269504088896341f + 0.5f;
-    v16i n = __builtin_convertvector(fx, v16i); /* toward zero, then down to the floor */
-    v16 fn = __builtin_convertvector(n, v16);
-    v16i above = fn > fx;
+/* exp(x) for x in [NEGLIGIBLE, 0], a vector at a time: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by Cephes'
+ * degree-7 expf polynomial (Moshier, Cephes Math Library; about 1 ulp), times 2**n built in the exponent bits
+ * (n >= -64: no denormals). Scalar expf on every probability was a third of the read. */
+static inline vf expv(vf x) {
+    vf fx = x * 1.44269504088896341f + 0.5f;
+    vi n = __builtin_convertvector(fx, vi); /* toward zero, then down to the floor */
+    vf fn = __builtin_convertvector(n, vf);
+    vi above = fn > fx;
     n += above; /* true is -1 */
-    fn = __builtin_convertvector(n, v16);
-    v16 r = x - fn * 0.693359375f - fn * -2.12194440e-4f;
-    v16 y = r * 0.0f + 1.9875691500e-4f;
+    fn = __builtin_convertvector(n, vf);
+    vf r = x - fn * 0.693359375f - fn * -2.12194440e-4f;
+    vf y = r * 0.0f + 1.9875691500e-4f;
     y = y * r + 1.3981999507e-3f;
     y = y * r + 8.3334519073e-3f;
     y = y * r + 4.1665795894e-2f;
     y = y * r + 1.6666665459e-1f;
     y = y * r + 5.0000001201e-1f;
     y = y * r * r + r + 1.0f;
-    v16i bits = (n + 127) << 23;
-    return y * (v16)bits;
+    vi bits = (n + 127) << 23;
+    return y * (vf)bits;
 }
 
-typedef _Float16 v16h __attribute__((vector_size(32), aligned(2)));
-
-static inline float hsum(v16 v) { /* four halving steps */
-    v += __builtin_shuffle(v, (v16i){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    v += __builtin_shuffle(v, (v16i){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-    v += __builtin_shuffle(v, (v16i){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-    v += __builtin_shuffle(v, (v16i){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
-    return v[0];
-}
-
-static inline v16 load16(const float *p) {
-    v16 v;
+static inline vf loadv(const float *p) {
+    vf v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
-static inline v16 load16h(const half *p) {
-    v16h v;
+static inline vf loadvh(const half *p) {
+    vh v;
     memcpy(&v, p, sizeof v);
-    return __builtin_convertvector(v, v16);
+    return __builtin_convertvector(v, vf);
 }
 
 /* fold(x, y, w): lanes in groups of w; x's and y's groups 2k and 2k + 1 added pairwise, x's before y's */
-#define FOLD(x, y, ...) (__builtin_shuffle(x, y, (v16i){__VA_ARGS__}) + \
-                         __builtin_shuffle(x, y, (v16i){__VA_ARGS__} + w))
-static inline v16 fold8(v16 x, v16 y) {
+#define FOLD(x, y, ...) (__builtin_shuffle(x, y, (vi){__VA_ARGS__}) + \
+                         __builtin_shuffle(x, y, (vi){__VA_ARGS__} + w))
+#if LANES == 16
+static inline vf fold8(vf x, vf y) {
     const int w = 8;
     return FOLD(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
 }
-static inline v16 fold4(v16 x, v16 y) {
+static inline vf fold4(vf x, vf y) {
     const int w = 4;
     return FOLD(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
 }
-static inline v16 fold2(v16 x, v16 y) {
+static inline vf fold2(vf x, vf y) {
     const int w = 2;
     return FOLD(x, y, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
 }
-static inline v16 fold1(v16 x, v16 y) {
+static inline vf fold1(vf x, vf y) {
     const int w = 1;
     return FOLD(x, y, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
 }
 
-/* lane t of the result = the sum of a[t]'s lanes, for 16 vectors: four levels of folds (15 in all, against 16
- * separate `hsum`s of 4 steps each); the folds leave the vectors in bit-reversed order, so they go in bit-reversed */
-static inline v16 hsum16(const v16 *a) {
-    v16 b0 = fold8(a[0], a[8]), b1 = fold8(a[4], a[12]), b2 = fold8(a[2], a[10]), b3 = fold8(a[6], a[14]);
-    v16 b4 = fold8(a[1], a[9]), b5 = fold8(a[5], a[13]), b6 = fold8(a[3], a[11]), b7 = fold8(a[7], a[15]);
-    v16 c0 = fold4(b0, b1), c1 = fold4(b2, b3), c2 = fold4(b4, b5), c3 = fold4(b6, b7);
+/* lane t of the result = the sum of a[t]'s lanes, for LANES vectors: log2(LANES) levels of folds (LANES - 1 in
+ * all, against LANES separate `hsum`s); the folds leave the vectors in bit-reversed order, so they go in
+ * bit-reversed */
+static inline vf hsum_lanes(const vf *a) {
+    vf b0 = fold8(a[0], a[8]), b1 = fold8(a[4], a[12]), b2 = fold8(a[2], a[10]), b3 = fold8(a[6], a[14]);
+    vf b4 = fold8(a[1], a[9]), b5 = fold8(a[5], a[13]), b6 = fold8(a[3], a[11]), b7 = fold8(a[7], a[15]);
+    vf c0 = fold4(b0, b1), c1 = fold4(b2, b3), c2 = fold4(b4, b5), c3 = fold4(b6, b7);
     return fold1(fold2(c0, c1), fold2(c2, c3));
+}
+#else
+static inline vf fold4(vf x, vf y) {
+    const int w = 4;
+    return FOLD(x, y, 0, 1, 2, 3, 8, 9, 10, 11);
+}
+static inline vf fold2(vf x, vf y) {
+    const int w = 2;
+    return FOLD(x, y, 0, 1, 8, 9, 4, 5, 12, 13);
+}
+static inline vf fold1(vf x, vf y) {
+    const int w = 1;
+    return FOLD(x, y, 0, 8, 2, 10, 4, 12, 6, 14);
+}
+
+static inline vf hsum_lanes(const vf *a) { /* as above, for 8 vectors */
+    vf b0 = fold4(a[0], a[4]), b1 = fold4(a[2], a[6]), b2 = fold4(a[1], a[5]), b3 = fold4(a[3], a[7]);
+    return fold1(fold2(b0, b1), fold2(b2, b3));
+}
+#endif
+
+static inline float hsum(vf v) { /* the sum of one vector's lanes: log2(LANES) halving steps */
+#if LANES == 16
+    v += __builtin_shuffle(v, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v += __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    v += __builtin_shuffle(v, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    v += __builtin_shuffle(v, (vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+#else
+    v += __builtin_shuffle(v, (vi){4, 5, 6, 7, 0, 1, 2, 3});
+    v += __builtin_shuffle(v, (vi){2, 3, 0, 1, 6, 7, 4, 5});
+    v += __builtin_shuffle(v, (vi){1, 0, 3, 2, 5, 4, 7, 6});
+#endif
+    return v[0];
 }
 
 /* one block of codes -> bs x D integer values in fp32 (int8: signed; int4: 0..15) */
@@ -176,7 +207,7 @@ static inline __attribute__((always_inline)) int read_pair(const Pair *a, const 
         return 1;
     }
     const int64_t C = D / LANES; /* vectors per head_dim row */
-    v16 qs[MAX_DIM / LANES];
+    vf qs[MAX_DIM / LANES];
     float l[64];
     /* scores of the encoded blocks: q . (s_d c + z_d) = (q * s) . c + q . z */
     for (int64_t j = 0; j < n; j++) {
@@ -187,28 +218,28 @@ static inline __attribute__((always_inline)) int read_pair(const Pair *a, const 
         const half *z = kbits == 4 ? s + D : NULL;
         for (int64_t r = 0; r < R; r++) {
             const float *qr = q + r * q_sr;
-            v16 zq16 = (v16){0};
+            vf zqv = (vf){0};
             for (int64_t c = 0; c < C; c++) {
-                const v16 qc = load16(qr + c * LANES);
-                qs[c] = qc * load16h(s + c * LANES);
-                if (z) zq16 += qc * load16h(z + c * LANES);
+                const vf qc = loadv(qr + c * LANES);
+                qs[c] = qc * loadvh(s + c * LANES);
+                if (z) zqv += qc * loadvh(z + c * LANES);
             }
-            const float zq = z ? hsum(zq16) : 0.0f;
+            const float zq = z ? hsum(zqv) : 0.0f;
             float *sr = scores + r * W + j * bs;
             int64_t t = 0;
-            for (; t + LANES <= bs; t += LANES) { /* 16 tokens' dot products, summed across lanes together */
-                v16 acc[LANES];
+            for (; t + LANES <= bs; t += LANES) { /* LANES tokens' dot products, summed across lanes together */
+                vf acc[LANES];
                 for (int64_t u = 0; u < LANES; u++) {
-                    const v16 *kt = (const v16 *)(tile + (t + u) * D);
+                    const vf *kt = (const vf *)(tile + (t + u) * D);
                     acc[u] = qs[0] * kt[0];
                     for (int64_t c = 1; c < C; c++) acc[u] += qs[c] * kt[c];
                 }
-                const v16 sc = hsum16(acc) + zq;
+                const vf sc = hsum_lanes(acc) + zq;
                 memcpy(sr + t, &sc, sizeof sc);
             }
             for (; t < bs; t++) {
-                const v16 *kt = (const v16 *)(tile + t * D);
-                v16 acc = qs[0] * kt[0];
+                const vf *kt = (const vf *)(tile + t * D);
+                vf acc = qs[0] * kt[0];
                 for (int64_t c = 1; c < C; c++) acc += qs[c] * kt[c];
                 sr[t] = hsum(acc) + zq;
             }
@@ -233,12 +264,12 @@ static inline __attribute__((always_inline)) int read_pair(const Pair *a, const 
         }
         float mx = -INFINITY;
         int64_t c1 = 0;
-        if (W >= LANES) { /* 16 running maxima (a scalar chain of maxss was 6% of the read) */
-            v16 vm = load16(sr);
+        if (W >= LANES) { /* LANES running maxima (a scalar chain of maxss was 6% of the read) */
+            vf vm = loadv(sr);
             for (c1 = LANES; c1 + LANES <= W; c1 += LANES) {
-                const v16 x = load16(sr + c1);
-                const v16i gt = x > vm;
-                vm = (v16)((gt & (v16i)x) | (~gt & (v16i)vm));
+                const vf x = loadv(sr + c1);
+                const vi gt = x > vm;
+                vm = (vf)((gt & (vi)x) | (~gt & (vi)vm));
             }
             for (int i = 0; i < LANES; i++) mx = vm[i] > mx ? vm[i] : mx;
         }
@@ -246,13 +277,13 @@ static inline __attribute__((always_inline)) int read_pair(const Pair *a, const 
         float sum = 0.0f;
         int64_t c0 = 0;
         if (isfinite(mx)) { /* else (a row masked everywhere) NaN from expf below, as the torch read */
-            v16 vsum = (v16){0};
+            vf vsum = (vf){0};
             for (; c0 + LANES <= W; c0 += LANES) {
-                v16 dlt;
+                vf dlt;
                 memcpy(&dlt, sr + c0, sizeof dlt);
                 dlt -= mx;
-                const v16i keep = dlt >= NEGLIGIBLE; /* the others: exp16(0), then 0 */
-                const v16 p = (v16)(keep & (v16i)exp16((v16)(keep & (v16i)dlt)));
+                const vi keep = dlt >= NEGLIGIBLE; /* the others: expv(0), then 0 */
+                const vf p = (vf)(keep & (vi)expv((vf)(keep & (vi)dlt)));
                 memcpy(sr + c0, &p, sizeof p);
                 vsum += p;
             }
@@ -288,15 +319,15 @@ static inline __attribute__((always_inline)) int read_pair(const Pair *a, const 
         for (int64_t r = 0; r < R; r++) {
             const float *p = scores + r * W + j * bs;
             float pz = 0.0f;
-            v16 acc[MAX_DIM / LANES]; /* the block's sum, in registers; added to the output once */
-            for (int64_t c = 0; c < C; c++) acc[c] = (v16){0};
+            vf acc[MAX_DIM / LANES]; /* the block's sum, in registers; added to the output once */
+            for (int64_t c = 0; c < C; c++) acc[c] = (vf){0};
             for (int64_t t = 0; t < bs; t++) {
                 const float w = p[t] * (float)s[t];
-                const v16 *vt = (const v16 *)(tile + t * D);
+                const vf *vt = (const vf *)(tile + t * D);
                 if (z) pz += p[t] * (float)z[t];
                 for (int64_t c = 0; c < C; c++) acc[c] += w * vt[c];
             }
-            v16 *o = (v16 *)(out + r * D);
+            vf *o = (vf *)(out + r * D);
             for (int64_t c = 0; c < C; c++) o[c] += acc[c] + pz;
         }
     }

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
-from transformers import (
+
+# The Triton read's kernel runs under Triton's interpreter where there is no CUDA device (tests/attention/
+# test_triton_read.py); the switch is read when Triton is first imported (importing a transformers model does), so
+# it is set before anything else is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from transformers import (  # noqa: E402
     Gemma2Config,
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,

@@ -11,6 +11,7 @@ from hf_pagedkv.attention.compiled_read import CompiledCodeAttention
 from hf_pagedkv.attention.native_read import NativeCodeAttention
 from hf_pagedkv.attention.paged_attention import DEFAULT_TILE_TOKENS, paged_attention
 from hf_pagedkv.attention.paged_view import PagedView
+from hf_pagedkv.attention.triton_read import TritonCodeAttention
 from hf_pagedkv.retention.query_window import recorder_of
 
 logger = logging.getLogger(__name__)
@@ -88,9 +89,10 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                            compiled=compiled, native=native), None
 
 
-#: the compiled quantized reads of ``"hf_pagedkv_compiled"``: one each per process (the C library and the graphs
-#: serve every layer)
+#: the compiled quantized reads of ``"hf_pagedkv_compiled"``: one each per process (the C library, the Triton kernel
+#: and the graphs serve every layer)
 NATIVE_READ = NativeCodeAttention()
+TRITON_READ = TritonCodeAttention()
 COMPILED_READ = CompiledCodeAttention()
 
 
@@ -102,10 +104,10 @@ def compiled_quantized_read(qh: torch.Tensor, read, bias: torch.Tensor | None) -
 
 
 def native_table_read(qh: torch.Tensor, view: PagedView, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """The first read of ``"hf_pagedkv_compiled"``: the C function following the view's block table
-    (`NativeCodeAttention.read_view`: no codes gathered, no tail copied), or None (then `compiled_quantized_read`
-    over the view's `CodeRead`)."""
-    return NATIVE_READ.read_view(qh, view, bias)
+    """The first read of ``"hf_pagedkv_compiled"``: a kernel following the view's block table, nothing gathered and
+    no tail copied: on the CPU the C function (`NativeCodeAttention.read_view`), on a GPU the Triton one
+    (`TritonCodeAttention.read_view`); or None (then `compiled_quantized_read` over the view's `CodeRead`)."""
+    return (NATIVE_READ if qh.device.type == "cpu" else TRITON_READ).read_view(qh, view, bias)
 
 
 def compiled_paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,

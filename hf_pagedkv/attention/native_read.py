@@ -180,7 +180,6 @@ class NativeCodeAttention:
     def supports_table(qh: torch.Tensor, table: CodeTable, bias: torch.Tensor | None) -> bool:
         """Whether the C function that follows block ids computes this read: the form of `supports`, and the pool's,
         staging's, new tokens' and sinks' shapes, dtypes and devices (it trusts them)."""
-        kc, vc = table.codecs
         dk = table.dims[0]
         if not (sys.byteorder == "little" and CompiledCodeAttention.supports_codecs(table.codecs, table.dims)
                 and dk <= MAX_DIM and dk % LANES == 0 and table.block_size <= MAX_BLOCK and table.block_size % 2 == 0):
@@ -190,14 +189,7 @@ class NativeCodeAttention:
         q = 0 if table.new is None else table.new[0].shape[2]
         if dim != dk or rows > MAX_ROWS or n * bs + table.rest + q != table.end - table.lo:
             return False
-        pools = [(table.codes[0], bs * dim * kc.bits // 8, torch.uint8),
-                 (table.scales[0], dim * (1 if kc.bits == 8 else 2), torch.float16),
-                 (table.codes[1], bs * dim * vc.bits // 8, torch.uint8),
-                 (table.scales[1], bs * (1 if vc.bits == 8 else 2), torch.float16)]
-        starts = table.codes[0].starts
-        if not all(t.starts == starts and t.d0 == H and t.d2 == size and t.dtype == dtype
-                   and t.device.type == "cpu" and all(seg.is_contiguous() for seg in t.segments)
-                   for t, size, dtype in pools):
+        if not table.pools_fit(H, torch.device("cpu")):
             return False
         full = [t for part in (table.staged, table.new, table.sinks) if part is not None for t in part]
         shapes = [(qh, (H, batch, rows, dim), torch.float32), (table.ids, (batch, n), torch.long)]

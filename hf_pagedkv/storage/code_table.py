@@ -57,5 +57,21 @@ class CodeTable(NamedTuple):
         """Encoded blocks read per row."""
         return self.ids.shape[1]
 
+    def pools_fit(self, heads: int, device: torch.device) -> bool:
+        """Whether the four pool arrays (key codes, key scales, value codes, value scales) have the layout a kernel
+        indexes them by: `[heads, blocks, size]` with the codecs' row sizes (int8 keys: a scale per channel; int4:
+        scales and minimums; values per token likewise), uint8 codes and fp16 scales, the same segments, each
+        contiguous, on `device`."""
+        kc, vc = self.codecs
+        dim, bs = self.dims[0], self.block_size
+        pools = [(self.codes[0], bs * dim * kc.bits // 8, torch.uint8),
+                 (self.scales[0], dim * (1 if kc.bits == 8 else 2), torch.float16),
+                 (self.codes[1], bs * dim * vc.bits // 8, torch.uint8),
+                 (self.scales[1], bs * (1 if vc.bits == 8 else 2), torch.float16)]
+        starts = self.codes[0].starts
+        return all(t.starts == starts and t.d0 == heads and t.d2 == size and t.dtype == dtype
+                   and torch.device(t.device) == device
+                   and all(seg.is_contiguous() for seg in t.segments) for t, size, dtype in pools)
+
 
 __all__ = ["CodeTable"]

@@ -11,7 +11,6 @@ against the C read and the eager one.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -57,12 +56,16 @@ class TritonCodeAttention:
         if self._fn is None and not self.failed:
             try:
                 import triton
+                import triton.language as tl
 
                 from hf_pagedkv.attention.triton_kernel import code_table_read
 
-                if self.interpret and os.environ.get("TRITON_INTERPRET") != "1":
+                # Triton wraps its own library functions (tl.zeros, ...) for the interpreter only when
+                # TRITON_INTERPRET=1 was set at its import
+                if self.interpret and type(tl.zeros).__name__ != "InterpretedFunction":
                     raise RuntimeError("interpret=True needs TRITON_INTERPRET=1 in the environment before Triton is "
-                                       "first imported (its own library functions are wrapped at import)")
+                                       "first imported, i.e. before torch, transformers or hf_pagedkv are (Triton "
+                                       "wraps its own library functions at import)")
                 self._fn = triton.jit(code_table_read)
             except Exception as e:  # noqa: BLE001 - no Triton here: the other reads are right
                 self.failed = True

@@ -366,11 +366,11 @@ class QuantizedPageStore:
         n_sink = min(self.sink_tokens, start) if first == 0 else 0
         sink_end = 0
         if n_sink > request.lo:
-            stages = [self.states.sink_of.get(b) for b in request.table[:, 0].tolist()]
-            if None not in stages:  # (retention freed a first block: its successor is read decoded)
+            blocks = request.table[:, 0].tolist()
+            stages = [self.states.sink_of.get(b) for b in blocks]
+            if any(s is not None for s in stages):  # (else every row reads its first tokens from their codes)
                 sink_end = n_sink
-                sink = [self._sink_rows(s, layer_idx, stages)[:, :, request.lo: n_sink]  # [heads, batch, n, dim]
-                        for s in (self.sinks.keys, self.sinks.values)]
+                sink = [x[:, :, request.lo:] for x in self._row_sinks(layer_idx, blocks, stages, n_sink)]
                 full = [torch.cat((f, x), 2) for f, x in zip(full, sink)]
         return CodeRead(first * B, request.lo, request.end, B, (spec.key_dim, spec.value_dim), self.codecs,
                         (parts[0], parts[1]), (parts[2], parts[3]), (full[0], full[1]), sink_end)
@@ -402,15 +402,38 @@ class QuantizedPageStore:
         sink_end, sink_slot, sinks = 0, None, None
         n_sink = min(self.sink_tokens, start) if first == 0 else 0
         if n_sink > 0:
-            slots = [self.states.sink_of.get(b) for b in table[:, 0].tolist()]
-            if None not in slots:  # (retention freed a first block: its successor is read decoded)
+            blocks = table[:, 0].tolist()
+            slots = [self.states.sink_of.get(b) for b in blocks]
+            if None not in slots:  # every row's sink stage, where it lies
                 sink_end = n_sink
                 sink_slot = torch.tensor(slots, dtype=torch.long) * self.sinks.block_size
                 sinks = (self.sinks.keys[layer_idx], self.sinks.values[layer_idx])
+            elif any(s is not None for s in slots):  # some rows without one: each row's own, gathered
+                sink_end, batch = n_sink, len(blocks)
+                sink_slot = torch.arange(batch, dtype=torch.long) * n_sink
+                sinks = tuple(x.reshape(x.shape[0], batch * n_sink, x.shape[-1])  # [num_kv_heads, slots, dim]
+                              for x in self._row_sinks(layer_idx, blocks, slots, n_sink))
         (kc, vc), (ks, vs) = self.codes[layer_idx], self.scales[layer_idx]
         return CodeTable(lo, end, B, (spec.key_dim, spec.value_dim), self.codecs, ids, (kc, vc), (ks, vs), rest,
                          stage, staged,
                          None if new is None or end == start else (new[1], new[2]), sink_end, sink_slot, sinks)
+
+    def _row_sinks(self, layer_idx: int, blocks: list[int], stages: list[int | None], n: int) -> list[torch.Tensor]:
+        """The first `n` tokens of each row in full precision, `[num_kv_heads, batch, n, dim]` keys and values, as the
+        materialized read (`_read`) takes them: from the row's sink stage, or for a row without one (its first block
+        is the shared pad block of `set_padding`, or retention freed its first block) decoded from the codes of its
+        first block (`blocks`: each row's), which is what reading those codes gives."""
+        if None not in stages:
+            return [self._sink_rows(s, layer_idx, stages)[:, :, :n] for s in (self.sinks.keys, self.sinks.values)]
+        spec, B = self.specs[layer_idx], self.block_size
+        ids = torch.tensor(blocks, device=spec.device)[:, None]  # [batch, 1]
+        out = []
+        for half, dim in enumerate((spec.key_dim, spec.value_dim)):
+            buf = torch.empty((spec.num_kv_heads, len(blocks), 1, B, dim), dtype=spec.dtype, device=spec.device)
+            buf = self._decode_blocks(layer_idx, half, ids, buf).squeeze(2)  # [num_kv_heads, batch, B, dim]
+            self._read_sinks(layer_idx, half, stages, n, buf)  # the rows with a stage: from it
+            out.append(buf[:, :, :n])
+        return out
 
     def _sink_rows(self, store: dict, layer_idx: int, stages: list[int]) -> torch.Tensor:
         """Each row's sink stage, `[num_kv_heads, batch, sink_tokens, dim]` (a view for one row)."""

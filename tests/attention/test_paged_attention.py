@@ -408,3 +408,39 @@ def test_code_attention_within_fp32_of_decoding(key_codec, value_codec, offset):
     sdpa = torch.nn.functional.scaled_dot_product_attention(qh, k, v, scale=1.0)
     assert (sdpa.double() - want).abs().max().item() <= 1e-5
 
+
+
+@pytest.mark.parametrize("quant", ["k8v8", "k4v4"])
+@pytest.mark.parametrize("impl", [ATTENTION_NAME, "hf_pagedkv_compiled"])
+def test_left_padding_set_on_a_quantized_cache(quant, impl, monkeypatch):
+    """`set_padding`: a row's whole blocks of padding name the shared pad block, which has no full-precision sink
+    stage, while the unpadded row's first block has one. Each row's sink token is read as its own stage says (full
+    precision, or its codes), as the materialized read does: every in-place call, the eager read and the table
+    reads of ``"hf_pagedkv_compiled"`` alike, within 1e-5 of sdpa over the materialized K/V of the same cache, and
+    the greedy tokens of `sdpa` (a fresh user found the unpadded row read its sink from the codes: 7.5e-2 apart)."""
+    calls = []
+    real = attention_function.paged_attention
+
+    def spy(query, view, scale, mask, tile_tokens, **engines):
+        out = real(query, view, scale, mask, tile_tokens=tile_tokens, **engines)
+        k, v = view.materialize()
+        module = torch.nn.Module()
+        module.num_key_value_groups = query.shape[1] // k.shape[1]
+        ref = sdpa_attention_forward(module, query, k, v, mask, scaling=scale)[0]
+        calls.append((out - ref).abs().max().item())
+        return out
+
+    monkeypatch.setattr(attention_function, "paged_attention", spy)
+    model = tiny_model("llama")
+    x = torch.randint(3, VOCAB, (2, 21), generator=torch.Generator().manual_seed(21))
+    mask = torch.ones_like(x)
+    mask[0, :9] = 0  # two whole blocks of padding in row 0
+    out = {}
+    for name in ("sdpa", impl):
+        def make_cache():
+            cache = PagedCache(config=model.config, quant=quant, block_size=4, debug=True)
+            cache.set_padding(mask)
+            return cache
+        out[name] = run_cache(model, name, make_cache, x, attention_mask=mask)
+    assert torch.equal(out["sdpa"][0], out[impl][0])
+    assert calls and max(calls) <= PAGED_LOGIT_ATOL, max(calls)

@@ -68,8 +68,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     quant = QuantConfig.resolve(args.quant)
     retention = args.retention_policy  # parsed (and checked) by `main` before the model loaded
-    if retention is not None and (retention.needs_queries or retention.reconstructs):
-        model.set_attn_implementation("hf_pagedkv")  # SnapKV, KVzip: this attention hands the queries to the cache
+    model.set_attn_implementation(args.attention)  # (hf_pagedkv for SnapKV, KVzip: it hands the queries to the cache)
     cache = PagedCache(block_size=args.block_size, config=model.config, quant=quant, retention=retention)
     t0 = time.perf_counter()
     set_seed(args.seed)  # the same seed for the --check run: sampling draws the same tokens from the same logits
@@ -120,8 +119,8 @@ def _generate(args: argparse.Namespace) -> int:
         # nothing evicted, yet not the reference's steps: float rounding only (so a token may differ, rarely)
         elif retention is not None and retention.reconstructs:  # prefill, KVzip's pass, then generate
             lossy += [f"--retention {args.retention}: nothing evicted, but the context prefilled in a step of its own"]
-        elif retention is not None and retention.needs_queries:
-            lossy += [f"--retention {args.retention}: nothing evicted, but another attention kernel (hf_pagedkv)"]
+        elif args.attention != "sdpa":
+            lossy += [f"--attention {args.attention}: reads the cache in place, its sums in another order"]
         expected = f" (expected with {'; '.join(lossy)})" if lossy and diff > 0 else ""
         print(f"check: generated tokens {'IDENTICAL to' if same else 'DIFFERENT from'} DynamicCache's "
               f"({ref.sequences.shape[1] - input_ids.shape[1]} tokens), max |logit difference| {diff:.3g}{expected}")
@@ -164,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
                    "sink_window:SINK:WINDOW, or key_norm/key_diff/snapkv/pyramidkv/kv_zip/kv_zip_global:"
                    "BUDGET|RATIO[:SHARE] (the "
                    "query-aware ones switch the model to the hf_pagedkv attention)")
+    g.add_argument("--attention", choices=["sdpa", "hf_pagedkv", "hf_pagedkv_compiled"], default=None,
+                   help="the model's attention: sdpa, hf_pagedkv (reads the cache's blocks and codes in place) or "
+                   "hf_pagedkv_compiled (its quantized reads in C on the CPU, Triton on CUDA) (default: sdpa, or "
+                   "hf_pagedkv for the query-aware and reconstruction policies, which need one of the last two)")
     g.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     g.add_argument("--temperature", type=float, help="sampling temperature, with --do-sample (default: the model's)")
     g.add_argument("--top-p", type=float, help="nucleus sampling mass, with --do-sample (default: the model's)")
@@ -206,6 +209,13 @@ def main(argv: list[str] | None = None) -> int:
             args.retention_policy = parse_retention(args.retention)
         except ValueError as e:
             parser.error(str(e))  # it names --retention and the spec
+    policy = args.retention_policy
+    needs_queries = policy is not None and (policy.needs_queries or policy.reconstructs)
+    if args.attention is None:
+        args.attention = "hf_pagedkv" if needs_queries else "sdpa"
+    elif needs_queries and args.attention == "sdpa":
+        parser.error(f"--retention {args.retention} scores tokens with the queries, which sdpa does not hand to the "
+                     "cache: use --attention hf_pagedkv (or hf_pagedkv_compiled), or leave --attention out")
     return _generate(args)
 
 

@@ -276,6 +276,8 @@ def test_generate_sampling_options_and_threads(monkeypatch, capsys):
     (["--seed", "-1"], "--seed must be in [0, 2**32)"),
     (["--seed", str(2**32)], "--seed must be in [0, 2**32)"),
     (["--quant", "k9v9"], "invalid choice: 'k9v9'"),
+    (["--retention", "snapkv:0.5", "--attention", "sdpa"], "use --attention hf_pagedkv (or hf_pagedkv_compiled)"),
+    (["--attention", "eager"], "invalid choice: 'eager'"),
 ])
 def test_generate_bad_options(argv, message, monkeypatch, capsys):
     from hf_pagedkv.tools import cli
@@ -317,5 +319,29 @@ def test_generate_with_a_query_aware_retention_policy(monkeypatch, capsys, spec,
         assert f"retention {name}(" in out and "(1 evictions)" in out  # the prompt was compressed once
         assert ("layer_budgets='global'" in out) == spec.startswith("kv_zip_global")
         assert model.config._attn_implementation == "hf_pagedkv"  # the CLI switched to the attention SnapKV needs
+    finally:
+        model.set_attn_implementation(before)
+
+
+@pytest.mark.parametrize("attention, quant", [("hf_pagedkv", "fp"), ("hf_pagedkv_compiled", "k4v4")])
+def test_generate_attention_option(attention, quant, monkeypatch, capsys):
+    """--attention sets the model's attention (the in-place reads); --check still compares with DynamicCache and
+    names the attention when the logits differ (its sums run in another order), without failing for it."""
+    cli = _cli_with_tiny_model(monkeypatch)
+    model = cli.load_model()[0]
+    before = model.config._attn_implementation
+    try:
+        argv = ["generate", "--no-chat", "--prompt", "The history of the city " * 6, "--max-new-tokens", "6",
+                "--attention", attention, "--quant", quant, "--block-size", "4", "--check"]
+        assert cli.main(argv) == 0
+        out = capsys.readouterr().out
+        assert model.config._attn_implementation == attention
+        assert "check: generated tokens IDENTICAL to DynamicCache's (6 tokens)" in out or quant != "fp"
+        difference = float(re.search(r"max \|logit difference\| (\S+?)(?: \(|\n)", out).group(1))
+        if quant == "fp":  # the in-place read: the same tokens, logits within fp32 rounding
+            assert difference <= 1e-4
+            assert difference == 0 or f"--attention {attention}: reads the cache in place" in out
+        assert cli.main(GENERATE) == 0  # without --attention: sdpa
+        assert model.config._attn_implementation == "sdpa"
     finally:
         model.set_attn_implementation(before)

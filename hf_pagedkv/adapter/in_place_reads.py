@@ -27,6 +27,9 @@ class InPlaceReads:
 
     def __init__(self) -> None:
         self._step = None  # the forward step whose attention confirmed in-place reads; set by `confirm` only
+        # the memo the views of one step share (`PagedView`'s `shared`): a new one for each step object, so a
+        # mid-step unshare (a new step plan, new tables) never sees the layouts of the tables before it
+        self._shared_step, self._shared = None, {}
 
     def confirm(self, step) -> None:
         """This step's attention reads the pool in place (called through `PagedView.confirm`)."""
@@ -41,9 +44,11 @@ class InPlaceReads:
         """The `PagedView` of `layer` (a `PagedLayer`) in `step` (see `PagedView` for the arguments); it materializes
         through ``cache.read_layer(layer, lo, new)``, holding the cache weakly (a tensor kept by the caller must not
         keep the cache, and its blocks, alive)."""
+        if step is not self._shared_step:
+            self._shared_step, self._shared = step, {}
         return PagedView(store, layer.layer_idx, table, lo, end, base, new,
                          functools.partial(_materialize, weakref.ref(cache), layer, lo, new),
-                         functools.partial(self.confirm, step))
+                         functools.partial(self.confirm, step), self._shared)
 
 
 def _materialize(cache_ref, layer, lo: int, new):

@@ -33,6 +33,8 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-
 #: the C side's limits (`code_read.c`): head_dim, query rows per key/value head, block size; head_dim a multiple of
 #: LANES
 MAX_DIM, MAX_ROWS, MAX_BLOCK, LANES = 256, 64, 256, 16
+#: int64 entries per storage segment in the C side's pool description (`code_read.c`'s `SEG_WIDTH`)
+SEG_WIDTH = 9
 
 
 def _cpu_key() -> str:
@@ -95,6 +97,7 @@ class NativeCodeAttention:
     def __init__(self) -> None:
         self._fn = None  # the loaded C function, made on first use
         self._table_fn = None  # its form that follows block ids (`read_table`), loaded with it
+        self._pools: dict[tuple, tuple] = {}  # a layer's pool state -> (codecs, its C description or None)
         self.failed = False  # no compiler or a failed build/load: off for the rest of the process
 
     def load(self):
@@ -180,28 +183,63 @@ class NativeCodeAttention:
     def supports_table(qh: torch.Tensor, table: CodeTable, bias: torch.Tensor | None) -> bool:
         """Whether the C function that follows block ids computes this read: the form of `supports`, and the pool's,
         staging's, new tokens' and sinks' shapes, dtypes and devices (it trusts them)."""
+        return (NativeCodeAttention._pool_form_fits(table, qh.shape[0])
+                and NativeCodeAttention._call_fits(qh, table, bias))
+
+    @staticmethod
+    def _pool_form_fits(table: CodeTable, heads: int) -> bool:
+        """The half of `supports_table` that holds for every read of a layer's pool: codecs, sizes, pool layout."""
         dk = table.dims[0]
-        if not (sys.byteorder == "little" and CompiledCodeAttention.supports_codecs(table.codecs, table.dims)
-                and dk <= MAX_DIM and dk % LANES == 0 and table.block_size <= MAX_BLOCK and table.block_size % 2 == 0):
-            return False
+        return (sys.byteorder == "little" and CompiledCodeAttention.supports_codecs(table.codecs, table.dims)
+                and dk <= MAX_DIM and dk % LANES == 0 and table.block_size <= MAX_BLOCK
+                and table.block_size % 2 == 0 and table.pools_fit(heads, torch.device("cpu")))
+
+    @staticmethod
+    def _call_fits(qh: torch.Tensor, table: CodeTable, bias: torch.Tensor | None) -> bool:
+        """The half of `supports_table` that depends on the call: the query, the block ids, the full-precision
+        tokens and the mask (shapes, dtypes, CPU, contiguous last dims)."""
         H, batch, rows, dim = qh.shape
-        bs, n = table.block_size, table.num_encoded
         q = 0 if table.new is None else table.new[0].shape[2]
-        if dim != dk or rows > MAX_ROWS or n * bs + table.rest + q != table.end - table.lo:
+        if dim != table.dims[0] or rows > MAX_ROWS or table.num_encoded * table.block_size + table.rest + q != \
+                table.end - table.lo or not table.ids.is_contiguous():
             return False
-        if not table.pools_fit(H, torch.device("cpu")):
-            return False
-        full = [t for part in (table.staged, table.new, table.sinks) if part is not None for t in part]
-        shapes = [(qh, (H, batch, rows, dim), torch.float32), (table.ids, (batch, n), torch.long)]
-        shapes += [(t, (batch, H, q, dim) if t.dim() == 4 else (H, t.shape[1], dim), torch.float32) for t in full]
-        shapes += [(t, (batch,), torch.long) for t in (table.stage, table.sink_slot) if t is not None]
+        checks = [(qh, (H, batch, rows, dim), torch.float32), (table.ids, (batch, table.num_encoded), torch.long)]
+        for part in (table.staged, table.sinks):
+            if part is not None:
+                checks += [(t, (H, t.shape[1], dim), torch.float32) for t in part]
+        if table.new is not None:
+            checks += [(t, (batch, H, q, dim), torch.float32) for t in table.new]
+        checks += [(t, (batch,), torch.long) for t in (table.stage, table.sink_slot) if t is not None]
         if bias is not None:
             if bias.dim() != 4 or bias.shape[2] not in (1, rows):
                 return False
-            shapes.append((bias, (1, batch, bias.shape[2], table.end - table.lo), torch.float32))
-        return (table.ids.is_contiguous()
-                and all(tuple(t.shape) == shape and t.dtype == dtype and t.device.type == "cpu" and t.stride(-1) == 1
-                        for t, shape, dtype in shapes))
+            checks.append((bias, (1, batch, bias.shape[2], table.end - table.lo), torch.float32))
+        return all(t.shape == shape and t.dtype == dtype and t.is_cpu and t.stride(-1) == 1
+                   for t, shape, dtype in checks)
+
+    def _pool_segments(self, table: CodeTable, heads: int):
+        """The C side's description of the layer's pool, `[nseg, SEG_WIDTH]` int64 as a ctypes array (each storage
+        segment's first block id, then the address and head stride of its key codes, key scales, value codes and
+        value scales), or None when the pool does not have the form the C function reads (`_pool_form_fits`).
+
+        NOTE: kept per pool state (the four `SegmentedTensor.generation`s, never reused in a process: a segment
+        added or dropped, or another pool, misses): building it and checking the pool took about a quarter of the
+        Python around each layer's read. The entries hold no tensor, so a released cache's memory is not kept."""
+        pools = (table.codes[0], table.scales[0], table.codes[1], table.scales[1])
+        generations = tuple(t.generation for t in pools)
+        key = (generations, heads, table.block_size, table.dims)
+        entry = self._pools.get(key)
+        if entry is not None and entry[0][0] is table.codecs[0] and entry[0][1] is table.codecs[1]:
+            return entry[1]
+        segs = None
+        if self._pool_form_fits(table, heads):
+            rows = [x for i, start in enumerate(pools[0].starts)
+                    for x in (start, *(y for t in pools for y in (t.segments[i].data_ptr(), t.segments[i].stride(0))))]
+            segs = (ctypes.c_int64 * len(rows))(*rows)
+        if len(self._pools) >= 1024:  # (layers x pools of a long-lived process: drop the stale ones at once)
+            self._pools.clear()
+        self._pools[key] = (table.codecs, segs)
+        return segs
 
     def read_table(self, qh: torch.Tensor, table: CodeTable, bias: torch.Tensor | None) -> torch.Tensor | None:
         """Attention over `table` (the read of `__call__`, its blocks found through their ids in the C function), or
@@ -215,35 +253,33 @@ class NativeCodeAttention:
         Returns:
             `torch.Tensor` of shape `[H, batch, rows, dim]`, or None.
         """
-        if not self.supports_table(qh, table, bias) or self.load() is None:
+        if self.load() is None:
             return None
         H, batch, rows, dim = qh.shape
+        segs = self._pool_segments(table, H)
+        if segs is None or not self._call_fits(qh, table, bias):
+            return None
         kcodec, vcodec = table.codecs
         out = torch.empty((H, batch, rows, dim), dtype=torch.float32)
         b = None if bias is None else bias[0]  # [batch, rows | 1, width]
-        q = 0 if table.new is None else table.new[0].shape[2]
-        staged = table.staged or (None, None)
-        new = table.new or (None, None)
-        sinks = table.sinks or (None, None)
+        staged, new, sinks = table.staged or (None, None), table.new or (None, None), table.sinks or (None, None)
+        q = 0 if new[0] is None else new[0].shape[2]
         meta = [H, batch, rows, dim, table.num_encoded, kcodec.bits, vcodec.bits, table.block_size,
-                table.sink_end - table.lo if table.sink_end else 0, torch.get_num_threads(), table.rest, q]
-        meta += _strides(qh, 3)
-        pools = (table.codes[0], table.scales[0], table.codes[1], table.scales[1])
-        for t in pools:
-            meta += [0, t.d2]  # (the head stride is each segment's)
-        segs = torch.tensor([[start] + [x for t in pools for x in (t.segments[i].data_ptr(), t.segments[i].stride(0))]
-                             for i, start in enumerate(pools[0].starts)], dtype=torch.long)  # [nseg, 9]
+                table.sink_end - table.lo if table.sink_end else 0, torch.get_num_threads(), table.rest, q,
+                *qh.stride()[:3]]
+        for t in (table.codes[0], table.scales[0], table.codes[1], table.scales[1]):
+            meta += (0, t.d2)  # (the head stride is each segment's)
         for t in staged:
-            meta += [0, 0] if t is None else _strides(t, 2)
+            meta += (0, 0) if t is None else t.stride()[:2]
         for t in new:
-            meta += [0, 0, 0] if t is None else _strides(t, 3)
+            meta += (0, 0, 0) if t is None else t.stride()[:3]
         for t in sinks:
-            meta += [0, 0] if t is None else _strides(t, 2)
-        meta += [0, 0] if b is None else [b.stride(0), b.stride(1) if b.shape[1] > 1 else 0]
-        meta.append(len(segs))
-        tensors = (qh, segs, None, None, None, table.ids, table.stage,
-                   *staged, *new, table.sink_slot, *sinks, b, out)
-        ptrs = [None if t is None else t.data_ptr() for t in tensors]
+            meta += (0, 0) if t is None else t.stride()[:2]
+        meta += (0, 0) if b is None else (b.stride(0), b.stride(1) if b.shape[1] > 1 else 0)
+        meta.append(len(segs) // SEG_WIDTH)
+        ptrs = (qh.data_ptr(), ctypes.addressof(segs), None, None, None, table.ids.data_ptr(),
+                *(None if t is None else t.data_ptr() for t in (table.stage, *staged, *new, table.sink_slot, *sinks,
+                                                                 b)), out.data_ptr())
         if self._table_fn((ctypes.c_void_p * 16)(*ptrs), (ctypes.c_int64 * len(meta))(*meta)):
             return None
         return out

@@ -49,10 +49,12 @@ class PagedView:
         materialize (`Callable`): returns the keys and values the cache would return without this view
             (`[batch, num_kv_heads, end - lo, head_dim]`), for a reader that falls back to another attention.
         confirm (`Callable`): tells the cache that this step's attention reads in place.
+        shared (`dict`, *optional*): a memo shared by the views of one forward step (its block tables and block
+            states do not change while it lives), where `code_table` keeps each store's `CodeLayout`; None: none.
     """
 
     def __init__(self, store, layer_idx: int, table: torch.Tensor, lo: int, end: int, base: int | None,
-                 new: tuple | None, materialize: Callable, confirm: Callable) -> None:
+                 new: tuple | None, materialize: Callable, confirm: Callable, shared: dict | None = None) -> None:
         self.store = store  # the group's store; read only
         self.layer_idx = layer_idx  # the model layer
         self.table = table  # [batch, blocks] block ids, CPU
@@ -64,6 +66,7 @@ class PagedView:
         self.spec = store.specs[layer_idx]  # shape, dtype, device of the layer's K/V
         self.block_size = store.block_size
         self._placeholder: torch.Tensor | None = None  # the keys `placeholders` handed out, if any
+        self._shared = shared  # the step's memo: (store id, lo, end) -> CodeLayout | None
 
     # -- the hook between cache and attention ------------------------------------------------------------------
     @staticmethod
@@ -110,8 +113,16 @@ class PagedView:
         where that form does not hold (read `code_read` then)."""
         if not self.store.is_quantized:
             return None
-        return self.store.code_table(self.layer_idx, ReadRequest(self.table, self.lo, self.end, self.block_size,
-                                                                 self._first_block(), self.new))
+        key = (id(self.store), self.lo, self.end)  # the layers of a layer group read the same blocks in a step
+        shared = self._shared
+        if shared is None or key not in shared:
+            layout = self.store.code_layout(ReadRequest(self.table, self.lo, self.end, self.block_size,
+                                                        self._first_block(), self.new))
+            if shared is not None:
+                shared[key] = layout
+        else:
+            layout = shared[key]
+        return None if layout is None else self.store.layer_table(self.layer_idx, layout, self.new)
 
     # -- chunks ----------------------------------------------------------------------------------------------
     def num_chunks(self, tile_tokens: int) -> int:

@@ -7,6 +7,7 @@ import math
 import torch
 
 from hf_pagedkv.config import QuantConfig
+from hf_pagedkv.storage.code_layout import CodeLayout
 from hf_pagedkv.storage.code_read import CodeRead
 from hf_pagedkv.storage.code_table import CodeTable
 from hf_pagedkv.storage.codecs import BlockLayout, check_finite, codec_name, make_codec
@@ -381,8 +382,15 @@ class QuantizedPageStore:
         block, the step's tokens and the sink stage, nothing gathered. The same tokens as `read_codes`; None where
         that form does not hold (`lo` not at a block start, no encoded block, a partial block that is not staged:
         a crop's), and `read_codes` serves. A pool grown into several storage segments is
-        handed over as its `SegmentedTensor`s (the kernel finds each id's segment)."""
-        B, spec = self.block_size, self.specs[layer_idx]
+        handed over as its `SegmentedTensor`s (the kernel finds each id's segment). Equals
+        ``layer_table(layer_idx, code_layout(request), request.new)``."""
+        layout = self.code_layout(request)
+        return None if layout is None else self.layer_table(layer_idx, layout, request.new)
+
+    def code_layout(self, request: ReadRequest) -> CodeLayout | None:
+        """The half of `code_table` that is the same for every layer of the store (`CodeLayout`): block ids, the
+        staged partial blocks' slots, the sink slots; None where `code_table` is None."""
+        B = self.block_size
         lo, end, new = request.lo, request.end, request.new
         start = end if new is None else new[0]
         first, enc = request.first_position, start // B
@@ -392,14 +400,14 @@ class QuantizedPageStore:
         ids = table[:, first:enc]
         if not ids.is_contiguous():
             ids = ids.contiguous()
-        rest, stage, staged = start - enc * B, None, None
+        rest, stage = start - enc * B, None
         if rest:
-            stages = [self.states.stage_of.get(b) for b in table[:, enc].tolist()]
-            if None in stages or any(self.states.encoded[b] for b in table[:, enc].tolist()):
+            col = table[:, enc].tolist()
+            stages = [self.states.stage_of.get(b) for b in col]
+            if None in stages or any(self.states.encoded[b] for b in col):
                 return None
             stage = torch.tensor(stages, dtype=torch.long) * self.staging.block_size
-            staged = (self.staging.keys[layer_idx], self.staging.values[layer_idx])
-        sink_end, sink_slot, sinks = 0, None, None
+        sink_end, sink_slot, sink_rows = 0, None, None
         n_sink = min(self.sink_tokens, start) if first == 0 else 0
         if n_sink > 0:
             blocks = table[:, 0].tolist()
@@ -407,16 +415,31 @@ class QuantizedPageStore:
             if None not in slots:  # every row's sink stage, where it lies
                 sink_end = n_sink
                 sink_slot = torch.tensor(slots, dtype=torch.long) * self.sinks.block_size
-                sinks = (self.sinks.keys[layer_idx], self.sinks.values[layer_idx])
-            elif any(s is not None for s in slots):  # some rows without one: each row's own, gathered
-                sink_end, batch = n_sink, len(blocks)
-                sink_slot = torch.arange(batch, dtype=torch.long) * n_sink
-                sinks = tuple(x.reshape(x.shape[0], batch * n_sink, x.shape[-1])  # [num_kv_heads, slots, dim]
-                              for x in self._row_sinks(layer_idx, blocks, slots, n_sink))
-        (kc, vc), (ks, vs) = self.codes[layer_idx], self.scales[layer_idx]
-        return CodeTable(lo, end, B, (spec.key_dim, spec.value_dim), self.codecs, ids, (kc, vc), (ks, vs), rest,
-                         stage, staged,
-                         None if new is None or end == start else (new[1], new[2]), sink_end, sink_slot, sinks)
+            elif any(s is not None for s in slots):  # some rows without one: each row's own, gathered per layer
+                sink_end = n_sink
+                sink_slot = torch.arange(len(blocks), dtype=torch.long) * n_sink
+                sink_rows = (blocks, slots)
+        return CodeLayout(lo, end, start, ids, rest, stage, sink_end, sink_slot, sink_rows)
+
+    def layer_table(self, layer_idx: int, layout: CodeLayout,
+                    new: tuple[int, torch.Tensor, torch.Tensor] | None) -> CodeTable:
+        """Layer `layer_idx`'s `CodeTable` of a read whose `CodeLayout` is `layout` (from `code_layout` in this step;
+        the block states must not have changed since), `new` the step's `(start, key_states, value_states)` as in
+        `ReadRequest.new`."""
+        sinks = None
+        if layout.sink_rows is not None:
+            blocks, slots = layout.sink_rows
+            n, batch = layout.sink_end, len(blocks)
+            sinks = tuple(x.reshape(x.shape[0], batch * n, x.shape[-1])  # [num_kv_heads, slots, dim]
+                          for x in self._row_sinks(layer_idx, blocks, slots, n))
+        elif layout.sink_end:
+            sinks = (self.sinks.keys[layer_idx], self.sinks.values[layer_idx])
+        spec = self.specs[layer_idx]
+        return CodeTable(layout.lo, layout.end, self.block_size, (spec.key_dim, spec.value_dim), self.codecs,
+                         layout.ids, tuple(self.codes[layer_idx]), tuple(self.scales[layer_idx]), layout.rest, layout.stage,
+                         (self.staging.keys[layer_idx], self.staging.values[layer_idx]) if layout.rest else None,
+                         None if new is None or layout.end == layout.start else (new[1], new[2]),
+                         layout.sink_end, layout.sink_slot, sinks)
 
     def _row_sinks(self, layer_idx: int, blocks: list[int], stages: list[int | None], n: int) -> list[torch.Tensor]:
         """The first `n` tokens of each row in full precision, `[num_kv_heads, batch, n, dim]` keys and values, as the

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import bisect
+import itertools
 
 import torch
 
 from hf_pagedkv.storage.row_gather import RowGather
 from hf_pagedkv.storage.segment_split import SegmentSplit
+
+_GENERATIONS = itertools.count()  # `SegmentedTensor.generation`s, process-wide
 
 
 class SegmentedTensor:
@@ -33,6 +36,9 @@ class SegmentedTensor:
         self.starts: list[int] = []  # first index of each segment along dim 1
         self.length = 0  # total along dim 1
         self._bounds: dict[torch.device, torch.Tensor] = {}  # device -> starts[1:] as int64, for bucketize
+        # a number no other state of any SegmentedTensor of the process has had; a new one whenever `segments`
+        # changes: a reader that kept the segments' addresses (`NativeCodeAttention`) knows whether they still hold
+        self.generation = next(_GENERATIONS)
 
     # -- shape ------------------------------------------------------------------------------------------------------
     @property
@@ -59,6 +65,7 @@ class SegmentedTensor:
         self.starts.append(self.length)
         self.length += n
         self._bounds.clear()
+        self.generation = next(_GENERATIONS)
 
     def pop_segment(self) -> int:
         """Drop the last segment (its memory goes back to the allocator); return its length."""
@@ -66,6 +73,7 @@ class SegmentedTensor:
         self.starts.pop()
         self.length -= t.shape[1]
         self._bounds.clear()
+        self.generation = next(_GENERATIONS)
         return t.shape[1]
 
     def materialize(self) -> torch.Tensor:

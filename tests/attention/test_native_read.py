@@ -292,3 +292,68 @@ def test_table_read_declines_a_window_start():
     windowed = [t for lo, t in tables if lo % 4]
     assert windowed and all(t is None for t in windowed)
     assert any(t is not None for lo, t in tables if lo == 0)  # the full-attention layers follow the table
+
+
+@needs_compiler
+def test_pool_description_follows_the_pool_between_reads():
+    """`read_table` keeps each pool's C description (`_pool_segments`) across calls: after the pool grows a storage
+    segment, and for a new cache's pool, the same reader reads every block where it now lies (the gathered read bit
+    for bit); the entries hold the pools weakly."""
+    import gc
+    import weakref
+
+    from hf_pagedkv import BlockPool, QuantConfig
+    from hf_pagedkv.attention import PagedView
+
+    reader = NativeCodeAttention()
+    g = torch.Generator().manual_seed(21)
+    for _ in range(2):  # the second cache's pool may reuse the first's addresses and ids
+        cache = PagedCache(pool=BlockPool(block_size=4, quant=QuantConfig.preset("k8v4")))
+        with torch.no_grad():
+            for q in (9, 1, 70, 1):  # one segment at the first read, several at the second
+                k = torch.randn(2, 2, q, 16, generator=g)
+                view = PagedView.of(cache.update(k, k - 1, 0)[0])
+                if q == 1:
+                    table, read = view.code_table(), view.code_read()
+                    qh = torch.randn(2, 2, 2, 16, generator=g) * 0.3
+                    got = reader.read_table(qh, table, None)
+                    assert got is not None and torch.equal(got, reader(qh, read, None))
+        assert len(table.codes[0].segments) > 1
+        pool = weakref.ref(table.codes[0])
+        cache.release()
+        del cache, view, table, read
+        gc.collect()
+        assert pool() is None  # the reader's entry did not keep the released pool alive
+
+
+def test_views_of_a_step_share_one_layout_and_a_mid_step_unshare_gets_its_own():
+    """The layers of a step read the same blocks: their `CodeTable`s share the step's `CodeLayout` (one block-id
+    tensor). When duplicate rows (num_return_sequences) differ in a later layer, the row gets its own blocks in
+    the middle of the step: that layer's table is the store's fresh one, not the memo of the tables before."""
+    from hf_pagedkv import BlockPool, QuantConfig
+    from hf_pagedkv.attention import PagedView
+    from hf_pagedkv.storage.read_request import ReadRequest
+
+    cache = PagedCache(pool=BlockPool(block_size=4, num_blocks=64, quant=QuantConfig.preset("k4v4")))
+    g = torch.Generator().manual_seed(22)
+    with torch.no_grad():
+        k = torch.randn(1, 2, 9, 16, generator=g)  # then 10, 11: a staged partial block in each step
+        for layer in (0, 1, 2):
+            cache.update(k, k + 1, layer)
+        k = torch.randn(1, 2, 1, 16, generator=g)
+        tables = [PagedView.of(cache.update(k, k + 1, layer)[0]).code_table() for layer in (0, 1)]
+        assert tables[0].ids is tables[1].ids and tables[0].stage is tables[1].stage
+        cache.update(k, k + 1, 2)
+        k = torch.randn(1, 2, 1, 16, generator=g).expand(2, 2, 1, 16).contiguous()  # two identical rows
+        first = PagedView.of(cache.update(k, k + 1, 0)[0]).code_table()
+        k = k.clone()
+        k[1] += 1  # row 1 differs from layer 1 on: unshared mid-step
+        view = PagedView.of(cache.update(k, k + 1, 1)[0])
+        table = view.code_table()
+        fresh = cache.pool.groups[0].store.code_table(1, ReadRequest(view.table, view.lo, view.end, 4, None,
+                                                                     view.new))
+        assert not torch.equal(first.stage, fresh.stage)
+        assert torch.equal(table.ids, fresh.ids) and torch.equal(table.stage, fresh.stage)
+        cache.update(k, k + 1, 2)
+    cache.check_invariants()
+    cache.release()

@@ -831,7 +831,9 @@ class PagedCache(Cache):
                     self._unshare(r)
         plan, tensors = self._plan, self._step_tensors
         device, store = layer.spec.device, self.pool.groups[layer.group].store
-        new = (plan.start, key_states.detach(), value_states.detach())  # this step's tokens, for a quantized read
+        if grad:  # (without autograd the states are what the store keeps; a detach per layer is a Python call)
+            key_states, value_states = key_states.detach(), value_states.detach()
+        new = (plan.start, key_states, value_states)  # this step's tokens, for a quantized read
         if len(plan.writers) < self.num_rows:
             rows = tensors.writer_rows(device)
             key_states, value_states = key_states.index_select(0, rows), value_states.index_select(0, rows)
@@ -839,8 +841,7 @@ class PagedCache(Cache):
         if stored is not None:
             key_states, value_states = (_select_tokens(x, stored) for x in (key_states, value_states))
         with self.pool.lock:  # a growing pool replaces its tensors; no write may land in the old ones
-            store.write(layer.layer_idx, tensors.write_target(rt, store, device), key_states.detach(),
-                        value_states.detach())
+            store.write(layer.layer_idx, tensors.write_target(rt, store, device), key_states, value_states)
         layer.num_tokens = plan.end
         lo = rt.window_start(plan.start)
         # -- an attention that reads the pool in place (hf_pagedkv.attention) gets a PagedView -------------------------

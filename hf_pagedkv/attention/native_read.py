@@ -78,6 +78,11 @@ def build(path: Path) -> Path:
     return path
 
 
+def _fits(t: torch.Tensor, shape: tuple, dtype: torch.dtype) -> bool:
+    """Whether `t` is a CPU tensor of `shape` and `dtype` whose last dim is contiguous (what the C side indexes)."""
+    return t.shape == shape and t.dtype == dtype and t.is_cpu and t.stride(-1) == 1
+
+
 def _strides(t: torch.Tensor, dims: int) -> list[int]:
     return [t.stride(i) for i in range(dims)]
 
@@ -197,25 +202,28 @@ class NativeCodeAttention:
     @staticmethod
     def _call_fits(qh: torch.Tensor, table: CodeTable, bias: torch.Tensor | None) -> bool:
         """The half of `supports_table` that depends on the call: the query, the block ids, the full-precision
-        tokens and the mask (shapes, dtypes, CPU, contiguous last dims)."""
+        tokens and the mask (shapes, dtypes, CPU, contiguous last dims). (Written out rather than as a list of
+        (tensor, shape, dtype) triples: it runs per layer and step, and the list cost as much as the checks.)"""
         H, batch, rows, dim = qh.shape
-        q = 0 if table.new is None else table.new[0].shape[2]
-        if dim != table.dims[0] or rows > MAX_ROWS or table.num_encoded * table.block_size + table.rest + q != \
-                table.end - table.lo or not table.ids.is_contiguous():
+        ids, f32, i64 = table.ids, torch.float32, torch.long
+        new = table.new
+        q = 0 if new is None else new[0].shape[2]
+        if (dim != table.dims[0] or rows > MAX_ROWS or not _fits(qh, qh.shape, f32)
+                or ids.shape != (batch, table.num_encoded) or ids.dtype != i64 or not ids.is_cpu
+                or not ids.is_contiguous() or table.num_encoded * table.block_size + table.rest + q != table.end - table.lo):
             return False
-        checks = [(qh, (H, batch, rows, dim), torch.float32), (table.ids, (batch, table.num_encoded), torch.long)]
         for part in (table.staged, table.sinks):
-            if part is not None:
-                checks += [(t, (H, t.shape[1], dim), torch.float32) for t in part]
-        if table.new is not None:
-            checks += [(t, (batch, H, q, dim), torch.float32) for t in table.new]
-        checks += [(t, (batch,), torch.long) for t in (table.stage, table.sink_slot) if t is not None]
-        if bias is not None:
-            if bias.dim() != 4 or bias.shape[2] not in (1, rows):
+            if part is not None and not all(_fits(t, (H, t.shape[1], dim), f32) for t in part):
                 return False
-            checks.append((bias, (1, batch, bias.shape[2], table.end - table.lo), torch.float32))
-        return all(t.shape == shape and t.dtype == dtype and t.is_cpu and t.stride(-1) == 1
-                   for t, shape, dtype in checks)
+        if new is not None and not all(_fits(t, (batch, H, q, dim), f32) for t in new):
+            return False
+        for t in (table.stage, table.sink_slot):
+            if t is not None and not _fits(t, (batch,), i64):
+                return False
+        if bias is not None:
+            return bias.dim() == 4 and bias.shape[2] in (1, rows) and _fits(
+                bias, (1, batch, bias.shape[2], table.end - table.lo), f32)
+        return True
 
     def _pool_segments(self, table: CodeTable, heads: int):
         """The C side's description of the layer's pool, `[nseg, SEG_WIDTH]` int64 as a ctypes array (each storage

@@ -293,12 +293,13 @@ class QuantizedPageStore:
             if self.codecs[half].bits is not None:
                 # NOTE: a sum is NaN/inf iff an element is (barring overflow, then the exact check decides): one op
                 total = flat.sum()
-                if flat.device.type != "cpu":
+                if not flat.is_cpu:
                     self._finite_flags.append((layer_idx, half, torch.isfinite(total)))
                 elif not math.isfinite(float(total)):
                     check_finite(flat, f"{('key', 'value')[half]}_states of layer {layer_idx}")
             flats.append(flat)
-        c = len(plan.done_blocks)
+        # (`shape[0]`, not `len()`: a tensor's `__len__` is a Python call; this runs per layer and step)
+        c, staged, sunk = plan.done_blocks.shape[0], plan.stage_dst.shape[0], plan.sink_dst.shape[0]
         for half, (flat, store) in enumerate(zip(flats, (self.staging.keys, self.staging.values))):
             heads, dim = flat.shape[0], flat.shape[-1]
             if c:
@@ -317,10 +318,10 @@ class QuantizedPageStore:
                 codes, scales = self.codecs[half].encode(buf)  # [num_kv_heads, c, code_size], [.., scale_size]
                 self.codes[layer_idx][half].index_copy_(1, plan.done_blocks, codes)
                 self.scales[layer_idx][half].index_copy_(1, plan.done_blocks, scales)
-            if len(plan.stage_dst):
-                src = flat if plan.stage_src is None else flat.index_select(1, plan.stage_src)
-                store[layer_idx].index_copy_(1, plan.stage_dst, src.to(store[layer_idx].dtype))
-            if len(plan.sink_dst):  # the sink tokens, also in full precision
+            if staged:
+                src, dst = flat if plan.stage_src is None else flat.index_select(1, plan.stage_src), store[layer_idx]
+                dst.index_copy_(1, plan.stage_dst, src if src.dtype == dst.dtype else src.to(dst.dtype))
+            if sunk:  # the sink tokens, also in full precision
                 sink = (self.sinks.keys, self.sinks.values)[half][layer_idx]
                 sink.index_copy_(1, plan.sink_dst, flat.index_select(1, plan.sink_src).to(sink.dtype))
 

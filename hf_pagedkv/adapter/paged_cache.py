@@ -831,8 +831,8 @@ class PagedCache(Cache):
                     self._unshare(r)
         plan, tensors = self._plan, self._step_tensors
         device, store = layer.spec.device, self.pool.groups[layer.group].store
-        if grad:  # (without autograd the states are what the store keeps; a detach per layer is a Python call)
-            key_states, value_states = key_states.detach(), value_states.detach()
+        if key_states.requires_grad or value_states.requires_grad:  # (else they are kept as they are: a detach per
+            key_states, value_states = key_states.detach(), value_states.detach()  # layer is a Python call)
         new = (plan.start, key_states, value_states)  # this step's tokens, for a quantized read
         if len(plan.writers) < self.num_rows:
             rows = tensors.writer_rows(device)

@@ -149,8 +149,7 @@ class NativeCodeAttention:
             shapes.append((bias, (1, batch, bias.shape[2], read.end - read.lo)))
         dtypes = [torch.float32] * 3 + [torch.uint8] * 2 + [torch.float16] * 2 + [torch.float32]
         return (dim == dk and rows <= MAX_ROWS
-                and all(tuple(t.shape) == shape and t.dtype == dtype and t.device.type == "cpu" and t.stride(-1) == 1
-                        for (t, shape), dtype in zip(shapes, dtypes)))
+                and all(_fits(t, shape, dtype) for (t, shape), dtype in zip(shapes, dtypes)))
 
     def __call__(self, qh: torch.Tensor, read: CodeRead, bias: torch.Tensor | None) -> torch.Tensor | None:
         """Attention over `read` (see `code_attention`), or None where this path does not apply.
@@ -208,9 +207,9 @@ class NativeCodeAttention:
         ids, f32, i64 = table.ids, torch.float32, torch.long
         new = table.new
         q = 0 if new is None else new[0].shape[2]
-        if (dim != table.dims[0] or rows > MAX_ROWS or not _fits(qh, qh.shape, f32)
-                or ids.shape != (batch, table.num_encoded) or ids.dtype != i64 or not ids.is_cpu
-                or not ids.is_contiguous() or table.num_encoded * table.block_size + table.rest + q != table.end - table.lo):
+        width = table.num_encoded * table.block_size + table.rest + q
+        if (dim != table.dims[0] or rows > MAX_ROWS or width != table.end - table.lo or not _fits(qh, qh.shape, f32)
+                or not _fits(ids, (batch, table.num_encoded), i64) or not ids.is_contiguous()):
             return False
         for part in (table.staged, table.sinks):
             if part is not None and not all(_fits(t, (H, t.shape[1], dim), f32) for t in part):
@@ -242,7 +241,8 @@ class NativeCodeAttention:
         segs = None
         if self._pool_form_fits(table, heads):
             rows = [x for i, start in enumerate(pools[0].starts)
-                    for x in (start, *(y for t in pools for y in (t.segments[i].data_ptr(), t.segments[i].stride(0))))]
+                    for x in (start, *(y for t in pools for y in (t.segments[i].data_ptr(),
+                                                                   t.segments[i].stride(0))))]
             segs = (ctypes.c_int64 * len(rows))(*rows)
         if len(self._pools) >= 1024:  # (layers x pools of a long-lived process: drop the stale ones at once)
             self._pools.clear()

@@ -114,14 +114,11 @@ class PagedView:
         if not self.store.is_quantized:
             return None
         key = (id(self.store), self.lo, self.end)  # the layers of a layer group read the same blocks in a step
-        shared = self._shared
-        if shared is None or key not in shared:
-            layout = self.store.code_layout(ReadRequest(self.table, self.lo, self.end, self.block_size,
-                                                        self._first_block(), self.new))
-            if shared is not None:
-                shared[key] = layout
-        else:
-            layout = shared[key]
+        shared = {} if self._shared is None else self._shared
+        if key not in shared:
+            shared[key] = self.store.code_layout(ReadRequest(self.table, self.lo, self.end, self.block_size,
+                                                             self._first_block(), self.new))
+        layout = shared[key]
         return None if layout is None else self.store.layer_table(self.layer_idx, layout, self.new)
 
     # -- chunks ----------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""`CodeLayout`: where a step's quantized read lies in the block tables, the same for every layer of a layer group."""
+"""`CodeLayout`: where a step's quantized read lies in the block tables, alike for every layer of a layer group."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import torch
 
 
 class CodeLayout(NamedTuple):
-    """What `QuantizedPageStore.code_layout` returns: the half of a `CodeTable` that depends on the block table and the
-    block states only, not on the layer. Every layer of a layer group reads the same blocks in a forward step, so an
-    attention that reads in place computes it once per step and group (`PagedView`'s step-shared memo) and gets each
-    layer's `CodeTable` from it (`QuantizedPageStore.layer_table`): the per-layer part is then only picking tensors.
+    """What `QuantizedPageStore.code_layout` returns: the half of a `CodeTable` that depends on the block table and
+    the block states only, not on the layer. Every layer of a layer group reads the same blocks in a forward step, so
+    an attention that reads in place computes it once per step and group (`PagedView`'s step-shared memo) and gets
+    each layer's `CodeTable` from it (`QuantizedPageStore.layer_table`): the per-layer part only picks tensors.
 
     Attributes:
         lo, end (`int`): the tokens read (``lo`` a multiple of the block size).

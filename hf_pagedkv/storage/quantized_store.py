@@ -437,7 +437,8 @@ class QuantizedPageStore:
             sinks = (self.sinks.keys[layer_idx], self.sinks.values[layer_idx])
         spec = self.specs[layer_idx]
         return CodeTable(layout.lo, layout.end, self.block_size, (spec.key_dim, spec.value_dim), self.codecs,
-                         layout.ids, tuple(self.codes[layer_idx]), tuple(self.scales[layer_idx]), layout.rest, layout.stage,
+                         layout.ids, tuple(self.codes[layer_idx]), tuple(self.scales[layer_idx]), layout.rest,
+                         layout.stage,
                          (self.staging.keys[layer_idx], self.staging.values[layer_idx]) if layout.rest else None,
                          None if new is None or layout.end == layout.start else (new[1], new[2]),
                          layout.sink_end, layout.sink_slot, sinks)

@@ -151,15 +151,14 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="print a cProfile of each case (one round)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--compiled", action="store_true",
-                    help='also run each quantized preset with "hf_pagedkv_compiled" (torch.compile; opt-in)')
+                    help='also run each preset with "hf_pagedkv_compiled" (the C reads, else torch.compile; opt-in)')
     ap.add_argument("--paired", action="store_true",
                     help="all caches live, one step of each in turn; per-turn ratios (least noisy)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, _ = load_model()
     attns = ("sdpa", "paged", "compiled") if args.compiled else ("sdpa", "paged")
-    methods = ["dynamic"] + [f"{m}/{a}" for m in args.methods.split(",") for a in attns
-                             if a != "compiled" or m != "fp"]
+    methods = ["dynamic"] + [f"{m}/{a}" for m in args.methods.split(",") for a in attns]
     if QUANTO:
         methods.append("quanto-int4")
     else:

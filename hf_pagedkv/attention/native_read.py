@@ -33,8 +33,9 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-
 #: the C side's limits (`code_read.c`): head_dim, query rows per key/value head, block size; head_dim a multiple of
 #: LANES
 MAX_DIM, MAX_ROWS, MAX_BLOCK, LANES = 256, 64, 256, 16
-#: int64 entries per storage segment in the C side's pool description (`code_read.c`'s `SEG_WIDTH`)
-SEG_WIDTH = 9
+#: int64 entries per storage segment in the C side's pool description (`code_read.c`'s `SEG_WIDTH`; for a
+#: full-precision pool `FP_SEG_WIDTH`)
+SEG_WIDTH, FP_SEG_WIDTH = 9, 5
 
 
 def _cpu_key() -> str:
@@ -102,6 +103,7 @@ class NativeCodeAttention:
     def __init__(self) -> None:
         self._fn = None  # the loaded C function, made on first use
         self._table_fn = None  # its form that follows block ids (`read_table`), loaded with it
+        self._fp_fn = None  # the full-precision read through block ids (`read_fp_view`), loaded with it
         self._pools: dict[tuple, tuple] = {}  # a layer's pool state -> (codecs, its C description or None)
         self.failed = False  # no compiler or a failed build/load: off for the rest of the process
 
@@ -116,10 +118,11 @@ class NativeCodeAttention:
                     lib = ctypes.CDLL(str(path))
                 except OSError:  # a truncated or corrupted file (a disk full while copying it): built again, once
                     lib = ctypes.CDLL(str(build(path)))
-                for fn in (lib.hf_pagedkv_code_read, lib.hf_pagedkv_code_table_read):
+                for fn in (lib.hf_pagedkv_code_read, lib.hf_pagedkv_code_table_read, lib.hf_pagedkv_fp_table_read):
                     fn.argtypes = (ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64))
                     fn.restype = ctypes.c_int
                 self._fn, self._table_fn = lib.hf_pagedkv_code_read, lib.hf_pagedkv_code_table_read
+                self._fp_fn = lib.hf_pagedkv_fp_table_read
             except Exception as e:  # noqa: BLE001 - no compiler, no writable cache: the other reads are right
                 self.failed = True
                 logger.warning("hf_pagedkv: the native quantized read is off (%s: %s); reading with torch",
@@ -293,9 +296,87 @@ class NativeCodeAttention:
         return out
 
     def read_view(self, qh: torch.Tensor, view, bias: torch.Tensor | None) -> torch.Tensor | None:
-        """`read_table` over a `PagedView`'s quantized tokens (`PagedView.code_table`), or None."""
+        """`read_table` over a `PagedView`'s quantized tokens (`PagedView.code_table`), `read_fp_view` over a
+        full-precision store's, or None."""
+        if not view.store.is_quantized:
+            return self.read_fp_view(qh, view, bias)
         table = view.code_table()
         return None if table is None else self.read_table(qh, table, bias)
+
+    def _fp_segments(self, keys, values, block_size: int, heads: int, dim: int):
+        """The C side's description of a full-precision layer's pool, `[nseg, FP_SEG_WIDTH]` int64 as a ctypes array
+        (each storage segment's first block id, then the address and head stride of its keys and of its values), or
+        None when the pool does not have the form the C function reads: fp32 on the CPU, `[heads, slots, dim]`
+        segments with contiguous slots, each starting at a block boundary. Kept per pool state, as
+        `_pool_segments`."""
+        key = ("fp", keys.generation, values.generation, block_size, heads, dim)
+        if key in self._pools:
+            return self._pools[key][1]
+        segs = None
+        if (keys.dtype == values.dtype == torch.float32 and keys.d0 == values.d0 == heads
+                and keys.d2 == values.d2 == dim and keys.starts == values.starts
+                and all(start % block_size == 0 for start in keys.starts)
+                and all(s.is_cpu and s.stride(2) == 1 and s.stride(1) == dim
+                        for t in (keys, values) for s in t.segments)):
+            rows = [x for i, start in enumerate(keys.starts)
+                    for x in (start // block_size, keys.segments[i].data_ptr(), keys.segments[i].stride(0),
+                              values.segments[i].data_ptr(), values.segments[i].stride(0))]
+            segs = (ctypes.c_int64 * len(rows))(*rows)
+        if len(self._pools) >= 1024:
+            self._pools.clear()
+        self._pools[key] = (None, segs)
+        return segs
+
+    def read_fp_view(self, qh: torch.Tensor, view, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """Attention over a full-precision (fp32) store's tokens ``lo .. end - 1`` of a `PagedView`, its blocks found
+        through the block table by the C function (`hf_pagedkv_fp_table_read`): per (key/value head, row) the scores
+        block by block (the next block prefetched), one softmax (`NEGLIGIBLE` as the torch read), the values' sum.
+        Nothing is gathered; batch rows need not be consecutive. Up to fp32 rounding, `sdpa` over the gathered K/V
+        (the sums run in another order). None where this path does not apply (another dtype or device, head_dim not
+        a multiple of 16 or above 256, more than 64 query rows per key/value head, key and value dims that differ).
+
+        Args:
+            qh (`torch.Tensor` of shape `[H, batch, rows, dim]`): the scaled query, fp32.
+            view (`PagedView`): a full-precision store's view.
+            bias (`torch.Tensor` of shape `[1, batch, rows | 1, end - lo]`, *optional*): additive mask.
+
+        Returns:
+            `torch.Tensor` of shape `[H, batch, rows, dim]`, or None.
+        """
+        if self.load() is None:
+            return None
+        H, batch, rows, dim = qh.shape
+        bs, lo, end = view.block_size, view.lo, view.end
+        if (sys.byteorder != "little" or dim % LANES or dim > MAX_DIM or rows > MAX_ROWS or end <= lo
+                or not _fits(qh, qh.shape, torch.float32)):
+            return None
+        if bias is not None and not (bias.dim() == 4 and bias.shape[2] in (1, rows)
+                                     and _fits(bias, (1, batch, bias.shape[2], end - lo), torch.float32)):
+            return None
+        spec = view.spec
+        if spec.key_dim != dim or spec.value_dim != dim or spec.num_kv_heads != H:
+            return None
+        segs = self._fp_segments(view.store.keys[view.layer_idx], view.store.values[view.layer_idx], bs, H, dim)
+        if segs is None:
+            return None
+        first, last = lo // bs, -(-end // bs)
+        ids = view.table[:, first:last]
+        if ids.shape != (batch, last - first) or ids.dtype != torch.long:
+            return None
+        ids = ids.contiguous()
+        low, high = torch.aminmax(ids)  # the C side trusts the ids: a row's unused table entries must not reach it
+        if int(low) < 0 or (int(high) + 1) * bs > view.store.keys[view.layer_idx].length:
+            return None
+        out = torch.empty((H, batch, rows, dim), dtype=torch.float32)
+        b = None if bias is None else bias[0]  # [batch, rows | 1, width]
+        meta = [H, batch, rows, dim, last - first, bs, lo - first * bs, end - lo, torch.get_num_threads(),
+                *qh.stride()[:3], *((0, 0) if b is None else (b.stride(0), b.stride(1) if b.shape[1] > 1 else 0)),
+                len(segs) // FP_SEG_WIDTH]
+        ptrs = (qh.data_ptr(), ctypes.addressof(segs), ids.data_ptr(), None if b is None else b.data_ptr(),
+                out.data_ptr())
+        if self._fp_fn((ctypes.c_void_p * 5)(*ptrs), (ctypes.c_int64 * len(meta))(*meta)):
+            return None
+        return out
 
 
 __all__ = ["NativeCodeAttention", "build", "library_path"]

@@ -52,8 +52,9 @@ def paged_attention(query: torch.Tensor, view: PagedView, scaling: float, mask: 
         tile_tokens (`int`): tokens per page tile (peak extra memory: one tile of keys and values).
         compiled (`CompiledCodeAttention`, *optional*): reads quantized codes with its compiled function where it
             applies (``"hf_pagedkv_compiled"``); `None` (the default): eager only.
-        native (*optional*): `(qh, view, bias) -> out | None`, tried first for a quantized store: a read that
-            follows the block table itself (`NativeCodeAttention.read_view`, ``"hf_pagedkv_compiled"``).
+        native (*optional*): `(qh, view, bias) -> out | None`, tried first: a read that follows the block table
+            itself (`NativeCodeAttention.read_view`, ``"hf_pagedkv_compiled"``: codes and scales of a quantized
+            store, blocks of a full-precision fp32 one).
 
     Returns:
         `torch.Tensor` of shape `[batch, q, num_heads, value_dim]` (what transformers' attention functions return).
@@ -64,7 +65,7 @@ def paged_attention(query: torch.Tensor, view: PagedView, scaling: float, mask: 
     # [batch, H, G, q, D] -> [H, batch, G * q, D]: a query row per (query head of the group, query token)
     qh = (query * scaling).view(batch, H, G, q, dim).transpose(0, 1).reshape(H, batch, G * q, dim)
     bias = _mask_bias(mask, batch, G, q, query.dtype)  # [1, batch, G*q | 1, end - lo] or None
-    if native is not None and view.store.is_quantized:
+    if native is not None:
         out = native(qh, view, bias)  # [H, batch, G*q, Dv] or None
         if out is not None:
             return _unpack(out, batch, H, G, q, num_heads)

@@ -15,7 +15,7 @@ import hf_pagedkv.attention.native_read as native_read
 from hf_pagedkv import PagedCache, cache_kwargs
 from hf_pagedkv.attention import COMPILED_ATTENTION_NAME
 from hf_pagedkv.attention.native_read import NativeCodeAttention
-from hf_pagedkv.attention.paged_attention import code_attention
+from hf_pagedkv.attention.paged_attention import code_attention, paged_attention
 from tests.attention.test_compiled_read import PAIRS, _bias
 from tests.attention.test_paged_attention import _code_read
 from tests.conftest import VOCAB, tiny_model
@@ -357,3 +357,150 @@ def test_views_of_a_step_share_one_layout_and_a_mid_step_unshare_gets_its_own():
         cache.update(k, k + 1, 2)
     cache.check_invariants()
     cache.release()
+
+
+# -- full-precision pools ---------------------------------------------------------------------------------------------
+
+def _fp_view(batch: int, prompt: int, steps: int, seed: int, lo: int = 0, num_blocks: int | None = 200):
+    """A fp32 `PagedCache` (blocks of 4 tokens) whose `batch` rows took a `prompt` and `steps` decode steps in two
+    layers (rows > 1: their decode blocks interleave), then one more token in layer 0: that step's `PagedView`
+    read from token `lo` on, and the keys and values the cache returned (`[batch, 2, end, 16]`)."""
+    from hf_pagedkv import BlockPool
+    from hf_pagedkv.attention import PagedView
+
+    cache = PagedCache(pool=BlockPool(block_size=4, num_blocks=num_blocks))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for q in (prompt,) + (1,) * steps:
+            k = torch.randn(batch, 2, q, 16, generator=g)
+            for layer in (0, 1):
+                cache.update(k, k * 2 + 1, layer)
+        k = torch.randn(batch, 2, 1, 16, generator=g)
+        keys, values = cache.update(k, k - 1, 0)
+    v = PagedView.of(keys)
+    view = PagedView(v.store, v.layer_idx, v.table, lo, v.end, v.base, v.new, v.materialize, v.confirm)
+    return cache, view, keys, values
+
+
+def _pool_tensors(view) -> list:
+    """The layer's pool storage, keys' segments then values'."""
+    store = view.store
+    return [*store.keys[view.layer_idx].segments, *store.values[view.layer_idx].segments]
+
+
+def _attend64(qh, keys, values, lo, bias):
+    """`sdpa` in float64 over the returned K/V from token `lo` on: `[H, batch, rows, 16]`."""
+    k, v = (t[:, :, lo:].transpose(0, 1).double() for t in (keys, values))
+    return torch.nn.functional.scaled_dot_product_attention(
+        qh.double(), k, v, attn_mask=None if bias is None else bias.double(), scale=1.0)
+
+
+@needs_compiler
+@pytest.mark.parametrize("batch,prompt,steps", [(1, 37, 3), (3, 22, 12), (2, 16, 0)])
+@pytest.mark.parametrize("lo", [0, 3, 8])
+@pytest.mark.parametrize("mask", [None, "rows", "broadcast"])
+def test_fp_table_read_within_fp32_of_sdpa(batch, prompt, steps, lo, mask):
+    """The C read of a fp32 pool through block ids (`read_fp_view`): one row in consecutive blocks, 3 rows whose
+    decode blocks interleave, a read from inside a block (a sliding window: `lo` 3) and from a block boundary (8),
+    a prompt that ends on a block boundary; `sdpa` in float64 over the K/V the cache returned within 1e-5, and
+    the eager in-place read (`paged_attention`) within 1e-5; a mask per query row and one shared by the rows."""
+    cache, view, keys, values = _fp_view(batch, prompt, steps, seed=batch + lo, lo=lo)
+    g = torch.Generator().manual_seed(31)
+    qh = torch.randn(2, batch, 3, 16, generator=g) * 0.5  # [H, batch, rows, D]
+    bias = None if mask is None else torch.zeros(1, batch, 3 if mask == "rows" else 1, view.end - lo)
+    if bias is not None:
+        bias[:, -1, :, :4] = float("-inf")  # the last row does not attend to columns 0 .. 3 (left padding)
+    if mask == "rows":
+        bias[:, 0, 1, 2] = float("-inf")  # row 1 of batch row 0 does not attend to column 2
+    got = READER.read_fp_view(qh, view, bias)
+    assert got is not None and got.shape == (2, batch, 3, 16)
+    assert (got.double() - _attend64(qh, keys, values, lo, bias)).abs().max().item() <= 1e-5
+    if mask != "rows":  # the eager read takes a mask per query token ([batch, 1, q, n]), not per query row
+        query = qh.view(2, batch, 3, 1, 16).transpose(0, 1).reshape(batch, 6, 1, 16)  # G = 3 query heads per KV head
+        keep = None if bias is None else (bias[0, :, :1] == 0).unsqueeze(1)  # [batch, 1, 1, n], True = attend
+        eager = paged_attention(query, view, 1.0, keep)  # [batch, 1, 6, 16]
+        assert (got - eager.view(batch, 2, 3, 16).transpose(0, 1)).abs().max().item() <= 1e-5
+    cache.check_invariants()
+    cache.release()
+
+
+@needs_compiler
+def test_fp_table_read_of_a_grown_pool():
+    """A growable fp32 pool that grew into several storage segments while two rows were written: the C read finds
+    each block id's segment (`sdpa` in float64 within 1e-5), and keeps no description of a pool that grew since."""
+    from hf_pagedkv import BlockPool
+    from hf_pagedkv.attention import PagedView
+
+    cache = PagedCache(pool=BlockPool(block_size=4))
+    g = torch.Generator().manual_seed(32)
+    with torch.no_grad():
+        for q in (30, 1, 70, 1):
+            k = torch.randn(2, 2, q, 16, generator=g)
+            keys, values = cache.update(k, k - 1, 0)
+            view = PagedView.of(keys)
+            qh = torch.randn(2, 2, 3, 16, generator=g) * 0.5
+            got = READER.read_fp_view(qh, view, None)
+            assert got is not None
+            assert (got.double() - _attend64(qh, keys, values, 0, None)).abs().max().item() <= 1e-5
+    assert len(cache.pool.groups[0].store.keys[0].segments) > 1
+    cache.check_invariants()
+    cache.release()
+
+
+@needs_compiler
+def test_fp_table_read_refuses_what_it_does_not_compute():
+    """fp64 queries, a head count or head_dim the pool does not have, more query rows than the C side holds, a mask
+    of another width, a block id the pool does not have (the C side trusts the ids): None, the caller reads with
+    torch; the pool is unchanged."""
+    from hf_pagedkv.attention import PagedView
+
+    cache, view, keys, _ = _fp_view(2, 22, 3, seed=33)
+    pool_before = [t.clone() for t in _pool_tensors(view)]
+    qh = torch.zeros(2, 2, 3, 16)
+    assert READER.read_fp_view(qh, view, None) is not None
+    bad_table = view.table.clone()
+    bad_table[1, 2] = -1
+    bad = PagedView(view.store, view.layer_idx, bad_table, 0, view.end, view.base, view.new, view.materialize,
+                    view.confirm)
+    refused = [(qh.double(), view, None), (torch.zeros(1, 2, 3, 16), view, None), (torch.zeros(2, 2, 3, 8), view, None),
+               (torch.zeros(2, 2, 65, 16), view, None), (qh, view, torch.zeros(1, 2, 3, view.end + 1)),
+               (qh, bad, None)]
+    for q, v, b in refused:
+        assert READER.read_fp_view(q, v, b) is None
+    assert all(torch.equal(a, b) for a, b in zip(pool_before, _pool_tensors(view)))
+    cache.check_invariants()
+    cache.release()
+
+
+@needs_compiler
+def test_fp_generation_reads_in_c_and_matches_dynamic_cache(monkeypatch):
+    """Greedy generation through ``"hf_pagedkv_compiled"`` with a full-precision cache (a batch of 2 with left
+    padding, 8-token blocks): every in-place read is the C one through the block table, the tokens equal
+    `DynamicCache` with `sdpa`, the logits within 1e-4 (the sums run in another order)."""
+    from transformers import DynamicCache
+
+    native = _Recording()
+    monkeypatch.setattr(attention_function, "NATIVE_READ", native)
+    model = tiny_model("llama")
+    ids = torch.randint(1, VOCAB, (2, 40), generator=torch.Generator().manual_seed(34))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    out = {}
+    for impl in ("sdpa", COMPILED_ATTENTION_NAME):
+        model.set_attn_implementation(impl)
+        try:
+            cache = DynamicCache() if impl == "sdpa" else PagedCache(config=model.config, block_size=8)
+            with torch.no_grad():
+                res = model.generate(ids, attention_mask=mask, **cache_kwargs(cache), do_sample=False,
+                                     max_new_tokens=6, output_logits=True, return_dict_in_generate=True)
+            if impl != "sdpa":
+                cache.check_invariants()
+                cache.release()
+        finally:
+            model.set_attn_implementation("sdpa")
+        out[impl] = res.sequences, torch.stack(res.logits, 1)
+    (ids_d, logits_d), (ids_c, logits_c) = out.values()
+    assert torch.equal(ids_d, ids_c)
+    assert (logits_d - logits_c).abs().max().item() <= 1e-4
+    layers = model.config.num_hidden_layers
+    assert native.reads.count("table") == 5 * (layers - 1)  # 5 decode steps, all layers but each step's first

@@ -174,6 +174,40 @@ static inline float hsum(vf v) { /* the sum of one vector's lanes: log2(LANES) h
     return v[0];
 }
 
+/* one row of scores -> exp(score - max) in place, the terms below 2**-64 of the max set to 0; returns their sum.
+ * A row masked everywhere (max -inf) gives NaN, as the torch read. */
+static inline float softmax_row(float *sr, const int64_t W) {
+    float mx = -INFINITY;
+    int64_t c1 = 0;
+    if (W >= LANES) { /* LANES running maxima (a scalar chain of maxss was 6% of the read) */
+        vf vm = loadv(sr);
+        for (c1 = LANES; c1 + LANES <= W; c1 += LANES) vm = maxv(loadv(sr + c1), vm);
+        float lanes[LANES];
+        memcpy(lanes, &vm, sizeof vm);
+        for (int i = 0; i < LANES; i++) mx = lanes[i] > mx ? lanes[i] : mx;
+    }
+    for (int64_t c = c1; c < W; c++) mx = sr[c] > mx ? sr[c] : mx;
+    float sum = 0.0f;
+    int64_t c0 = 0;
+    if (isfinite(mx)) { /* else (a row masked everywhere) NaN from expf below, as the torch read */
+        vf vsum = (vf){0};
+        for (; c0 + LANES <= W; c0 += LANES) {
+            const vf dlt = loadv(sr + c0) - mx;
+            const vi keep = dlt >= NEGLIGIBLE; /* the others: expv(0), then 0 */
+            const vf p = (vf)(keep & (vi)expv((vf)(keep & (vi)dlt)));
+            storev(sr + c0, p);
+            vsum += p;
+        }
+        sum = hsum(vsum);
+    }
+    for (int64_t c = c0; c < W; c++) {
+        const float dlt = sr[c] - mx;
+        sr[c] = dlt < NEGLIGIBLE ? 0.0f : expf(dlt);
+        sum += sr[c];
+    }
+    return sum;
+}
+
 /* one block of codes -> bs x D integer values in fp32 (int8: signed; int4: 0..15) */
 static void decode_block(const uint8_t *c, int bits, int64_t bs, int64_t D, float *tile) {
     if (bits == 8) {
@@ -305,34 +339,7 @@ static inline __attribute__((always_inline)) int read_pair(const Pair *a, const 
             for (int64_t c = 0; c < width; c++) sr[c] += br[c];
             for (int64_t c = 0; c < sink; c++) sr[width + c] += br[c];
         }
-        float mx = -INFINITY;
-        int64_t c1 = 0;
-        if (W >= LANES) { /* LANES running maxima (a scalar chain of maxss was 6% of the read) */
-            vf vm = loadv(sr);
-            for (c1 = LANES; c1 + LANES <= W; c1 += LANES) vm = maxv(loadv(sr + c1), vm);
-            float lanes[LANES];
-            memcpy(lanes, &vm, sizeof vm);
-            for (int i = 0; i < LANES; i++) mx = lanes[i] > mx ? lanes[i] : mx;
-        }
-        for (int64_t c = c1; c < W; c++) mx = sr[c] > mx ? sr[c] : mx;
-        float sum = 0.0f;
-        int64_t c0 = 0;
-        if (isfinite(mx)) { /* else (a row masked everywhere) NaN from expf below, as the torch read */
-            vf vsum = (vf){0};
-            for (; c0 + LANES <= W; c0 += LANES) {
-                const vf dlt = loadv(sr + c0) - mx;
-                const vi keep = dlt >= NEGLIGIBLE; /* the others: expv(0), then 0 */
-                const vf p = (vf)(keep & (vi)expv((vf)(keep & (vi)dlt)));
-                storev(sr + c0, p);
-                vsum += p;
-            }
-            sum = hsum(vsum);
-        }
-        for (int64_t c = c0; c < W; c++) {
-            const float dlt = sr[c] - mx;
-            sr[c] = dlt < NEGLIGIBLE ? 0.0f : expf(dlt);
-            sum += sr[c];
-        }
+        const float sum = softmax_row(sr, W);
         l[r] = sum;
         float *o = out + r * D;
         memset(o, 0, sizeof(float) * D);
@@ -469,6 +476,144 @@ int hf_pagedkv_code_table_read(void **ptr, const int64_t *meta) {
         for (int64_t hb = 0; hb < H * B; hb++) failed |= read_table_one(ptr, meta, hb);
     } else {
         for (int64_t hb = 0; hb < H * B; hb++) failed |= read_table_one(ptr, meta, hb);
+    }
+    return failed;
+}
+
+/* ---- full-precision pools ------------------------------------------------------------------------------------ */
+
+/* a full-precision pool's storage segment (`SegmentedTensor` of slots): its first block id, then the address of
+ * element 0 of its keys and their head stride, of its values and theirs (elements; a slot is D floats) */
+#define FP_SEG_WIDTH 5
+/* blocks fetched ahead of the one read: 1 and 2 measured alike, 0 and 4+ slower (a 2,048-token read from memory, not
+ * cache, on a Zen 3: 347 / 348 against 370 / 386+ us) */
+#define AHEAD 1
+
+/* the keys (`half_` 0) or values (1) of block `id` of head `h`: bs rows of D floats */
+static inline const float *fp_block(const int64_t *segs, int64_t nseg, int64_t id, int half_, int64_t h,
+                                    int64_t bs, int64_t D) {
+    int64_t s = nseg - 1;
+    while (s > 0 && segs[s * FP_SEG_WIDTH] > id) s--;
+    const int64_t *e = segs + s * FP_SEG_WIDTH + 1 + 2 * half_;
+    return (const float *)(intptr_t)e[0] + h * e[1] + (id - segs[s * FP_SEG_WIDTH]) * bs * D;
+}
+
+static inline void prefetch_block(const float *p, int64_t floats) { /* into the caches, ahead of its read */
+    for (int64_t i = 0; i < floats; i += 64 / sizeof(float)) __builtin_prefetch(p + i, 0, 3);
+}
+
+/* one (key/value head, row) pair of a full-precision read: `nb` blocks `ids`, columns from token `skip` of the
+ * first block, `width` in all */
+typedef struct {
+    const float *q, *bias;
+    const int64_t *ids, *segs;
+    float *out;
+    int64_t q_sr, bi_sr, R, nb, bs, skip, width, nseg, h;
+} FpPair;
+
+static inline __attribute__((always_inline)) int read_fp_pair(const FpPair *a, const int64_t D) {
+    const int64_t R = a->R, nb = a->nb, bs = a->bs, skip = a->skip, width = a->width, C = D / LANES;
+    float *scores = malloc(sizeof(float) * R * width);
+    if (!scores) return 1;
+    float l[64];
+    vf qv[MAX_DIM / LANES];
+    /* scores, block by block: the next block's keys fetched while this one is scored */
+    for (int64_t j = 0; j < nb; j++) {
+        const float *kb = fp_block(a->segs, a->nseg, a->ids[j], 0, a->h, bs, D);
+        if (j + AHEAD < nb) prefetch_block(fp_block(a->segs, a->nseg, a->ids[j + AHEAD], 0, a->h, bs, D), bs * D);
+        const int64_t t0 = j ? 0 : skip, t1 = skip + width - j * bs < bs ? skip + width - j * bs : bs;
+        for (int64_t r = 0; r < R; r++) {
+            const float *qr = a->q + r * a->q_sr;
+            for (int64_t c = 0; c < C; c++) qv[c] = loadv(qr + c * LANES);
+            float *sr = scores + r * width + j * bs - skip; /* column of token t of the block: sr + t */
+            int64_t t = t0;
+            for (; t + LANES <= t1; t += LANES) {
+                vf acc[LANES];
+                for (int64_t u = 0; u < LANES; u++) {
+                    const float *k = kb + (t + u) * D;
+                    acc[u] = qv[0] * loadv(k);
+                    for (int64_t c = 1; c < C; c++) acc[u] += qv[c] * loadv(k + c * LANES);
+                }
+                storev(sr + t, hsum_lanes(acc));
+            }
+            for (; t < t1; t++) {
+                const float *k = kb + t * D;
+                vf acc = qv[0] * loadv(k);
+                for (int64_t c = 1; c < C; c++) acc += qv[c] * loadv(k + c * LANES);
+                sr[t] = hsum(acc);
+            }
+        }
+    }
+    for (int64_t r = 0; r < R; r++) {
+        float *sr = scores + r * width;
+        if (a->bias) {
+            const float *br = a->bias + r * a->bi_sr;
+            for (int64_t c = 0; c < width; c++) sr[c] += br[c];
+        }
+        l[r] = softmax_row(sr, width);
+        memset(a->out + r * D, 0, sizeof(float) * D);
+    }
+    /* values: each block's sum in registers, added to the output once */
+    for (int64_t j = 0; j < nb; j++) {
+        const float *vb = fp_block(a->segs, a->nseg, a->ids[j], 1, a->h, bs, D);
+        if (j + AHEAD < nb) prefetch_block(fp_block(a->segs, a->nseg, a->ids[j + AHEAD], 1, a->h, bs, D), bs * D);
+        const int64_t t0 = j ? 0 : skip, t1 = skip + width - j * bs < bs ? skip + width - j * bs : bs;
+        for (int64_t r = 0; r < R; r++) {
+            const float *p = scores + r * width + j * bs - skip;
+            int any = 0;
+            for (int64_t t = t0; t < t1; t++) any |= p[t] != 0.0f;
+            if (!any) continue; /* (a peaked softmax: most blocks of most rows) */
+            vf acc[MAX_DIM / LANES];
+            for (int64_t c = 0; c < C; c++) acc[c] = (vf){0};
+            for (int64_t t = t0; t < t1; t++) {
+                const float w = p[t], *v = vb + t * D;
+                for (int64_t c = 0; c < C; c++) acc[c] += w * loadv(v + c * LANES);
+            }
+            float *o = a->out + r * D;
+            for (int64_t c = 0; c < C; c++) storev(o + c * LANES, loadv(o + c * LANES) + acc[c]);
+        }
+    }
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t d = 0; d < D; d++) a->out[r * D + d] /= l[r];
+    free(scores);
+    return 0;
+}
+
+static int read_fp_pair_64(const FpPair *a) { return read_fp_pair(a, 64); }
+static int read_fp_pair_128(const FpPair *a) { return read_fp_pair(a, 128); }
+static int read_fp_pair_any(const FpPair *a, int64_t D) { return read_fp_pair(a, D); }
+
+static int read_fp_one(void **ptr, const int64_t *meta, int64_t hb) {
+    const int64_t B = meta[1], R = meta[2], D = meta[3], nb = meta[4], *st = meta + 9;
+    const int64_t h = hb / B, b = hb % B;
+    const float *bias = ptr[3];
+    const FpPair a = {.q = (const float *)ptr[0] + h * st[0] + b * st[1], .bias = bias ? bias + b * st[3] : NULL,
+                      .segs = (const int64_t *)ptr[1], .ids = (const int64_t *)ptr[2] + b * nb,
+                      .out = (float *)ptr[4] + hb * R * D, .q_sr = st[2], .bi_sr = st[4], .R = R, .nb = nb,
+                      .bs = meta[5], .skip = meta[6], .width = meta[7], .nseg = meta[14], .h = h};
+    return D == 64 ? read_fp_pair_64(&a) : D == 128 ? read_fp_pair_128(&a) : read_fp_pair_any(&a, D);
+}
+
+/* Attention of the query rows over full-precision (fp32) K/V read through the block table, in place: per (key/value
+ * head, row) pair the scores of its blocks, one softmax, the values' sum; nothing gathered.
+ * ptr: q [H, B, R, D], segs [nseg, FP_SEG_WIDTH] int64 (the layer's pool), ids [B, nb] int64 (contiguous; each row's
+ *      blocks, in token order), bias [B, R | 1, width] (or NULL), out [H, B, R, D] (contiguous).
+ * meta: H, B, R, D, nb, bs, skip (tokens of the first block before column 0), width (columns), nthreads, the strides
+ *       of q (3 dims), of the bias (dims 1..2), then nseg.
+ * Returns 0, or 1 for unsupported sizes / no memory. */
+int hf_pagedkv_fp_table_read(void **ptr, const int64_t *meta) {
+    const int64_t H = meta[0], B = meta[1], R = meta[2], D = meta[3], nb = meta[4], bs = meta[5], skip = meta[6];
+    const int64_t width = meta[7];
+    const int nthreads = (int)meta[8];
+    if (D > MAX_DIM || D % LANES || R > 64 || skip < 0 || skip >= bs || width < 1 || nb * bs < skip + width
+        || (nb - 1) * bs >= skip + width)
+        return 1;
+    int failed = 0;
+    if (nthreads > 1 && H * B > 1) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(| : failed)
+        for (int64_t hb = 0; hb < H * B; hb++) failed |= read_fp_one(ptr, meta, hb);
+    } else {
+        for (int64_t hb = 0; hb < H * B; hb++) failed |= read_fp_one(ptr, meta, hb);
     }
     return failed;
 }

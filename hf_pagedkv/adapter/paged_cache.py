@@ -144,7 +144,7 @@ class PagedCache(Cache):
         # leading padding tokens per row of the coming prefill (`set_padding`), until its steps planned them; or None
         self._padding: LeftPadding | None = None
         self._evictor = None if retention is None else Evictor(retention)  # retention policy state, or None
-        self._in_place = InPlaceReads()  # which step's attention reads the pool in place (hf_pagedkv.attention)
+        self._in_place = InPlaceReads(config)  # which step's attention reads the pool in place (hf_pagedkv.attention)
         self._released = False
         self._offloaded: list | None = None  # while offloaded: its blocks in the host tier (adapter/offload.py)
         self._owner = pool.register_owner()  # this cache's token in the pool's table registry
@@ -849,7 +849,7 @@ class PagedCache(Cache):
             plan, store, layer, rt.table[:, : num_blocks_for(plan.end, self.block_size)], lo, plan.end,
             plan.view_base[rt.group], new, self)
         if view is not None and self._in_place.confirmed(plan):
-            return view.placeholders()
+            return self._in_place.hand_out(view)
         out = self.read_layer(layer, lo, new)
         if view is not None:
             view.tag(out[0])

@@ -37,8 +37,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     `MAX_QUERY_TOKENS` new tokens, no dropout, no extra score terms), attention is computed from the block tables:
     full-precision pages tile by tile, quantized pages de-quantized tile by tile (`paged_attention`). This also
     tells the cache that the step's attention reads in place, so the cache hands the step's later layers
-    placeholders instead of gathered or de-quantized copies (the first layer of each step reads a normal copy, with
-    `sdpa`). Everything else (other caches, prefill, unsupported arguments) goes to transformers' `sdpa` with the
+    placeholders instead of gathered or de-quantized copies (the first layer of a step reads a normal copy, with
+    `sdpa`, unless the cache knows the model's config and an earlier step confirmed: see `InPlaceReads`); a
+    placeholder that this function cannot read in place is materialized here. Everything else (other caches, prefill, unsupported arguments) goes to transformers' `sdpa` with the
     same arguments, and gives the same result. When the cache's retention policy is query-aware (`SnapKV`) and
     asked for this step's queries, `query` is handed to it first (`QueryWindow.record`), whichever path attends.
 
@@ -70,7 +71,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if view is None:
         return _fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
                          **kwargs)
-    placeholder = view.is_placeholder(key)
+    placeholder = view.claim(key)  # (the cache checks that its placeholders reach this function)
     reason = _unsupported(query, key, attention_mask, dropout, kwargs)
     if reason is not None or not placeholder:
         if reason is None:

@@ -66,6 +66,7 @@ class PagedView:
         self.spec = store.specs[layer_idx]  # shape, dtype, device of the layer's K/V
         self.block_size = store.block_size
         self._placeholder: torch.Tensor | None = None  # the keys `placeholders` handed out, if any
+        self.claimed = False  # an attention that reads in place got the placeholder (`claim`); set by `claim` only
         self._shared = shared  # the step's memo: (store id, lo, end) -> CodeLayout | None
 
     # -- the hook between cache and attention ------------------------------------------------------------------
@@ -96,6 +97,13 @@ class PagedView:
     def is_placeholder(self, key: torch.Tensor) -> bool:
         """Whether `key` is this view's placeholder (holds no history) rather than materialized keys."""
         return key is self._placeholder
+
+    def claim(self, key: torch.Tensor) -> bool:
+        """`is_placeholder`, called by an attention that reads in place (or materializes): it also records that the
+        placeholder reached such a reader (`claimed`), which the cache checks before the next layer."""
+        placeholder = key is self._placeholder
+        self.claimed = self.claimed or placeholder
+        return placeholder
 
     # -- codes ------------------------------------------------------------------------------------------------
     def code_read(self) -> CodeRead | None:

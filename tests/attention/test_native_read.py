@@ -503,4 +503,5 @@ def test_fp_generation_reads_in_c_and_matches_dynamic_cache(monkeypatch):
     assert torch.equal(ids_d, ids_c)
     assert (logits_d - logits_c).abs().max().item() <= 1e-4
     layers = model.config.num_hidden_layers
-    assert native.reads.count("table") == 5 * (layers - 1)  # 5 decode steps, all layers but each step's first
+    # 5 decode steps, every layer but the first step's first (which probes with a copy: no step confirmed before)
+    assert native.reads.count("table") == 5 * layers - 1

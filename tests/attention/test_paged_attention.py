@@ -98,7 +98,9 @@ def test_greedy_matches_sdpa_over_materialized_kv(name, quant, counted):
     got = run(model, "hf_pagedkv", quant, x)
     assert_close(ref, got, quant)
     layers = model.config.num_hidden_layers
-    assert len(counted) == 9 * (layers - 1), counted  # every decode step but the first layer, which probes
+    # every layer of the 9 decode steps but the first step's first layer, which probes (no step confirmed before;
+    # later steps begin confirmed: the cache has the model's config, which names "hf_pagedkv")
+    assert len(counted) == 9 * layers - 1, counted
     if name == "gemma3":
         assert min(counted) == 8  # sliding layers read their window (7 cached + 1 new), full ones everything
         assert max(counted) == 21 + 9
@@ -203,7 +205,8 @@ def test_switching_back_to_sdpa_mid_generation_gets_real_kv(counted):
         cache.release()
         logits[impls[0]] = torch.cat(steps, 1)
     assert (logits["sdpa"] - logits["hf_pagedkv"]).abs().max().item() <= PAGED_LOGIT_ATOL
-    assert len(counted) == 2 * (model.config.num_hidden_layers - 1)  # steps 2 and 3 (step 1 is the prefill)
+    layers = model.config.num_hidden_layers
+    assert len(counted) == 2 * layers - 1  # steps 2 and 3 (step 1 is the prefill; step 2's first layer probes)
 
 
 def test_placeholders_hold_no_history_and_fall_back_when_asked():
@@ -444,3 +447,48 @@ def test_left_padding_set_on_a_quantized_cache(quant, impl, monkeypatch):
         out[name] = run_cache(model, name, make_cache, x, attention_mask=mask)
     assert torch.equal(out["sdpa"][0], out[impl][0])
     assert calls and max(calls) <= PAGED_LOGIT_ATOL, max(calls)
+
+
+def test_without_the_config_every_step_probes_with_its_first_layer(counted):
+    """A cache built without `config=` cannot see the model's attention: each decode step's first layer reads a
+    normal copy (the probe), the others in place; the tokens and logits of `sdpa`."""
+    model = tiny_model("llama")
+    x = torch.randint(3, VOCAB, (1, 13), generator=torch.Generator().manual_seed(8))
+    out = {}
+    for impl in ("sdpa", "hf_pagedkv"):
+        model.set_attn_implementation(impl)
+        try:
+            cache = PagedCache(block_size=4)
+            with torch.no_grad():
+                res = model.generate(x, **cache_kwargs(cache), do_sample=False, max_new_tokens=5,
+                                     output_logits=True, return_dict_in_generate=True)
+            cache.check_invariants()
+            cache.release()
+        finally:
+            model.set_attn_implementation("sdpa")
+        out[impl] = res.sequences, torch.stack(res.logits, 1)
+    assert_close(out["sdpa"], out["hf_pagedkv"])
+    assert len(counted) == 4 * (model.config.num_hidden_layers - 1)  # 4 decode steps, each but its first layer
+
+
+def test_a_placeholder_that_reaches_another_attention_raises():
+    """The cache was built with model A's config, which names "hf_pagedkv"; a copy of A with its own config set to
+    `sdpa` then runs a step on the cache. That step begins confirmed (A's config), so `sdpa` gets placeholder K/V:
+    the next layer's update raises instead of letting the step's output go out wrong, and the cache stops
+    confirming early (a new step probes again)."""
+    import copy
+
+    model = tiny_model("llama")
+    other = copy.deepcopy(model)
+    x = torch.randint(3, VOCAB, (1, 10), generator=torch.Generator().manual_seed(9))
+    model.set_attn_implementation("hf_pagedkv")
+    try:
+        cache = PagedCache(config=model.config, block_size=4)
+        with torch.no_grad():
+            tok = model(x, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
+            tok = model(tok, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)  # confirmed by its first layer
+            with pytest.raises(RuntimeError, match="its attention did not read them"):
+                other(tok, **cache_kwargs(cache))
+        cache.release()
+    finally:
+        model.set_attn_implementation("sdpa")

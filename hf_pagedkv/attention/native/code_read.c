@@ -263,6 +263,16 @@ static inline void locate(const Pair *a, int64_t j, int half_, const uint8_t **c
     *scales = (const half *)(intptr_t)e[2] + a->h * e[3] + local * (half_ ? a->vs_sn : a->ks_sn);
 }
 
+/* block j's codes (`code_bytes`) and scales (at most `scale_halves`) into the caches, ahead of their read (from
+ * memory, a k4v4 read of 2,048 tokens took 270-310 us against 155 from the caches, on a Xeon) */
+static inline void prefetch_codes(const Pair *a, int64_t j, int half_, int64_t code_bytes, int64_t scale_halves) {
+    const uint8_t *codes;
+    const half *scales;
+    locate(a, j, half_, &codes, &scales);
+    for (int64_t i = 0; i < code_bytes; i += 64) __builtin_prefetch(codes + i, 0, 3);
+    for (int64_t i = 0; i < scale_halves; i += 32) __builtin_prefetch(scales + i, 0, 3);
+}
+
 /* the read of one pair, every query row of it; `D` a constant where the callers below specialise it */
 static inline __attribute__((always_inline)) int read_pair(const Pair *a, const int64_t D) {
     const float *q = a->q, *bias = a->bias;
@@ -287,6 +297,7 @@ static inline __attribute__((always_inline)) int read_pair(const Pair *a, const 
         const uint8_t *codes;
         const half *s;
         locate(a, j, 0, &codes, &s);
+        if (j + 1 < n) prefetch_codes(a, j + 1, 0, bs * D * kbits / 8, 2 * D);
         decode_block(codes, kbits, bs, D, tile);
         const int zk = kbits == 4; /* int4: minimums after the scales */
         for (int64_t c = 0; c < C; c++) {
@@ -356,6 +367,7 @@ static inline __attribute__((always_inline)) int read_pair(const Pair *a, const 
         const uint8_t *codes;
         const half *s;
         locate(a, j, 1, &codes, &s);
+        if (j + 1 < n) prefetch_codes(a, j + 1, 1, bs * D * vbits / 8, 2 * bs);
         const half *z = vbits == 4 ? s + bs : NULL;
         int any = 0;
         for (int64_t r = 0; r < R && !any; r++)

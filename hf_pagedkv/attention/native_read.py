@@ -27,9 +27,11 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native") / "code_read.c"
 #: compiler flags: OpenMP for batches on several threads; no fast-math (the scores hold -inf); products and sums
-#: fused into FMAs (``-std=c11`` alone turns contraction off: the products ran as separate multiplies and adds)
+#: fused into FMAs (``-std=c11`` alone turns contraction off: the products ran as separate multiplies and adds);
+#: 512-bit vectors for the loops gcc vectorizes where the CPU has them (gcc's default for AVX-512 CPUs is 256-bit:
+#: a k4v4 read of 2,048 tokens 157-162 -> 133-141 us on a Xeon; without AVX-512 the option changes nothing)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
-         "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11")
+         "-ffp-contract=fast", "-mprefer-vector-width=512", "-fPIC", "-shared", "-std=c11")
 #: the C side's limits (`code_read.c`): head_dim, query rows per key/value head, block size; head_dim a multiple of
 #: LANES
 MAX_DIM, MAX_ROWS, MAX_BLOCK, LANES = 256, 64, 256, 16

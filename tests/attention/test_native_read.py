@@ -138,7 +138,7 @@ class _Recording(NativeCodeAttention):
 def test_generation_matches_the_eager_read(quant, monkeypatch):
     """Greedy generation through ``"hf_pagedkv_compiled"``, its quantized reads all in C (the `torch.compile`d
     engine made to fail if reached), gives the tokens of ``"hf_pagedkv"`` and logits within 1e-4 (the same codes
-    are written; the first layer of each step is `sdpa` in both); a batch of 2 with left padding."""
+    are written; the first decode step's first layer is `sdpa` in both); a batch of 2 with left padding."""
     calls = []
     monkeypatch.setattr(attention_function, "COMPILED_READ", lambda *a: calls.append(a))
     native = _Recording()
@@ -148,28 +148,34 @@ def test_generation_matches_the_eager_read(quant, monkeypatch):
     assert native.reads and native.reads.count("table") == len(native.reads) and not calls
 
 
+def greedy(model, impl: str, make_cache, ids: torch.Tensor, mask: torch.Tensor | None = None) -> tuple:
+    """Greedy generation of 6 tokens through the attention `impl` with the cache `make_cache()` (a `PagedCache`'s
+    invariants checked, then released): `(sequences, logits [batch, 6, vocab])`."""
+    model.set_attn_implementation(impl)
+    try:
+        cache = make_cache()
+        with torch.no_grad():
+            res = model.generate(ids, attention_mask=mask, **cache_kwargs(cache), do_sample=False, max_new_tokens=6,
+                                 output_logits=True, return_dict_in_generate=True)
+        if isinstance(cache, PagedCache):
+            cache.check_invariants()
+            cache.release()
+    finally:
+        model.set_attn_implementation("sdpa")
+    return res.sequences, torch.stack(res.logits, 1)
+
+
 def generate_eager_and_compiled(quant: str, block_size: int) -> None:
     """Greedy generation on a tiny Llama, a batch of 2 with left padding, through ``"hf_pagedkv"`` and then
-    ``"hf_pagedkv_compiled"``: the same tokens, logits within 1e-4 (the same codes are written; the first layer of
-    each step is `sdpa` in both)."""
+    ``"hf_pagedkv_compiled"``: the same tokens, logits within 1e-4 (the same codes are written; the first decode
+    step's first layer is `sdpa` in both)."""
     model = tiny_model("llama")
     ids = torch.randint(1, VOCAB, (2, 40), generator=torch.Generator().manual_seed(5))
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
-    out = {}
-    for impl in ("hf_pagedkv", COMPILED_ATTENTION_NAME):
-        model.set_attn_implementation(impl)
-        try:
-            cache = PagedCache(config=model.config, quant=quant, block_size=block_size)
-            with torch.no_grad():
-                res = model.generate(ids, attention_mask=mask, **cache_kwargs(cache), do_sample=False,
-                                     max_new_tokens=6, output_logits=True, return_dict_in_generate=True)
-            cache.check_invariants()
-            cache.release()
-        finally:
-            model.set_attn_implementation("sdpa")
-        out[impl] = res.sequences, torch.stack(res.logits, 1)
-    (ids_e, logits_e), (ids_c, logits_c) = out.values()
+    make = lambda: PagedCache(config=model.config, quant=quant, block_size=block_size)  # noqa: E731
+    (ids_e, logits_e), (ids_c, logits_c) = (greedy(model, impl, make, ids, mask)
+                                            for impl in ("hf_pagedkv", COMPILED_ATTENTION_NAME))
     assert torch.equal(ids_e, ids_c)
     assert (logits_e - logits_c).abs().max().item() <= 1e-4
 
@@ -485,21 +491,9 @@ def test_fp_generation_reads_in_c_and_matches_dynamic_cache(monkeypatch):
     ids = torch.randint(1, VOCAB, (2, 40), generator=torch.Generator().manual_seed(34))
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
-    out = {}
-    for impl in ("sdpa", COMPILED_ATTENTION_NAME):
-        model.set_attn_implementation(impl)
-        try:
-            cache = DynamicCache() if impl == "sdpa" else PagedCache(config=model.config, block_size=8)
-            with torch.no_grad():
-                res = model.generate(ids, attention_mask=mask, **cache_kwargs(cache), do_sample=False,
-                                     max_new_tokens=6, output_logits=True, return_dict_in_generate=True)
-            if impl != "sdpa":
-                cache.check_invariants()
-                cache.release()
-        finally:
-            model.set_attn_implementation("sdpa")
-        out[impl] = res.sequences, torch.stack(res.logits, 1)
-    (ids_d, logits_d), (ids_c, logits_c) = out.values()
+    ids_d, logits_d = greedy(model, "sdpa", DynamicCache, ids, mask)
+    ids_c, logits_c = greedy(model, COMPILED_ATTENTION_NAME, lambda: PagedCache(config=model.config, block_size=8),
+                             ids, mask)
     assert torch.equal(ids_d, ids_c)
     assert (logits_d - logits_c).abs().max().item() <= 1e-4
     layers = model.config.num_hidden_layers

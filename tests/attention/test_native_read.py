@@ -473,7 +473,8 @@ def test_fp_table_read_refuses_what_it_does_not_compute():
                (qh, bad, None)]
     for q, v, b in refused:
         assert READER.read_fp_view(q, v, b) is None
-    assert all(torch.equal(a, b) for a, b in zip(pool_before, _pool_tensors(view)))
+    # bit for bit (slots never written hold whatever the allocation held, NaN patterns included, and NaN != NaN)
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(pool_before, _pool_tensors(view)))
     cache.check_invariants()
     cache.release()
 

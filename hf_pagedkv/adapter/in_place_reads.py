@@ -26,7 +26,8 @@ class InPlaceReads:
     only: any other attention (a model switched back to `sdpa`, a model without the attention, a prefill step it
     does not read in place) never confirms, so it always gets real K/V.
 
-    The first layer too, when the cache knows the model's config (`PagedCache(config=model.config)`): a step begins
+    The first layer too, when the cache knows the model's config (`PagedCache(config=model.config)`) and the model has
+    at least two layers (so a wrong step is caught before it ends): a step begins
     confirmed if an earlier step of this cache confirmed and the config still names an attention that reads in
     place (``config._attn_implementation``, which `set_attn_implementation` changes on that object). Then no layer
     reads a copy (the probe cost one de-quantized layer per step: about 1.2 ms at 2,048 tokens, k4v4). The attention
@@ -39,8 +40,10 @@ class InPlaceReads:
     are handed out only while it is the current one; `_handed` is the last placeholder's view until the next `view`.
     """
 
-    def __init__(self, config=None) -> None:
-        self._config = config  # the model's config (read for its attention's name), or None: no early confirmation
+    def __init__(self, config=None, num_layers: int | None = None) -> None:
+        # the model's config (read for its attention's name), or None: no early confirmation. Not for one layer: its
+        # placeholder would be checked only at the next step, after that step's output went out
+        self._config = config if (num_layers or 0) >= 2 else None
         self._step = None  # the forward step whose attention confirmed in-place reads; set by `confirm` only
         self._handed: PagedView | None = None  # the view whose placeholder was handed out last, until the next view
         # the memo the views of one step share (`PagedView`'s `shared`): a new one for each step object, so a

@@ -144,7 +144,6 @@ class PagedCache(Cache):
         # leading padding tokens per row of the coming prefill (`set_padding`), until its steps planned them; or None
         self._padding: LeftPadding | None = None
         self._evictor = None if retention is None else Evictor(retention)  # retention policy state, or None
-        self._in_place = InPlaceReads(config)  # which step's attention reads the pool in place (hf_pagedkv.attention)
         self._released = False
         self._offloaded: list | None = None  # while offloaded: its blocks in the host tier (adapter/offload.py)
         self._owner = pool.register_owner()  # this cache's token in the pool's table registry
@@ -171,6 +170,8 @@ class PagedCache(Cache):
                     layers.append(PagedLayer(self, idx, window, group=rt.group))
         super().__init__(layers=layers)
         self._num_layers = len(layers) or None  # known when built from a config (sizes max_memory pools)
+        # which step's attention reads the pool in place (hf_pagedkv.attention)
+        self._in_place = InPlaceReads(config, self._num_layers)
 
     # -- transformers entry points -----------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):

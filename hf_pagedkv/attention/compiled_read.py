@@ -68,7 +68,7 @@ def fused_code_read(qh: torch.Tensor, kcodes: torch.Tensor, kscales: torch.Tenso
         scores[..., :width] += bias
         if sink:
             scores[..., width:] += bias[..., :sink]
-    m = scores.amax(-1, keepdim=True)
+    m = scores.amax(-1, keepdim=True).clamp(min=torch.finfo(scores.dtype).min)  # finite: a padding row gets 0s
     d = scores - m
     p = torch.where(d < _NEGLIGIBLE, 0.0, torch.exp(d))  # [H, batch, rows, columns]
     l = p.sum(-1, keepdim=True)
@@ -83,7 +83,7 @@ def fused_code_read(qh: torch.Tensor, kcodes: torch.Tensor, kscales: torch.Tenso
         out = out + (w[:, :, :, :, i].unsqueeze(-1) * c.unsqueeze(2)).sum((3, 4))
     if z is not None:
         out = out + (pe * z.reshape(H, batch, 1, n, block_size)).sum((-1, -2)).unsqueeze(-1)  # sum_t p_t z_t
-    return out / l
+    return out / l.clamp(min=torch.finfo(l.dtype).tiny)  # a row masked everywhere: 0, as `sdpa`
 
 
 #: graphs of `fused_code_read` a process may hold (batch 1 or more, mask or none, codec bits, reads past 4096 columns,
@@ -140,8 +140,8 @@ class CompiledCodeAttention:
         Returns:
             `torch.Tensor` of shape `[H, batch, rows, dim]`, or None.
         """
-        if self.failed or not self.supports(read):
-            return None
+        if self.failed or qh.dtype != torch.float32 or not self.supports(read):
+            return None  # (the formula decodes into fp32: half-precision queries read eagerly, not a failed compile)
         try:
             if self._fn is None:
                 self._fn = torch.compile(fused_code_read, dynamic=True)

@@ -92,12 +92,12 @@ def paged_attention(query: torch.Tensor, view: PagedView, scaling: float, mask: 
         del s, p, k, v  # this tile goes before the next one is read: one tile at a time
     if len(stats) == 1:
         _, l, acc = stats[0]
-        out = acc.div_(l)
+        out = acc.div_(_divisor(l))
     else:
         ms = torch.stack([m for m, _, _ in stats])  # [chunks, H, batch, G*q, 1]
         w = torch.exp(ms - ms.amax(0))  # rescale every chunk to the common maximum
         l = (w * torch.stack([l for _, l, _ in stats])).sum(0)
-        out = (w * torch.stack([a for _, _, a in stats])).sum(0).div_(l)
+        out = (w * torch.stack([a for _, _, a in stats])).sum(0).div_(_divisor(l))
     return _unpack(out, batch, H, G, q, num_heads)
 
 
@@ -221,10 +221,17 @@ def _blocks(read: CodeRead, half: int, j0: int, j1: int) -> tuple[torch.Tensor, 
 
 
 def _exp_scores(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``exp(scores - max)`` in place, the terms below ``exp(NEGLIGIBLE)`` set to 0, and the sum of each row."""
-    m = scores.amax(-1, keepdim=True)  # [..., 1]
+    """``exp(scores - max)`` in place, the terms below ``exp(NEGLIGIBLE)`` set to 0, and the sum of each row, to
+    divide by. A row masked everywhere (a padding query position) gets probabilities 0 and the sum `tiny`, so its
+    output is 0, as torch's `sdpa` gives (a real row's sum is at least 1)."""
+    m = scores.amax(-1, keepdim=True).clamp_(min=torch.finfo(scores.dtype).min)  # [..., 1]; finite
     p = F.threshold_(scores.sub_(m), NEGLIGIBLE, float("-inf")).exp_()
-    return p, p.sum(-1, keepdim=True)
+    return p, _divisor(p.sum(-1, keepdim=True))
+
+
+def _divisor(l: torch.Tensor) -> torch.Tensor:
+    """Softmax sums made safe to divide by: a row masked everywhere sums to 0 over outputs of 0 (0 / tiny = 0)."""
+    return l.clamp_(min=torch.finfo(l.dtype).tiny)
 
 
 def _unpack(out: torch.Tensor, batch: int, H: int, G: int, q: int, num_heads: int) -> torch.Tensor:

@@ -153,3 +153,26 @@ def test_generation_matches_the_eager_read(quant, monkeypatch):
     assert (logits_e - logits_c).abs().max().item() <= 1e-4
     reader = attention_function.COMPILED_READ  # the process-wide reader "hf_pagedkv_compiled" uses
     assert reader.compile_calls and not reader.failed  # it compiled and ran
+
+
+def test_fused_formula_gives_zero_to_a_row_masked_everywhere():
+    """A query row that attends to nothing (a padding position) gets 0 from `fused_code_read`, as `sdpa` and the
+    eager read give; the other rows the eager read's result within 1e-5."""
+    read, _, _ = _code_read("int4", "int8", batch=2, offset=0.0)
+    qh = torch.randn(2, 2, 3, 16, generator=torch.Generator().manual_seed(2)) * 0.25
+    bias = _bias(2, 3, read.end - read.lo)
+    bias[:, 0, 2] = float("-inf")
+    got = fused_code_read(qh, *_args(read, bias))
+    assert torch.equal(got[:, 0, 2], torch.zeros(2, 16))
+    assert (got - code_attention(qh, read, bias, 2048)).abs().max().item() <= 1e-5
+
+
+def test_half_precision_queries_read_eagerly_without_a_compile():
+    """bf16 and fp16 queries (a half-precision model over a quantized pool): None, before any compile (the formula
+    decodes into fp32; compiling it failed and printed torch's traceback, a fresh user's find), and the reader stays
+    on for fp32 reads."""
+    read, _, _ = _code_read("int4", "int8", batch=2, offset=0.0)
+    reader = CompiledCodeAttention()
+    for dtype in (torch.bfloat16, torch.float16):
+        assert reader(torch.zeros(2, 2, 3, 16, dtype=dtype), read, None) is None
+    assert not reader.failed and not reader.compile_calls

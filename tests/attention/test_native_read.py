@@ -500,3 +500,39 @@ def test_fp_generation_reads_in_c_and_matches_dynamic_cache(monkeypatch):
     layers = model.config.num_hidden_layers
     # 5 decode steps, every layer but the first step's first (which probes with a copy: no step confirmed before)
     assert native.reads.count("table") == 5 * layers - 1
+
+
+def test_a_row_masked_everywhere_reads_zero():
+    """A query row whose mask hides every column (a padding position of a prompt read in place) gets 0, as torch's
+    `sdpa` gives, from every read: the C reads of a fp32 pool and of codes, and the eager reads of full-precision
+    parts and of codes; the other rows as before. (NaN there reached the row's real tokens through the next layers'
+    K/V.)"""
+    from hf_pagedkv.attention.paged_attention import fp_attention
+
+    g = torch.Generator().manual_seed(36)
+    cache, view, keys, values = _fp_view(2, 22, 3, seed=35)
+    qh = torch.randn(2, 2, 3, 16, generator=g)  # [H, batch, rows, D]
+    bias = torch.zeros(1, 2, 3, view.end)
+    bias[:, 0, 1] = float("-inf")  # batch row 0, query row 1: masked everywhere
+    want = _attend64(qh, keys, values, 0, bias)
+    assert torch.equal(want[:, 0, 1], torch.zeros(2, 16, dtype=torch.float64))  # what sdpa gives
+    parts = view.fp_parts(4, min_view_blocks=100)  # every block gathered, one a part
+    assert len(parts) > 1  # the eager read with several parts (its own softmax), not sdpa
+    reads = {"eager fp": fp_attention(qh, parts, bias)}
+    if READER.load() is not None:
+        reads["C fp"] = READER.read_fp_view(qh, view, bias)
+    for name, got in reads.items():
+        assert got is not None and torch.isfinite(got).all(), name
+        assert (got.double() - want).abs().max().item() <= 1e-5, name
+    cache.release()
+    read, k, v = _code_read("int4", "int8", batch=2, offset=0.0)
+    bias = torch.zeros(1, 2, 3, read.end - read.lo)
+    bias[:, 1, 2] = float("-inf")
+    s = (qh.double() @ k.double().transpose(-1, -2) + bias.double()).softmax(-1).nan_to_num(0.0)
+    want = s @ v.double()  # [H, batch, rows, 16]; the masked row 0
+    reads = {"eager codes": code_attention(qh, read, bias, 2048)}
+    if READER.load() is not None:
+        reads["C codes"] = READER(qh, read, bias)
+    for name, got in reads.items():
+        assert got is not None and torch.equal(got[:, 1, 2], torch.zeros(2, 16)), name
+        assert (got.double() - want).abs().max().item() <= 1e-5, name

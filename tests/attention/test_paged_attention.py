@@ -492,3 +492,70 @@ def test_a_placeholder_that_reaches_another_attention_raises():
         cache.release()
     finally:
         model.set_attn_implementation("sdpa")
+
+
+@pytest.mark.parametrize("impl", ["hf_pagedkv", "hf_pagedkv_compiled"])
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+@pytest.mark.parametrize("quant,block_size", [(None, 16), (None, 4), ("k8v8", 4), ("k4v4", 4)])
+def test_padding_rows_of_a_short_prompt_read_in_place(impl, name, quant, block_size):
+    """A left-padded batch whose 12-token prompt is short enough to be read in place (at most `MAX_QUERY_TOKENS`):
+    the query rows of the padding positions attend to nothing. Every read gives them 0, as `sdpa` does (the C read
+    gave NaN, which reached the row's real tokens through the next layers' K/V: a fresh user's find), so the logits
+    stay finite and the tokens are `DynamicCache`'s (full precision: logits within 1e-5) or those of `sdpa` over the
+    same quantized cache."""
+    model = tiny_model(name)
+    ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(10))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    if quant is None:
+        model.set_attn_implementation("sdpa")
+        with torch.no_grad():
+            res = model.generate(ids, attention_mask=mask, **cache_kwargs(DynamicCache()), do_sample=False,
+                                 max_new_tokens=4, output_logits=True, return_dict_in_generate=True)
+        ref = res.sequences, torch.stack(res.logits, 1)
+    else:
+        ref = run_padded(model, "sdpa", quant, ids, mask, block_size)
+    got = run_padded(model, impl, quant, ids, mask, block_size)
+    assert torch.isfinite(got[1]).all()
+    assert_close(ref, got, quant)
+
+
+def run_padded(model, impl, quant, ids, mask, block_size):
+    """`run` of 4 new tokens with an attention mask and a block size."""
+    model.set_attn_implementation(impl)
+    try:
+        cache = PagedCache(config=model.config, quant=quant, block_size=block_size)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, **cache_kwargs(cache), do_sample=False, max_new_tokens=4,
+                                 output_logits=True, return_dict_in_generate=True)
+        cache.check_invariants()
+        cache.release()
+    finally:
+        model.set_attn_implementation("sdpa")
+    return out.sequences, torch.stack(out.logits, 1)
+
+
+def test_a_one_layer_model_never_begins_a_step_confirmed():
+    """With one layer the claim check would come only at the next step, after the wrong step's output: such a
+    cache keeps probing with its first (only) layer, so a copy of the model set to `sdpa` on a cache built with the
+    original's config (which names "hf_pagedkv") still gets real K/V: the logits of `DynamicCache` (a fresh user's
+    find)."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(11)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    other = copy.deepcopy(model)
+    model.set_attn_implementation("hf_pagedkv")
+    x, nxt = torch.randint(3, VOCAB, (1, 10), generator=torch.Generator().manual_seed(12)), torch.tensor([[5]])
+    cache, ref = PagedCache(config=model.config, block_size=4), DynamicCache()
+    with torch.no_grad():
+        for step in (x, nxt, nxt):
+            model(step, **cache_kwargs(cache))
+            other(step, **cache_kwargs(ref))
+        got, want = (m(nxt, **cache_kwargs(c)).logits for m, c in ((other, cache), (other, ref)))
+    assert (got - want).abs().max().item() <= PAGED_LOGIT_ATOL
+    cache.release()
+    model.set_attn_implementation("sdpa")

@@ -44,10 +44,12 @@ def _pool_read(quant: str, prompt: int | tuple, dim: int = 32, num_blocks: int |
 
 
 def _bias(table, device="cpu") -> torch.Tensor:
-    """A mask `[1, 3, 2, width]`: row 1 never sees column 5, query row 1 of batch row 2 not its first 3 columns."""
+    """A mask `[1, 3, 2, width]`: row 1 never sees column 5, query row 1 of batch row 2 not its first 3 columns,
+    query row 1 of batch row 0 nothing (a padding position: every read gives it 0, as `sdpa`)."""
     bias = torch.zeros(1, 3, 2, table.end - table.lo, device=device)
     bias[:, 1, :, 5] = float("-inf")
     bias[:, 2, 1, :3] = float("-inf")
+    bias[:, 0, 1] = float("-inf")
     return bias
 
 

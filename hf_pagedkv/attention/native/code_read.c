@@ -174,8 +174,9 @@ static inline float hsum(vf v) { /* the sum of one vector's lanes: log2(LANES) h
     return v[0];
 }
 
-/* one row of scores -> exp(score - max) in place, the terms below 2**-64 of the max set to 0; returns their sum.
- * A row masked everywhere (max -inf) gives NaN, as the torch read. */
+/* one row of scores -> exp(score - max) in place, the terms below 2**-64 of the max set to 0; returns their sum. A
+ * row masked everywhere (max -inf: a padding query position) becomes 0 and sums to 0; its output is then 0, as
+ * torch's `sdpa` gives (`row_output`) */
 static inline float softmax_row(float *sr, const int64_t W) {
     float mx = -INFINITY;
     int64_t c1 = 0;
@@ -187,9 +188,13 @@ static inline float softmax_row(float *sr, const int64_t W) {
         for (int i = 0; i < LANES; i++) mx = lanes[i] > mx ? lanes[i] : mx;
     }
     for (int64_t c = c1; c < W; c++) mx = sr[c] > mx ? sr[c] : mx;
+    if (mx == -INFINITY) {
+        memset(sr, 0, sizeof(float) * W);
+        return 0.0f;
+    }
     float sum = 0.0f;
     int64_t c0 = 0;
-    if (isfinite(mx)) { /* else (a row masked everywhere) NaN from expf below, as the torch read */
+    if (isfinite(mx)) { /* else (+inf: an overflowing score) NaN from expf below, as the torch read */
         vf vsum = (vf){0};
         for (; c0 + LANES <= W; c0 += LANES) {
             const vf dlt = loadv(sr + c0) - mx;
@@ -206,6 +211,15 @@ static inline float softmax_row(float *sr, const int64_t W) {
         sum += sr[c];
     }
     return sum;
+}
+
+/* a row's output divided by its softmax sum; a row masked everywhere (sum 0) is 0 */
+static inline void row_output(float *o, float l, const int64_t D) {
+    if (l == 0.0f) {
+        memset(o, 0, sizeof(float) * D);
+        return;
+    }
+    for (int64_t d = 0; d < D; d++) o[d] /= l;
 }
 
 /* one block of codes -> bs x D integer values in fp32 (int8: signed; int4: 0..15) */
@@ -399,8 +413,7 @@ static inline __attribute__((always_inline)) int read_pair(const Pair *a, const 
             for (int64_t c = 0; c < C; c++) o[c] += acc[c] + pz;
         }
     }
-    for (int64_t r = 0; r < R; r++)
-        for (int64_t d = 0; d < D; d++) out[r * D + d] /= l[r];
+    for (int64_t r = 0; r < R; r++) row_output(out + r * D, l[r], D);
     free(scores);
     free(tile);
     return 0;
@@ -591,8 +604,7 @@ static inline __attribute__((always_inline)) int read_fp_pair(const FpPair *a, c
             for (int64_t c = 0; c < C; c++) storev(o + c * LANES, loadv(o + c * LANES) + acc[c]);
         }
     }
-    for (int64_t r = 0; r < R; r++)
-        for (int64_t d = 0; d < D; d++) a->out[r * D + d] /= l[r];
+    for (int64_t r = 0; r < R; r++) row_output(a->out + r * D, l[r], D);
     free(scores);
     return 0;
 }

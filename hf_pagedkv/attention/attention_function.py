@@ -84,8 +84,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         return _fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
                          **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if compiled is None:
-        return paged_attention(query, view, scale, attention_mask, tile_tokens=DEFAULT_TILE_TOKENS), None
+    if compiled is None:  # "hf_pagedkv": the C reads on the CPU where they build, else torch
+        return paged_attention(query, view, scale, attention_mask, tile_tokens=DEFAULT_TILE_TOKENS,
+                               native=cpu_table_read), None
     return paged_attention(query, view, scale, attention_mask, tile_tokens=DEFAULT_TILE_TOKENS,
                            compiled=compiled, native=native), None
 
@@ -109,6 +110,14 @@ def native_table_read(qh: torch.Tensor, view: PagedView, bias: torch.Tensor | No
     no tail copied: on the CPU the C function (`NativeCodeAttention.read_view`), on a GPU the Triton one
     (`TritonCodeAttention.read_view`); or None (then `compiled_quantized_read` over the view's `CodeRead`)."""
     return (NATIVE_READ if qh.device.type == "cpu" else TRITON_READ).read_view(qh, view, bias)
+
+
+def cpu_table_read(qh: torch.Tensor, view: PagedView, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The first read of ``"hf_pagedkv"``: on the CPU, the C function following the view's block table
+    (`NativeCodeAttention.read_view`: quantized codes, fp32 pools); None elsewhere (on a GPU ``"hf_pagedkv"`` reads
+    with torch; the Triton kernel is ``"hf_pagedkv_compiled"``'s), where it does not apply, or when it cannot be
+    built here or ``HF_PAGEDKV_NATIVE_READ=0`` turns it off."""
+    return NATIVE_READ.read_view(qh, view, bias) if qh.is_cpu else None
 
 
 def compiled_paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,

@@ -110,7 +110,10 @@ class NativeCodeAttention:
         self.failed = False  # no compiler or a failed build/load: off for the rest of the process
 
     def load(self):
-        """The C function (built and loaded on first call), or None when it cannot be built here."""
+        """The C function (built and loaded on first call), or None when it cannot be built here or
+        ``HF_PAGEDKV_NATIVE_READ=0`` (read at each call) turns the C reads off."""
+        if os.environ.get("HF_PAGEDKV_NATIVE_READ", "1") == "0":
+            return None
         if self._fn is None and not self.failed:
             try:
                 path = library_path()

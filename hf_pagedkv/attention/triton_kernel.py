@@ -108,5 +108,5 @@ def code_table_read(q, q_sh, q_sb, q_sr, ids, n, segs, nseg, kc, ks, vc, vs, kc_
             v = tl.load(vp, mask=umask[:, None], other=0.0).to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             m_i = m_new
-    o = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)  # a row masked everywhere: 0, as `sdpa`
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row masked everywhere: its acc is 0, so 0, as `sdpa`
     tl.store(out + ((h * B + b) * R + r[:, None]) * D + d[None, :], o, mask=rmask[:, None])

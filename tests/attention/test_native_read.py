@@ -536,3 +536,24 @@ def test_a_row_masked_everywhere_reads_zero():
     for name, got in reads.items():
         assert got is not None and torch.equal(got[:, 1, 2], torch.zeros(2, 16)), name
         assert (got.double() - want).abs().max().item() <= 1e-5, name
+
+
+@needs_compiler
+@pytest.mark.parametrize("quant", [None, "k4v4"])
+def test_hf_pagedkv_reads_in_c_unless_turned_off(quant, monkeypatch):
+    """``"hf_pagedkv"`` reads in C on the CPU too (not only ``"hf_pagedkv_compiled"``); with
+    ``HF_PAGEDKV_NATIVE_READ=0`` it reads with torch (no C call), the same tokens, logits within 1e-4."""
+    native = _Recording()
+    monkeypatch.setattr(attention_function, "NATIVE_READ", native)
+    model = tiny_model("llama")
+    ids = torch.randint(1, VOCAB, (2, 40), generator=torch.Generator().manual_seed(37))
+    make = lambda: PagedCache(config=model.config, quant=quant, block_size=8)  # noqa: E731
+    ids_c, logits_c = greedy(model, "hf_pagedkv", make, ids)
+    layers = model.config.num_hidden_layers
+    assert native.reads.count("table") == 5 * layers - 1  # every in-place read (see the fp generation test)
+    monkeypatch.setenv("HF_PAGEDKV_NATIVE_READ", "0")
+    before = len(native.reads)
+    ids_t, logits_t = greedy(model, "hf_pagedkv", make, ids)
+    assert native.reads[before:].count("table") == 0
+    assert torch.equal(ids_c, ids_t)
+    assert (logits_c - logits_t).abs().max().item() <= 1e-4

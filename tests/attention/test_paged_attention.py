@@ -36,19 +36,24 @@ QUANTS = [None, "k8v8", "k8v4", "k4v4"]
 
 @pytest.fixture
 def counted(monkeypatch):
-    """Counts the layers read in place (small tiles, so a read spans several) and checks each call against sdpa
-    over the materialized K/V of the very same cache (both computed from the same codes)."""
+    """Counts the layers read in place and checks each call against sdpa over the materialized K/V of the very same
+    cache (both computed from the same codes): the torch read in small tiles (so a read spans several), and the C
+    read the attention asked for first (``"hf_pagedkv"``'s `cpu_table_read`), which the call returns when it
+    applies."""
     calls = []
     real = attention_function.paged_attention
 
-    def spy(query, view, scale, mask, tile_tokens):
+    def spy(query, view, scale, mask, tile_tokens, native=None, **kwargs):
         calls.append(view.end - view.lo)
-        out = real(query, view, scale, mask, tile_tokens=8)
         k, v = view.materialize()
         module = torch.nn.Module()
         module.num_key_value_groups = query.shape[1] // k.shape[1]
         ref = sdpa_attention_forward(module, query, k, v, mask, scaling=scale)[0]
+        out = real(query, view, scale, mask, tile_tokens=8, **kwargs)  # the torch read
         assert (out - ref).abs().max().item() <= PAGED_LOGIT_ATOL
+        if native is not None:
+            out = real(query, view, scale, mask, tile_tokens=tile_tokens, native=native, **kwargs)
+            assert (out - ref).abs().max().item() <= PAGED_LOGIT_ATOL
         return out
 
     monkeypatch.setattr(attention_function, "paged_attention", spy)

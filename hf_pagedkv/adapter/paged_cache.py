@@ -78,9 +78,10 @@ class PagedCache(Cache):
 
     Raises:
         ValueError: `block_size` not a positive int or different from the pool's; `pool` not a `BlockPool`;
-            `num_blocks`/`max_memory` given with `pool`; `quant` invalid or different from the pool's; `debug`
-            not a bool; `config` not a transformers config; a layer type it does not store (by name); at the first
-            `update`, a `max_memory` pool not sized yet and no `config` (the number of layers is unknown);
+            `num_blocks`/`max_memory` given with `pool`; `max_memory` without `config`; `quant` invalid or
+            different from the pool's; `debug` not a bool; `config` not a transformers config; a layer type it does
+            not store (by name); at the first `update`, a passed `BlockPool(max_memory=...)` not sized yet and no
+            `config` (the number of layers is unknown);
             `retention` not a policy, or `KVzip` for a model with sliding-window layers; a tiered `retention`
             without `config`, or that the model's layers do not fit.
 
@@ -113,6 +114,10 @@ class PagedCache(Cache):
             raise ValueError(f"`debug` must be True or False, got {debug!r}.")
         if quant is not None:
             quant = QuantConfig.resolve(quant)
+        if pool is None and max_memory is not None and config is None:  # (said here, not at the first forward)
+            raise ValueError(f"PagedCache(max_memory={max_memory!r}) divides the budget over the model's layers, so "
+                             "it needs their number: build it as PagedCache(config=model.config, "
+                             f"max_memory={max_memory!r}), or size the pool in blocks with num_blocks= instead.")
         if pool is None:
             pool = BlockPool(block_size, num_blocks=num_blocks, max_memory=max_memory, debug=debug, quant=quant)
         elif not isinstance(pool, BlockPool):

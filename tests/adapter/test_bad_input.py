@@ -65,7 +65,12 @@ def test_pool_size_settings_conflict():
 
 
 def test_max_memory_needs_the_number_of_layers():
-    cache = PagedCache(max_memory="1MiB")  # lazy: no config, so the layer count is unknown at the first update
+    """`PagedCache(max_memory=...)` without `config` is refused when built (a fresh user's find: it failed only at
+    the first forward, naming a `pool` the user never made); a `BlockPool(max_memory=...)` passed without `config`
+    still fails at the first update, before any block is taken."""
+    with pytest.raises(ValueError, match=r"PagedCache\(config=model.config, max_memory='1MiB'\)"):
+        PagedCache(max_memory="1MiB")
+    cache = PagedCache(pool=BlockPool(max_memory="1MiB"))  # lazy: the layer count is unknown at the first update
     with pytest.raises(ValueError, match=r"PagedCache\(config=model.config, pool=pool\)"):
         cache.update(*kv(1, 0, 3, label=1), layer_idx=0)
     assert cache.pool.num_blocks == 0 and cache.pool.stats().blocks_in_use == 0

@@ -80,7 +80,6 @@ class InPlaceReads:
                          functools.partial(_materialize, weakref.ref(cache), layer, lo, new),
                          functools.partial(self.confirm, step), self._shared)
 
-
     def hand_out(self, view: PagedView) -> tuple[torch.Tensor, torch.Tensor]:
         """`view.placeholders()`, remembered so that the next `view` checks the attention claimed them."""
         self._handed = view

@@ -39,8 +39,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     tells the cache that the step's attention reads in place, so the cache hands the step's later layers
     placeholders instead of gathered or de-quantized copies (the first layer of a step reads a normal copy, with
     `sdpa`, unless the cache knows the model's config and an earlier step confirmed: see `InPlaceReads`); a
-    placeholder that this function cannot read in place is materialized here. Everything else (other caches, prefill, unsupported arguments) goes to transformers' `sdpa` with the
-    same arguments, and gives the same result. When the cache's retention policy is query-aware (`SnapKV`) and
+    placeholder that this function cannot read in place is materialized here. Everything else (other caches,
+    prefill, unsupported arguments) goes to transformers' `sdpa` with the same arguments, and gives the same
+    result. When the cache's retention policy is query-aware (`SnapKV`) and
     asked for this step's queries, `query` is handed to it first (`QueryWindow.record`), whichever path attends.
 
     Args:

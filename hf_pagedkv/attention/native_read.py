@@ -86,6 +86,13 @@ def _fits(t: torch.Tensor, shape: tuple, dtype: torch.dtype) -> bool:
     return t.shape == shape and t.dtype == dtype and t.is_cpu and t.stride(-1) == 1
 
 
+def _bias_fits(bias: torch.Tensor | None, batch: int, rows: int, width: int) -> bool:
+    """Whether an additive mask is absent or the form the C side reads: `[1, batch, rows | 1, width]` fp32, on the
+    CPU, its last dim contiguous."""
+    return bias is None or (bias.dim() == 4 and bias.shape[2] in (1, rows)
+                            and _fits(bias, (1, batch, bias.shape[2], width), torch.float32))
+
+
 def _strides(t: torch.Tensor, dims: int) -> list[int]:
     return [t.stride(i) for i in range(dims)]
 
@@ -151,12 +158,8 @@ class NativeCodeAttention:
                   (read.codes[1], (H, batch, n, bs * dim * vc.bits // 8)),
                   (read.scales[0], (H, batch, n, dim * (1 if kc.bits == 8 else 2))),
                   (read.scales[1], (H, batch, n, bs * (1 if vc.bits == 8 else 2)))]
-        if bias is not None:
-            if bias.dim() != 4 or bias.shape[2] not in (1, rows):
-                return False
-            shapes.append((bias, (1, batch, bias.shape[2], read.end - read.lo)))
-        dtypes = [torch.float32] * 3 + [torch.uint8] * 2 + [torch.float16] * 2 + [torch.float32]
-        return (dim == dk and rows <= MAX_ROWS
+        dtypes = [torch.float32] * 3 + [torch.uint8] * 2 + [torch.float16] * 2
+        return (dim == dk and rows <= MAX_ROWS and _bias_fits(bias, batch, rows, read.end - read.lo)
                 and all(_fits(t, shape, dtype) for (t, shape), dtype in zip(shapes, dtypes)))
 
     def __call__(self, qh: torch.Tensor, read: CodeRead, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -227,10 +230,7 @@ class NativeCodeAttention:
         for t in (table.stage, table.sink_slot):
             if t is not None and not _fits(t, (batch,), i64):
                 return False
-        if bias is not None:
-            return bias.dim() == 4 and bias.shape[2] in (1, rows) and _fits(
-                bias, (1, batch, bias.shape[2], table.end - table.lo), f32)
-        return True
+        return _bias_fits(bias, batch, rows, table.end - table.lo)
 
     def _pool_segments(self, table: CodeTable, heads: int):
         """The C side's description of the layer's pool, `[nseg, SEG_WIDTH]` int64 as a ctypes array (each storage
@@ -252,9 +252,13 @@ class NativeCodeAttention:
                     for x in (start, *(y for t in pools for y in (t.segments[i].data_ptr(),
                                                                    t.segments[i].stride(0))))]
             segs = (ctypes.c_int64 * len(rows))(*rows)
+        return self._remember(key, table.codecs, segs)
+
+    def _remember(self, key: tuple, codecs, segs):
+        """Keep a pool's C description (`segs`, or None) under `key`; returns `segs`."""
         if len(self._pools) >= 1024:  # (layers x pools of a long-lived process: drop the stale ones at once)
             self._pools.clear()
-        self._pools[key] = (table.codecs, segs)
+        self._pools[key] = (codecs, segs)
         return segs
 
     def read_table(self, qh: torch.Tensor, table: CodeTable, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -327,10 +331,7 @@ class NativeCodeAttention:
                     for x in (start // block_size, keys.segments[i].data_ptr(), keys.segments[i].stride(0),
                               values.segments[i].data_ptr(), values.segments[i].stride(0))]
             segs = (ctypes.c_int64 * len(rows))(*rows)
-        if len(self._pools) >= 1024:
-            self._pools.clear()
-        self._pools[key] = (None, segs)
-        return segs
+        return self._remember(key, None, segs)
 
     def read_fp_view(self, qh: torch.Tensor, view, bias: torch.Tensor | None) -> torch.Tensor | None:
         """Attention over a full-precision (fp32) store's tokens ``lo .. end - 1`` of a `PagedView`, its blocks found
@@ -355,8 +356,7 @@ class NativeCodeAttention:
         if (sys.byteorder != "little" or dim % LANES or dim > MAX_DIM or rows > MAX_ROWS or end <= lo
                 or not _fits(qh, qh.shape, torch.float32)):
             return None
-        if bias is not None and not (bias.dim() == 4 and bias.shape[2] in (1, rows)
-                                     and _fits(bias, (1, batch, bias.shape[2], end - lo), torch.float32)):
+        if not _bias_fits(bias, batch, rows, end - lo):
             return None
         spec = view.spec
         if spec.key_dim != dim or spec.value_dim != dim or spec.num_kv_heads != H:

@@ -53,8 +53,8 @@ def paged_attention(query: torch.Tensor, view: PagedView, scaling: float, mask: 
         compiled (`CompiledCodeAttention`, *optional*): reads quantized codes with its compiled function where it
             applies (``"hf_pagedkv_compiled"``); `None` (the default): eager only.
         native (*optional*): `(qh, view, bias) -> out | None`, tried first: a read that follows the block table
-            itself (`NativeCodeAttention.read_view`, ``"hf_pagedkv_compiled"``: codes and scales of a quantized
-            store, blocks of a full-precision fp32 one).
+            itself (``"hf_pagedkv"``'s `cpu_table_read`, ``"hf_pagedkv_compiled"``'s `native_table_read`: codes and
+            scales of a quantized store, blocks of a full-precision fp32 one).
 
     Returns:
         `torch.Tensor` of shape `[batch, q, num_heads, value_dim]` (what transformers' attention functions return).

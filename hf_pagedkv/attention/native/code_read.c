@@ -222,6 +222,43 @@ static inline void row_output(float *o, float l, const int64_t D) {
     for (int64_t d = 0; d < D; d++) o[d] /= l;
 }
 
+/* dst[t] = q . k_t + add for the n key rows k_t = k + t * D (D floats each), q as C = D / LANES vectors: LANES
+ * tokens' dot products at a time, summed across lanes together (`hsum_lanes`), the rest one by one */
+static inline __attribute__((always_inline)) void score_rows(const vf *q, const float *k, int64_t n, const int64_t D,
+                                                             float add, float *dst) {
+    const int64_t C = D / LANES;
+    int64_t t = 0;
+    for (; t + LANES <= n; t += LANES) {
+        vf acc[LANES];
+        for (int64_t u = 0; u < LANES; u++) {
+            const float *kt = k + (t + u) * D;
+            acc[u] = q[0] * loadv(kt);
+            for (int64_t c = 1; c < C; c++) acc[u] += q[c] * loadv(kt + c * LANES);
+        }
+        storev(dst + t, hsum_lanes(acc) + add);
+    }
+    for (; t < n; t++) {
+        const float *kt = k + t * D;
+        vf acc = q[0] * loadv(kt);
+        for (int64_t c = 1; c < C; c++) acc += q[c] * loadv(kt + c * LANES);
+        dst[t] = hsum(acc) + add;
+    }
+}
+
+/* every (key/value head, batch row) pair `hb` of a call through `one(ptr, meta, hb)`, on `nthreads` OpenMP threads
+ * when there are several pairs; nonzero if any failed */
+static int for_each_pair(int (*one)(void **, const int64_t *, int64_t), void **ptr, const int64_t *meta,
+                         int64_t pairs, int nthreads) {
+    int failed = 0;
+    if (nthreads > 1 && pairs > 1) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(| : failed)
+        for (int64_t hb = 0; hb < pairs; hb++) failed |= one(ptr, meta, hb);
+    } else { /* one thread: no OpenMP region at all */
+        for (int64_t hb = 0; hb < pairs; hb++) failed |= one(ptr, meta, hb);
+    }
+    return failed;
+}
+
 /* one block of codes -> bs x D integer values in fp32 (int8: signed; int4: 0..15) */
 static void decode_block(const uint8_t *c, int bits, int64_t bs, int64_t D, float *tile) {
     if (bits == 8) {
@@ -277,16 +314,6 @@ static inline void locate(const Pair *a, int64_t j, int half_, const uint8_t **c
     *scales = (const half *)(intptr_t)e[2] + a->h * e[3] + local * (half_ ? a->vs_sn : a->ks_sn);
 }
 
-/* block j's codes (`code_bytes`) and scales (at most `scale_halves`) into the caches, ahead of their read (from
- * memory, a k4v4 read of 2,048 tokens took 270-310 us against 155 from the caches, on a Xeon) */
-static inline void prefetch_codes(const Pair *a, int64_t j, int half_, int64_t code_bytes, int64_t scale_halves) {
-    const uint8_t *codes;
-    const half *scales;
-    locate(a, j, half_, &codes, &scales);
-    for (int64_t i = 0; i < code_bytes; i += 64) __builtin_prefetch(codes + i, 0, 3);
-    for (int64_t i = 0; i < scale_halves; i += 32) __builtin_prefetch(scales + i, 0, 3);
-}
-
 /* the read of one pair, every query row of it; `D` a constant where the callers below specialise it */
 static inline __attribute__((always_inline)) int read_pair(const Pair *a, const int64_t D) {
     const float *q = a->q, *bias = a->bias;
@@ -311,7 +338,6 @@ static inline __attribute__((always_inline)) int read_pair(const Pair *a, const 
         const uint8_t *codes;
         const half *s;
         locate(a, j, 0, &codes, &s);
-        if (j + 1 < n) prefetch_codes(a, j + 1, 0, bs * D * kbits / 8, 2 * D);
         decode_block(codes, kbits, bs, D, tile);
         const int zk = kbits == 4; /* int4: minimums after the scales */
         for (int64_t c = 0; c < C; c++) {
@@ -326,25 +352,7 @@ static inline __attribute__((always_inline)) int read_pair(const Pair *a, const 
                 qs[c] = qc * sv[c];
                 if (zk) zqv += qc * zv[c];
             }
-            const float zq = zk ? hsum(zqv) : 0.0f;
-            float *sr = scores + r * W + j * bs;
-            int64_t t = 0;
-            for (; t + LANES <= bs; t += LANES) { /* LANES tokens' dot products, summed across lanes together */
-                vf acc[LANES];
-                for (int64_t u = 0; u < LANES; u++) {
-                    const vf *kt = (const vf *)(tile + (t + u) * D);
-                    acc[u] = qs[0] * kt[0];
-                    for (int64_t c = 1; c < C; c++) acc[u] += qs[c] * kt[c];
-                }
-                const vf sc = hsum_lanes(acc) + zq;
-                storev(sr + t, sc);
-            }
-            for (; t < bs; t++) {
-                const vf *kt = (const vf *)(tile + t * D);
-                vf acc = qs[0] * kt[0];
-                for (int64_t c = 1; c < C; c++) acc += qs[c] * kt[c];
-                sr[t] = hsum(acc) + zq;
-            }
+            score_rows(qs, tile, bs, D, zk ? hsum(zqv) : 0.0f, scores + r * W + j * bs);
         }
     }
     /* full-precision columns, the sink's -inf, the mask, the softmax */
@@ -381,7 +389,6 @@ static inline __attribute__((always_inline)) int read_pair(const Pair *a, const 
         const uint8_t *codes;
         const half *s;
         locate(a, j, 1, &codes, &s);
-        if (j + 1 < n) prefetch_codes(a, j + 1, 1, bs * D * vbits / 8, 2 * bs);
         const half *z = vbits == 4 ? s + bs : NULL;
         int any = 0;
         for (int64_t r = 0; r < R && !any; r++)
@@ -453,14 +460,7 @@ int hf_pagedkv_code_read(void **ptr, const int64_t *meta) {
     if (D > MAX_DIM || D % LANES || R > 64 || bs > MAX_BLOCK || bs % 2 || (kbits != 8 && kbits != 4)
         || (vbits != 8 && vbits != 4))
         return 1;
-    int failed = 0;
-    if (nthreads > 1 && H * B > 1) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(| : failed)
-        for (int64_t hb = 0; hb < H * B; hb++) failed |= read_one(ptr, meta, hb);
-    } else { /* one thread: no OpenMP region at all */
-        for (int64_t hb = 0; hb < H * B; hb++) failed |= read_one(ptr, meta, hb);
-    }
-    return failed;
+    return for_each_pair(read_one, ptr, meta, H * B, nthreads);
 }
 
 /* pair `hb` of a read through block tables (see below) */
@@ -501,14 +501,7 @@ int hf_pagedkv_code_table_read(void **ptr, const int64_t *meta) {
     if (D > MAX_DIM || D % LANES || R > 64 || bs > MAX_BLOCK || bs % 2 || (kbits != 8 && kbits != 4)
         || (vbits != 8 && vbits != 4))
         return 1;
-    int failed = 0;
-    if (nthreads > 1 && H * B > 1) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(| : failed)
-        for (int64_t hb = 0; hb < H * B; hb++) failed |= read_table_one(ptr, meta, hb);
-    } else {
-        for (int64_t hb = 0; hb < H * B; hb++) failed |= read_table_one(ptr, meta, hb);
-    }
-    return failed;
+    return for_each_pair(read_table_one, ptr, meta, H * B, nthreads);
 }
 
 /* ---- full-precision pools ------------------------------------------------------------------------------------ */
@@ -517,7 +510,7 @@ int hf_pagedkv_code_table_read(void **ptr, const int64_t *meta) {
  * element 0 of its keys and their head stride, of its values and theirs (elements; a slot is D floats) */
 #define FP_SEG_WIDTH 5
 /* blocks fetched ahead of the one read: 1 and 2 measured alike, 0 and 4+ slower (a 2,048-token read from memory, not
- * cache, on a Zen 3: 347 / 348 against 370 / 386+ us) */
+ * cache, on a Xeon: 347 / 348 against 370 / 386+ us) */
 #define AHEAD 1
 
 /* the keys (`half_` 0) or values (1) of block `id` of head `h`: bs rows of D floats */
@@ -556,23 +549,8 @@ static inline __attribute__((always_inline)) int read_fp_pair(const FpPair *a, c
         for (int64_t r = 0; r < R; r++) {
             const float *qr = a->q + r * a->q_sr;
             for (int64_t c = 0; c < C; c++) qv[c] = loadv(qr + c * LANES);
-            float *sr = scores + r * width + j * bs - skip; /* column of token t of the block: sr + t */
-            int64_t t = t0;
-            for (; t + LANES <= t1; t += LANES) {
-                vf acc[LANES];
-                for (int64_t u = 0; u < LANES; u++) {
-                    const float *k = kb + (t + u) * D;
-                    acc[u] = qv[0] * loadv(k);
-                    for (int64_t c = 1; c < C; c++) acc[u] += qv[c] * loadv(k + c * LANES);
-                }
-                storev(sr + t, hsum_lanes(acc));
-            }
-            for (; t < t1; t++) {
-                const float *k = kb + t * D;
-                vf acc = qv[0] * loadv(k);
-                for (int64_t c = 1; c < C; c++) acc += qv[c] * loadv(k + c * LANES);
-                sr[t] = hsum(acc);
-            }
+            /* (column of token t of the block: scores + r * width + j * bs - skip + t) */
+            score_rows(qv, kb + t0 * D, t1 - t0, D, 0.0f, scores + r * width + j * bs - skip + t0);
         }
     }
     for (int64_t r = 0; r < R; r++) {
@@ -638,12 +616,5 @@ int hf_pagedkv_fp_table_read(void **ptr, const int64_t *meta) {
     if (D > MAX_DIM || D % LANES || R > 64 || skip < 0 || skip >= bs || width < 1 || nb * bs < skip + width
         || (nb - 1) * bs >= skip + width)
         return 1;
-    int failed = 0;
-    if (nthreads > 1 && H * B > 1) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(| : failed)
-        for (int64_t hb = 0; hb < H * B; hb++) failed |= read_fp_one(ptr, meta, hb);
-    } else {
-        for (int64_t hb = 0; hb < H * B; hb++) failed |= read_fp_one(ptr, meta, hb);
-    }
-    return failed;
+    return for_each_pair(read_fp_one, ptr, meta, H * B, nthreads);
 }

@@ -23,7 +23,8 @@ named from its settings; a finished run is skipped (`--overwrite` redoes it):
   kept token keeps its neighbours; `kv_zip_recent_share`, 0 by default, gives it H2O's split too) and
   `kv_zip_global` (`kv_zip_pooled` with KVzip's ranking across layers, `KVzip(layer_budgets="global")`: each layer
   keeps what its heads hold of the best-scored tokens of all layers; its layers are tiers, layer groups of their own,
-  so it computes the context itself as `pyramid_kv` does).
+  so it computes the context itself as `pyramid_kv` does); `kv_zip_share_heads` makes both keep the same tokens
+  in every KV head of a layer (`KVzip(share_heads=True)`).
   Each example's context is computed once and published in a prefix-caching pool; every method's cache attaches
   to it and computes the last ``recent_tokens``-plus tokens itself (SnapKV's observation window), then compresses
   the whole context before the question, exactly as after a one-step prefill.
@@ -80,7 +81,8 @@ def policy_for(method: str, cfg: LongContextConfig, budget: int | None = None, r
         return SinkWindow(sink_tokens=0, window=budget)
     cls = {"key_norm": KeyNorm, "key_diff": KeyDiff, "snap_kv": SnapKV, "pyramid_kv": PyramidKV,
            "kv_zip": KVzip, "kv_zip_recent": KVzip, "kv_zip_pooled": KVzip, "kv_zip_global": KVzip}[method]
-    pooled = {"kernel_size": cfg.kv_zip_kernel, "pooling": cfg.kv_zip_pooling, "recent_share": cfg.kv_zip_recent_share}
+    pooled = {"kernel_size": cfg.kv_zip_kernel, "pooling": cfg.kv_zip_pooling, "recent_share": cfg.kv_zip_recent_share,
+              "share_heads": cfg.kv_zip_share_heads}
     extra = {"kv_zip_recent": {"recent_share": cfg.recent_share}, "kv_zip_pooled": pooled,
              "kv_zip_global": {**pooled, "layer_budgets": "global", "safeguard": cfg.kv_zip_safeguard}}.get(method, {})
     if ratio is not None:
@@ -268,6 +270,7 @@ def report_text(cfg: LongContextConfig, metrics: dict) -> str:
                 f"{cfg.kv_zip_kernel}" if pooled else "")
              + (f", {cfg.kv_zip_pooling}-pooling" if pooled and cfg.kv_zip_pooling != "max" else "")
              + (f", recent share {cfg.kv_zip_recent_share}" if pooled and cfg.kv_zip_recent_share else "")
+             + (", heads share their tokens" if pooled and cfg.kv_zip_share_heads else "")
              + (f"; kv_zip_global: safeguard {cfg.kv_zip_safeguard}" if "kv_zip_global" in cfg.methods
                 and cfg.kv_zip_safeguard else "")
              + f"; {metrics['environment']['seconds']} s.", ""]

@@ -64,6 +64,8 @@ class LongContextConfig:
             `kv_zip_global` reads these three too.
         kv_zip_safeguard (`float`, defaults to 0.0): passkey, method `kv_zip_global`: the share in [0, 1] of each
             head's uniform budget it keeps before the ranking across layers (`KVzip.safeguard`, AdaKV's).
+        kv_zip_share_heads (`bool`, defaults to `False`): passkey, methods `kv_zip_pooled` and `kv_zip_global`: the KV
+            heads of a layer keep the same tokens, ranked by the mean of their scores (`KVzip.share_heads`).
         block_size (`int`, defaults to 16): `PagedCache` block size.
         methods (`list[str]`, *optional*): from `PPL_METHODS` (perplexity) or `PASSKEY_METHODS` (passkey); all of
             the task's by default.
@@ -97,6 +99,7 @@ class LongContextConfig:
     kv_zip_pooling: str = "max"
     kv_zip_recent_share: float = 0.0
     kv_zip_safeguard: float = 0.0
+    kv_zip_share_heads: bool = False
     block_size: int = 16
     methods: list[str] | None = None
     quants: list[str] = field(default_factory=lambda: ["fp"])
@@ -149,6 +152,9 @@ class LongContextConfig:
                 or not 0 <= self.kv_zip_safeguard <= 1:
             raise ValueError(f"LongContextConfig.kv_zip_safeguard must be a number in [0, 1], got "
                              f"{self.kv_zip_safeguard!r}.")
+        if not isinstance(self.kv_zip_share_heads, bool):
+            raise ValueError(f"LongContextConfig.kv_zip_share_heads must be true or false, got "
+                             f"{self.kv_zip_share_heads!r}.")
         if any(not 0 < r < 1 for r in self.ratios) or any(not 0 <= d <= 100 for d in self.depths):
             raise ValueError(f"LongContextConfig: ratios {self.ratios} must be in (0, 1), depths {self.depths} in "
                              "[0, 100].")
@@ -176,6 +182,8 @@ class LongContextConfig:
             del ident["kv_zip_recent_share"]
         if "kv_zip_global" not in ident["methods"] or ident["kv_zip_safeguard"] == 0:  # the newest
             del ident["kv_zip_safeguard"]
+        if not pooled or not ident["kv_zip_share_heads"]:  # newer still
+            del ident["kv_zip_share_heads"]
         digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:6]
         if self.task == "perplexity":
             key = f"w{self.num_windows}-n{self.context_len}-b{'_'.join(map(str, self.budgets))}-c{self.chunk}"

@@ -65,11 +65,16 @@ class KVzip(ImportancePolicy):
             budget ranks per head, and the ranking across layers fills the rest (AdaKV's safeguard: Feng et al.,
             "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation", arXiv 2407.11550, which guards
             a fifth); 1 gives the uniform budgets, 0 the plain ranking.
+        share_heads (`bool`, *optional*, defaults to `False`): `True`: the KV heads of a layer keep the same tokens,
+            ranked by the mean of their (pooled) scores, so a layer sees one consistent part of the context instead
+            of each head a different one (on SmolLM2's passkey task a head-masked run answered when the needle was
+            kept whole in every head and missed when each head kept a different half of it). The budgets, and
+            the bytes held, are unchanged.
 
     Raises:
         ValueError: as `ImportancePolicy`; `chunk_tokens` not an int >= 1; `kernel_size` not an odd int >= 1;
             `pooling` not one of `POOLINGS`; `layer_budgets` not one of `LAYER_BUDGETS`; `safeguard` not a number
-            in [0, 1].
+            in [0, 1]; `share_heads` not a bool.
 
     Example:
 
@@ -89,6 +94,7 @@ class KVzip(ImportancePolicy):
     pooling: str = "max"
     layer_budgets: str = "uniform"
     safeguard: float = 0.0
+    share_heads: bool = False
 
     name = "kv_zip"
     reconstructs = True
@@ -104,6 +110,9 @@ class KVzip(ImportancePolicy):
                 or not 0 <= self.safeguard <= 1:
             raise ValueError(f"`safeguard` must be a number in [0, 1] (the share of each head's uniform budget it "
                              f"keeps before the ranking across layers), got {self.safeguard!r}.")
+        if not isinstance(self.share_heads, bool):
+            raise ValueError(f"`share_heads` must be a bool (True: the KV heads of a layer keep the same tokens), got "
+                             f"{self.share_heads!r}.")
         if self.safeguard and not self.is_tiered():
             raise ValueError(f"`safeguard` applies to the ranking across layers only: pass layer_budgets=\"global\" "
                              f"with it (got layer_budgets={self.layer_budgets!r}, safeguard={self.safeguard!r}).")
@@ -142,7 +151,7 @@ class KVzip(ImportancePolicy):
 
         def rank(s: torch.Tensor) -> torch.Tensor:  # [rows, num_kv_heads, held] -> the ranked part, padding -inf
             real = None if valid is None else valid.to(s.device)[:, None, :]  # [rows, 1, held]
-            pooled = pool_scores(s.float(), self.kernel_size, self.pooling, real)
+            pooled = self._pooled(s, real)
             if real is not None:
                 pooled = pooled.masked_fill(~real, float("-inf"))
             return pooled[..., lo:hi]
@@ -217,8 +226,8 @@ class KVzip(ImportancePolicy):
                 pooling leaves out of each window, as a row alone has nothing there.
 
         Returns:
-            `torch.Tensor` of shape `[batch, num_kv_heads, held]`, float32: `observed`, max- or average-pooled
-            (`pooling`) over `kernel_size` tokens.
+            `torch.Tensor` of shape `[batch, num_kv_heads, held]`, float32: `observed` (with `share_heads`, its mean
+            over the heads, the same for every head), max- or average-pooled (`pooling`) over `kernel_size` tokens.
 
         Raises:
             ValueError: no scores, or scores of another shape (the reconstruction pass did not run on this context).
@@ -228,5 +237,11 @@ class KVzip(ImportancePolicy):
             raise ValueError(f"KVzip scores tokens by a reconstruction pass: expected scores of shape "
                              f"{tuple(keys.shape[:3])}, got {got}. Call hf_pagedkv.compress_context(model, cache, "
                              "context_ids) after the prefill.")
-        return pool_scores(observed.float(), self.kernel_size, self.pooling,
-                           None if valid is None else valid.to(observed.device)[:, None, :])
+        return self._pooled(observed, None if valid is None else valid.to(observed.device)[:, None, :])
+
+    def _pooled(self, scores: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """`scores` (`[rows, num_kv_heads, held]`) pooled over `kernel_size` tokens, float32; with `share_heads` each
+        head's row is the mean over the layer's heads (so every head ranks the tokens alike)."""
+        if self.share_heads:
+            scores = scores.float().mean(dim=1, keepdim=True).expand(scores.shape).contiguous()
+        return pool_scores(scores.float(), self.kernel_size, self.pooling, valid)

@@ -105,6 +105,13 @@ def test_passkey_examples_and_run(tiny, tmp_path):
     assert policy_for("kv_zip_recent", split, ratio=0.5, context=256).recent_share == 0.5  # its own share
     assert "kv_zip_pooled: kernel 7, recent share 0.25" in report_text(split, {"environment": {"seconds": 1.0},
                                                                                "passkey": {}})
+    shared = LongContextConfig(**{**cfg.to_dict(), "kv_zip_share_heads": True})
+    assert policy_for("kv_zip_global", shared, ratio=0.5, context=256).share_heads
+    assert not policy_for("kv_zip_global", cfg, ratio=0.5, context=256).share_heads
+    assert shared.run_dir() != cfg.run_dir()  # a new setting, and the runs before it keep their names
+    assert "heads share their tokens" in report_text(shared, {"environment": {"seconds": 1.0}, "passkey": {}})
+    with pytest.raises(ValueError, match="kv_zip_share_heads"):
+        LongContextConfig(**{**cfg.to_dict(), "kv_zip_share_heads": "yes"})
     plain = policy_for("kv_zip", cfg, ratio=0.5, context=256)
     assert (plain.recent_share, plain.kernel_size) == (0, 1)
     assert "kv_zip_recent: recent share 0.5; kv_zip_pooled: kernel 7" in (cfg.run_dir() / "report.md").read_text()

@@ -288,6 +288,57 @@ def test_kernel_size_max_or_avg_pools_the_scores_over_neighbours():
     assert torch.equal(got[..., :2], torch.zeros(1, 2, 2))
 
 
+def test_share_heads_ranks_every_head_of_a_layer_by_the_heads_mean_score():
+    observed = torch.tensor([[[0.9, 0.0, 0.1, 0.2, 0.0, 0.3],  # head 0 and head 1 disagree; their mean decides
+                              [0.0, 0.8, 0.1, 0.6, 0.0, 0.3]]])
+    keys = torch.zeros(1, 2, 6, 4)
+    policy = KVzip(budget=64, share_heads=True)
+    mean = observed.mean(dim=1)  # [1, 6]: 0.45 0.4 0.1 0.4 0 0.3
+    got = policy.scores(keys, observed)
+    assert torch.equal(got[0, 0], mean[0]) and torch.equal(got[0, 1], mean[0])
+    idx = KVzip(budget=6, sink_tokens=0, recent_tokens=0, share_heads=True).select(keys, 3, observed)
+    assert idx[0].tolist() == [[0, 1, 3], [0, 1, 3]]  # the same tokens in both heads (ties: the older first)
+    alone = KVzip(budget=6, sink_tokens=0, recent_tokens=0).select(keys, 3, observed)
+    assert alone[0].tolist() == [[0, 3, 5], [1, 3, 5]]  # each head its own, without it
+    pooled = KVzip(budget=64, kernel_size=3, pooling="avg", share_heads=True).scores(keys, observed)
+    want = KVzip(budget=64, kernel_size=3, pooling="avg").scores(keys, mean[:, None].expand(1, 2, 6))
+    torch.testing.assert_close(pooled, want, atol=1e-7, rtol=0)  # the mean, then the pooling (one rounding apart)
+    for bad in (1, "yes", None):
+        with pytest.raises(ValueError, match="share_heads"):
+            KVzip(budget=64, share_heads=bad)
+
+
+def test_share_heads_with_global_budgets_equals_the_head_masked_reference(llama):
+    steps = [N, 5, 1, 3]
+    x = ids(2, sum(steps), seed=23)
+    policy = KVzip(budget=10, sink_tokens=1, recent_tokens=2, chunk_tokens=8, layer_budgets="global",
+                   share_heads=True)
+    cache = prefilled(llama, x[:, :N], policy)
+    compress_context(llama, cache, x[:, :N], prompt_ids=PROMPT)
+    want_scores = reference_kvzip_scores(llama, x[:, :N], PROMPT)
+    shared = {layer: s.mean(dim=1, keepdim=True).expand(s.shape) for layer, s in want_scores.items()}
+    keeps = list(cache.retention_stats().tokens_held_per_layer)
+    wanted = plain_global_budgets(shared, 10, sink=1, recent=2)
+    assert all(abs(k - w) < B for k, w in zip(keeps, wanted))  # the ranking of the heads' means across layers
+    assert sum(keeps) <= 3 * 10
+    kept = {}
+    for layer, k in enumerate(keeps):
+        kept.update(reference_kvzip_kept({layer: shared[layer]}, k, sink=1, recent=2))
+        assert torch.equal(kept[layer][:, 0], kept[layer][:, 1])  # one token set per layer
+    assert cache.pool.stats().blocks_in_use == sum(2 * num_blocks_for(k, B) for k in keeps)
+    cache.check_invariants()
+    got = run_steps(llama, x[:, N:], steps[1:], cache, before=lambda c, s, q: c.check_invariants())
+    want = kept_heads_reference(llama, x, N, kept)
+    assert (got - want[:, N:]).abs().max() < CROSS_STEP_LOGIT_ATOL  # every step after the compression
+    own = prefilled(llama, x[:, :N], KVzip(budget=10, sink_tokens=1, recent_tokens=2, chunk_tokens=8,
+                                           layer_budgets="global"))
+    compress_context(llama, own, x[:, :N], prompt_ids=PROMPT)
+    assert (got - run_steps(llama, x[:, N:], steps[1:], own)).abs().max() > 1e-3  # the sharing changed the kept sets
+    for c in (cache, own):
+        c.release()
+        assert c.pool.stats().blocks_in_use == 0
+
+
 def test_context_scores_keep_a_running_max_and_check_their_shape():
     from hf_pagedkv.retention.context_scores import ContextScores
 

@@ -66,10 +66,12 @@ class KVzip(ImportancePolicy):
             "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation", arXiv 2407.11550, which guards
             a fifth); 1 gives the uniform budgets, 0 the plain ranking.
         share_heads (`bool`, *optional*, defaults to `False`): `True`: the KV heads of a layer keep the same tokens,
-            ranked by the mean of their (pooled) scores, so a layer sees one consistent part of the context instead
-            of each head a different one (on SmolLM2's passkey task a head-masked run answered when the needle was
-            kept whole in every head and missed when each head kept a different half of it). The budgets, and
-            the bytes held, are unchanged.
+            ranked by the mean of their scores over the heads, then pooled (for ``pooling="avg"`` the same as the
+            mean of the pooled scores; for ``"max"`` the best neighbour of the mean), so a layer sees one consistent
+            part of the context instead of each head a different one (on SmolLM2's passkey task a head-masked run
+            answered when the needle was kept whole in every head and missed when each head kept a different half
+            of it). With ``layer_budgets="global"`` the layers' budgets come from the same means. How many tokens
+            a layer keeps, and so the bytes held, follow the same rules as without it.
 
     Raises:
         ValueError: as `ImportancePolicy`; `chunk_tokens` not an int >= 1; `kernel_size` not an odd int >= 1;

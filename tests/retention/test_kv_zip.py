@@ -167,7 +167,7 @@ def test_refusals_change_nothing(llama):
     assert cache.block_tables() == tables and cache.get_seq_length() == N
     cache.check_invariants()
     compress_context(llama, cache, x, prompt_ids=PROMPT)
-    with pytest.raises(ValueError, match="already evicted"):
+    with pytest.raises(ValueError, match="already compressed"):
         compress_context(llama, cache, x, prompt_ids=PROMPT)
     assert cache.retention_stats().tokens_held == 12
     cache.check_invariants()
@@ -181,6 +181,33 @@ def test_refusals_change_nothing(llama):
         other.release()
     with pytest.raises(ValueError, match="PagedCache"):
         compress_context(llama, object(), x)
+
+
+class WidestKeepsAll(KVzip):
+    """Global budgets whose widest tier keeps the whole context: 0 tokens evicted per row (the table spans them all),
+    yet compressed."""
+
+    def score_budgets(self, scores, keep, held, block_size, valid=None):
+        return [held, held - 4 * block_size, held - 5 * block_size]  # 24, 8, 4: 36 tokens, the uniform 3 x 12
+
+
+def test_a_second_compression_is_refused_when_the_widest_tier_kept_everything(llama):
+    # a fresh user's find: the refusal counted evicted tokens, 0 here, so the second pass ran, failed in its scores
+    # and then in its own clean-up, leaving the reconstruction tokens in the cache
+    x = ids(1, N, seed=25)
+    cache = prefilled(llama, x, WidestKeepsAll(budget=12, sink_tokens=1, recent_tokens=2, layer_budgets="global"))
+    compress_context(llama, cache, x, prompt_ids=PROMPT)
+    assert list(cache.retention_stats().tokens_held_per_layer) == [24, 8, 4]
+    tables, held = cache.block_tables(), cache.retention_stats()
+    with pytest.raises(ValueError, match="already compressed"):
+        compress_context(llama, cache, x, prompt_ids=PROMPT)
+    assert cache.block_tables() == tables and cache.retention_stats() == held and cache.get_seq_length() == N
+    cache.check_invariants()
+    q = ids(1, 3, seed=26)
+    run_steps(llama, q, [3], cache)  # the cache still serves the question
+    cache.check_invariants()
+    cache.release()
+    assert cache.pool.stats().blocks_in_use == 0
 
 
 @pytest.mark.parametrize("form", [tuple, torch.tensor, np.array, lambda p: [np.int64(i) for i in p]])

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_pagedkv import BlockPool, PagedCache
+from hf_pagedkv import BlockPool, PagedCache, cache_kwargs
 from hf_pagedkv.tools.verify import dynamic_cache_bytes
 from tests.eval_helpers import DATA_DIR
 
@@ -23,7 +23,7 @@ def _text(tokenizer, n_tokens: int) -> torch.Tensor:
 
 def _gen(model, x, cache, **kw):
     kw.setdefault("max_new_tokens", 12)
-    return model.generate(x, past_key_values=cache, do_sample=kw.pop("do_sample", False), return_dict_in_generate=True,
+    return model.generate(x, **cache_kwargs(cache), do_sample=kw.pop("do_sample", False), return_dict_in_generate=True,
                           output_logits=True, **kw)
 
 
@@ -64,7 +64,7 @@ def test_prefilled_cache_expands_itself_for_beams(smollm):
     x = _text(tok, 200)
     with PagedCache(block_size=16) as cache:
         with torch.no_grad():
-            model(x[:, :150], past_key_values=cache)
+            model(x[:, :150], **cache_kwargs(cache))
         held = cache.pool.stats().blocks_in_use
         out = _gen(model, x, cache, num_beams=3, max_new_tokens=6)
         ref = _gen(model, x, DynamicCache(), num_beams=3, max_new_tokens=6)
@@ -79,9 +79,9 @@ def test_decode_matches_recomputation_without_cache(smollm):
     model, tok = smollm
     x = _text(tok, 120)
     with torch.no_grad(), PagedCache(block_size=16) as cache:
-        model(x[:, :100], past_key_values=cache)
+        model(x[:, :100], **cache_kwargs(cache))
         for t in range(100, 120):
-            logits = model(x[:, t: t + 1], past_key_values=cache).logits[0, -1]
+            logits = model(x[:, t: t + 1], **cache_kwargs(cache)).logits[0, -1]
         full = model(x, use_cache=False).logits[0, -1]
     assert (logits - full).abs().max().item() <= 1e-4
 
@@ -110,7 +110,7 @@ def test_shared_pool_between_models_with_different_dtypes_is_refused(smollm):
     x = _text(tok, 20)
     pool = BlockPool(block_size=16)
     with torch.no_grad(), PagedCache(pool=pool) as a:
-        model(x, past_key_values=a)
+        model(x, **cache_kwargs(a))
         before = pool.stats()
         k = torch.zeros(1, 3, 2, 64, dtype=torch.float16)
         with PagedCache(pool=pool) as b, pytest.raises(ValueError, match="shared only by caches of one model"):

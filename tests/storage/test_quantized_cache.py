@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import hf_pagedkv.config
-from hf_pagedkv import BlockPool, PagedCache, QuantConfig
+from hf_pagedkv import BlockPool, PagedCache, QuantConfig, cache_kwargs
 from hf_pagedkv.storage.codecs import make_codec
 from tests.conftest import ids, tiny_model
 from tests.eval_helpers import DATA_DIR
@@ -37,9 +37,9 @@ def feed(model, cache, x: torch.Tensor, prefill: int) -> None:
     """Prefill `x[:, :prefill]`, then feed the rest one token at a time (teacher forcing) through `cache`."""
     with torch.no_grad():
         if prefill:
-            model(x[:, :prefill], past_key_values=cache)
+            model(x[:, :prefill], **cache_kwargs(cache))
         for t in range(prefill, x.shape[1]):
-            model(x[:, t: t + 1], past_key_values=cache)
+            model(x[:, t: t + 1], **cache_kwargs(cache))
 
 
 def reference_kv(model, x: torch.Tensor, prefill: int):
@@ -93,10 +93,10 @@ def test_pool_owns_the_quant_setting():
 def test_fp_preset_is_the_exact_path():
     model = tiny_model("llama")
     x = ids(2, 19)
-    ref = model.generate(x, past_key_values=DynamicCache(), max_new_tokens=10, do_sample=False)
+    ref = model.generate(x, **cache_kwargs(DynamicCache()), max_new_tokens=10, do_sample=False)
     with PagedCache(block_size=4, quant="fp", debug=True) as cache:
         assert not cache.pool.store.is_quantized
-        assert torch.equal(model.generate(x, past_key_values=cache, max_new_tokens=10, do_sample=False), ref)
+        assert torch.equal(model.generate(x, **cache_kwargs(cache), max_new_tokens=10, do_sample=False), ref)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -140,12 +140,12 @@ def test_bytes_in_use_counts_codes_scales_and_partial_blocks():
         assert stats.bytes_in_use == 3 * encoded + fp_block + sink
         with torch.no_grad():
             for t in range(4):  # fill the open block: it is encoded, no full-precision block is left
-                model(ids(1, 1, seed=t), past_key_values=cache)
+                model(ids(1, 1, seed=t), **cache_kwargs(cache))
         # the block encoded by this step keeps its stage until the next step starts: it is still held
         assert cache.pool.store.staging.num_used == 1
         assert cache.pool.stats().bytes_in_use == 3 * encoded + fp_block + sink
         with torch.no_grad():
-            model(ids(1, 1, seed=9), past_key_values=cache)  # that stage returns; the new open block takes one
+            model(ids(1, 1, seed=9), **cache_kwargs(cache))  # that stage returns; the new open block takes one
         assert cache.pool.store.staging.num_used == 1
         assert cache.pool.stats().bytes_in_use == 4 * encoded + fp_block + sink
         assert cache.pool.store.staging.num_stages <= 2  # sized by sequences, not by the pool
@@ -263,7 +263,7 @@ def test_beam_search_generate_on_quantized_blocks():
     x = ids(2, 13, seed=4)
     pool = BlockPool(block_size=4, quant="k8v8", debug=True)
     with PagedCache(pool=pool, debug=True) as cache:
-        out = model.generate(x, past_key_values=cache, num_beams=3, max_new_tokens=9, do_sample=False)
+        out = model.generate(x, **cache_kwargs(cache), num_beams=3, max_new_tokens=9, do_sample=False)
         assert out.shape == (2, 13 + 9)
         assert cache.num_rows == 6
         assert pool.stats().blocks_in_use < 6 * -(-cache.get_seq_length() // 4)  # beams share their history
@@ -321,17 +321,17 @@ def test_same_prompt_twenty_times_with_sharing_is_identical():
     prompt = ids(1, 27, seed=8)
     base = PagedCache(block_size=4, quant="k4v4", debug=True)
     with torch.no_grad():
-        model(prompt[:, :-1], past_key_values=base)
+        model(prompt[:, :-1], **cache_kwargs(base))
     outputs = []
     for _ in range(20):
         with base.fork() as cache:
-            outputs.append(model.generate(prompt, past_key_values=cache, max_new_tokens=8, do_sample=False))
+            outputs.append(model.generate(prompt, **cache_kwargs(cache), max_new_tokens=8, do_sample=False))
     assert all(torch.equal(o, outputs[0]) for o in outputs)
     # and as one batch: the num_return_sequences rows share the prompt blocks, as on the full-precision path
     used = {}
     for quant in ("fp", "k4v4"):
         with PagedCache(block_size=4, quant=quant, debug=True) as cache:
-            out = model.generate(prompt, past_key_values=cache, max_new_tokens=8, do_sample=True, top_k=1,
+            out = model.generate(prompt, **cache_kwargs(cache), max_new_tokens=8, do_sample=True, top_k=1,
                                  num_return_sequences=20)  # top_k=1: sampling that is greedy, so rows stay equal
             assert all(torch.equal(row, out[0]) for row in out)
             used[quant] = cache.pool.stats().blocks_in_use
@@ -419,8 +419,8 @@ def test_value_only_drifts_less_than_key_only(smollm):
     for name in ("fp", "k2v16", "k16v2"):
         cache = PagedCache(quant=name)
         with torch.no_grad():
-            model(x[:, :256], past_key_values=cache)
-            logps[name] = torch.cat([model(x[:, t: t + 1], past_key_values=cache).logits[:, -1]
+            model(x[:, :256], **cache_kwargs(cache))
+            logps[name] = torch.cat([model(x[:, t: t + 1], **cache_kwargs(cache)).logits[:, -1]
                                      for t in range(256, 320)]).log_softmax(-1)
         cache.release()
 

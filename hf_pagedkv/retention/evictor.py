@@ -120,7 +120,7 @@ class Evictor:
         if not self.policy.reconstructs:
             raise ValueError(f"retention={self.policy!r} does not compress by a reconstruction pass; use "
                              "hf_pagedkv.KVzip(...) for compress_context.")
-        if self.num_evicted or self.num_evictions:  # (a tiered policy's widest tier may keep every token: 0 evicted)
+        if self.num_evictions:  # (not `num_evicted`: a tiered policy's widest tier may keep every token, 0 evicted)
             raise ValueError(f"the cache was already compressed ({self.num_evicted} tokens evicted per row): "
                              "compress_context compresses a context once, right after its prefill.")
         self.scoring = ContextScores(held, key_valid)

@@ -244,6 +244,7 @@ class KVzip(ImportancePolicy):
     def _pooled(self, scores: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         """`scores` (`[rows, num_kv_heads, held]`) pooled over `kernel_size` tokens, float32; with `share_heads` each
         head's row is the mean over the layer's heads (so every head ranks the tokens alike)."""
-        if self.share_heads:
-            scores = scores.float().mean(dim=1, keepdim=True).expand(scores.shape).contiguous()
-        return pool_scores(scores.float(), self.kernel_size, self.pooling, valid)
+        if not self.share_heads:
+            return pool_scores(scores.float(), self.kernel_size, self.pooling, valid)
+        mean = scores.float().mean(dim=1, keepdim=True)  # [rows, 1, held]: pooled once, then given to every head
+        return pool_scores(mean, self.kernel_size, self.pooling, valid).expand(scores.shape).contiguous()

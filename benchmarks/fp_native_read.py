@@ -17,9 +17,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+from benchmarks.native_read import built_native
 from hf_pagedkv import BlockPool, PagedCache
 from hf_pagedkv.attention import PagedView
-from hf_pagedkv.attention.native_read import NativeCodeAttention
 from hf_pagedkv.attention.paged_attention import paged_attention
 
 H, G, D = 3, 3, 64  # key/value heads, query heads per key/value head, head_dim
@@ -46,9 +46,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    native = NativeCodeAttention()
-    if native.load() is None:
-        raise SystemExit("the native read could not be built here (see the warning above)")
+    native = built_native()
     g = torch.Generator().manual_seed(0)
     flush = torch.empty(args.flush_mib << 20, dtype=torch.uint8)
     print("| tokens | batch | eager hot us | C hot us | sdpa hot us | eager cold us | C cold us | sdpa cold us "

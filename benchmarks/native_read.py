@@ -18,6 +18,15 @@ from hf_pagedkv.attention.native_read import NativeCodeAttention
 from hf_pagedkv.attention.paged_attention import code_attention
 
 
+def built_native() -> NativeCodeAttention:
+    """The C reads, built and loaded; exits saying so when they cannot be built here (or are turned off)."""
+    native = NativeCodeAttention()
+    if native.load() is None:
+        raise SystemExit("the native read could not be built here (see the warning above), or "
+                         "HF_PAGEDKV_NATIVE_READ=0 turned it off")
+    return native
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quants", nargs="+", default=["k8v8", "k8v4", "k4v4"], help="k<bits>v<bits>, bits 8 or 4")
@@ -28,9 +37,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    native = NativeCodeAttention()
-    if native.load() is None:
-        raise SystemExit("the native read could not be built here (see the warning above)")
+    native = built_native()
     print("| tokens | batch | cache | eager us | C us | sdpa fp32 us | C / sdpa | max abs diff C - eager |")
     print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for tokens in args.tokens:

@@ -1,0 +1,128 @@
+"""How much of the passkey task's loss at ratio 0.5 is the needle's: the eval's best KVzip against the same policy
+with the needle forced into every (layer, KV head) (an oracle no real policy has: it knows where the needle is).
+
+Each example of `python -m eval.long_context --task passkey` (the same seeded examples, the question appended after
+the compression, greedy answers judged as the eval does) is answered three ways: the full cache, `KVzip` as the
+eval's `kv_zip_global` builds it (`--share-heads` for ``share_heads=True``), and `NeedleKVzip`, the same policy whose
+scores put the needle's tokens above all others, so every layer and head keeps the needle and its nearest
+neighbours, and the budget's rest goes as before. If the oracle misses where the full cache answers, the miss comes
+from what else was evicted, not from the needle. Also printed: the mean log-probability of the key's tokens after
+the question (teacher-forced), a finer measure than the answers.
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/passkey_oracle.py --lengths 1024 2048 --share-heads
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, fields
+
+import torch
+from transformers import set_seed
+
+from eval.config import EvalConfig
+from eval.data import load_text
+from eval.long_context import answer, policy_for
+from eval.long_context_config import LongContextConfig
+from eval.tasks.passkey import metrics as passkey_metrics
+from eval.tasks.passkey import prepare as passkey_prepare
+from hf_pagedkv import BlockPool, KVzip, PagedCache, cache_kwargs
+from hf_pagedkv.tools.models import load_model
+
+#: added to the needle's raw reconstruction scores (which are softmax weights, at most 1): above every other token
+#: even after average pooling over 7 tokens
+FORCED = 100.0
+
+
+@dataclass(frozen=True)
+class NeedleKVzip(KVzip):
+    """`KVzip` whose scores rank the positions `forced` first in every layer and head (an oracle)."""
+
+    forced: tuple[int, ...] = ()
+
+    def _boost(self, scores: torch.Tensor) -> torch.Tensor:  # [rows, num_kv_heads, held]
+        out = scores.clone()
+        out[..., list(self.forced)] += FORCED
+        return out
+
+    def scores(self, keys, observed=None, valid=None):
+        return super().scores(keys, None if observed is None else self._boost(observed), valid)
+
+    def score_budgets(self, scores, keep, held, block_size, valid=None):
+        return super().score_budgets([[self._boost(s) for s in tier] for tier in scores], keep, held, block_size, valid)
+
+
+def needle_positions(example: dict, tokenizer) -> tuple[int, ...]:
+    """The positions of the needle's tokens in the example's context."""
+    needle = tokenizer(passkey_prepare.NEEDLE.format(key=example["key"]), add_special_tokens=False)["input_ids"]
+    ids = example["context_ids"]
+    for i in range(len(ids) - len(needle) + 1):
+        if ids[i: i + len(needle)] == needle:
+            return tuple(range(i, i + len(needle)))
+    raise ValueError(f"example {example['example']}: the needle's tokens are not in its context")
+
+
+@torch.no_grad()
+def key_logprob(model, tokenizer, example: dict, policy) -> float:
+    """Log-probability of the key's tokens after the question, the cache compressed as `answer` compresses it."""
+    from hf_pagedkv import compress_context
+
+    cache = PagedCache(pool=BlockPool(block_size=16), config=model.config, retention=policy)
+    ctx, q = example["context_ids"], example["question_ids"]
+    model(torch.tensor([ctx], device=model.device), **cache_kwargs(cache))
+    if policy is not None:
+        compress_context(model, cache, ctx, tokenizer=tokenizer)
+    key = tokenizer(" " + str(example["key"]), add_special_tokens=False)["input_ids"]
+    logits = model(torch.tensor([q + key], device=model.device), **cache_kwargs(cache)).logits[0].float()
+    cache.release()
+    lp = logits.log_softmax(-1)
+    return sum(lp[len(q) - 1 + j, t].item() for j, t in enumerate(key))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096],
+                    help="the context lengths to run (the examples are always made for 1k, 2k and 4k, as the eval's)")
+    ap.add_argument("--ratio", type=float, default=0.5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--share-heads", action="store_true")
+    ap.add_argument("--methods", nargs="+", default=["full", "kv_zip", "oracle"])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--examples", type=int, nargs="*", help="only these example indices")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    cfg = LongContextConfig(task="passkey", contexts=[1024, 2048, 4096], num_keys=3, seed=args.seed,
+                            kv_zip_pooling="avg", kv_zip_share_heads=args.share_heads)  # the eval's best
+    model, tok = load_model(cfg.model)
+    model.set_attn_implementation("hf_pagedkv")
+    examples = passkey_prepare.make_examples(cfg, tok, load_text(EvalConfig(dataset=cfg.dataset,
+                                                                              data_dir=cfg.data_dir)))
+    totals = {m: [0, 0, 0.0] for m in args.methods}  # correct, examples, sum of log-probabilities
+    for ex in examples:
+        if ex["context_len"] not in args.lengths or (args.examples and ex["example"] not in args.examples):
+            continue
+        for method in args.methods:
+            set_seed(cfg.seed)
+            policy = None if method == "full" else policy_for("kv_zip_global", cfg, ratio=args.ratio,
+                                                              context=len(ex["context_ids"]))
+            if method == "oracle":
+                policy = NeedleKVzip(**{f.name: getattr(policy, f.name) for f in fields(policy)},
+                                     forced=needle_positions(ex, tok))
+            cache = PagedCache(pool=BlockPool(block_size=cfg.block_size), config=model.config, retention=policy)
+            text, _ = answer(model, tok, cache, ex, cfg)
+            cache.release()
+            ok = passkey_metrics.is_correct(text, ex["key"])
+            lp = key_logprob(model, tok, ex, policy)
+            t = totals[method]
+            t[0], t[1], t[2] = t[0] + ok, t[1] + 1, t[2] + lp
+            print(json.dumps({"example": ex["example"], "context_len": ex["context_len"], "depth": ex["depth"],
+                              "method": method, "correct": ok, "key_logprob": round(lp, 3), "answer": text}),
+                  flush=True)
+    for method, (ok, n, lp) in totals.items():
+        print(f"{method}: {ok}/{n} correct, mean key log-probability {lp / max(n, 1):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

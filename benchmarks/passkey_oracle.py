@@ -6,8 +6,9 @@ the compression, greedy answers judged as the eval does) is answered three ways:
 eval's `kv_zip_global` builds it (`--share-heads` for ``share_heads=True``), and `NeedleKVzip`, the same policy whose
 scores put the needle's tokens above all others, so every layer and head keeps the needle and its nearest
 neighbours, and the budget's rest goes as before. If the oracle misses where the full cache answers, the miss comes
-from what else was evicted, not from the needle. Also printed: the mean log-probability of the key's tokens after
-the question (teacher-forced), a finer measure than the answers.
+from what else was evicted, not from the needle. Also printed: the log-probability of the key (the sum over its
+tokens, teacher-forced after the question), a finer measure than the answers, and its mean over the examples.
+Examples are numbered as the eval numbers them: 0-8 at 1k, 9-17 at 2k, 18-26 at 4k (depths 10/50/90, 3 keys).
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/passkey_oracle.py --lengths 1024 2048 --share-heads
 """
@@ -15,6 +16,7 @@ the question (teacher-forced), a finer measure than the answers.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from dataclasses import dataclass, fields
 
@@ -29,6 +31,25 @@ from eval.tasks.passkey import metrics as passkey_metrics
 from eval.tasks.passkey import prepare as passkey_prepare
 from hf_pagedkv import BlockPool, KVzip, PagedCache, cache_kwargs
 from hf_pagedkv.tools.models import load_model
+
+#: the eval's passkey grid (`make_examples` numbers the examples in this order)
+CONTEXTS, DEPTHS, KEYS = (1024, 2048, 4096), (10, 50, 90), 3
+METHODS = ("full", "kv_zip", "oracle")
+
+
+def ratio(text: str) -> float:
+    value = float(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"a compression ratio is in (0, 1), got {text}")
+    return value
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
 
 #: added to the needle's raw reconstruction scores (which are softmax weights, at most 1): above every other token
 #: even after average pooling over 7 tokens
@@ -65,7 +86,8 @@ def needle_positions(example: dict, tokenizer) -> tuple[int, ...]:
 
 @torch.no_grad()
 def key_logprob(model, tokenizer, example: dict, policy) -> float:
-    """Log-probability of the key's tokens after the question, the cache compressed as `answer` compresses it."""
+    """Log-probability of the key after the question (summed over its tokens), the cache compressed as `answer`
+    compresses it."""
     from hf_pagedkv import compress_context
 
     cache = PagedCache(pool=BlockPool(block_size=16), config=model.config, retention=policy)
@@ -82,27 +104,34 @@ def key_logprob(model, tokenizer, example: dict, policy) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096],
+    ap.add_argument("--lengths", type=int, nargs="+", choices=CONTEXTS, default=CONTEXTS,
                     help="the context lengths to run (the examples are always made for 1k, 2k and 4k, as the eval's)")
-    ap.add_argument("--ratio", type=float, default=0.5)
+    ap.add_argument("--ratio", type=ratio, default=0.5, help="the compression ratio, in (0, 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--share-heads", action="store_true")
-    ap.add_argument("--methods", nargs="+", default=["full", "kv_zip", "oracle"])
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--examples", type=int, nargs="*", help="only these example indices")
+    ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    ap.add_argument("--threads", type=positive, default=1)
+    ap.add_argument("--examples", type=int, nargs="*",
+                    help="only these example indices (0-8 at 1k, 9-17 at 2k, 18-26 at 4k, each within --lengths)")
     args = ap.parse_args(argv)
+    wanted = [i for i, (n, _, _) in enumerate(itertools.product(CONTEXTS, DEPTHS, range(KEYS)))
+              if n in args.lengths and (not args.examples or i in args.examples)]
+    if not wanted:
+        ap.error(f"no example is both in --lengths {args.lengths} and in --examples {args.examples} (examples "
+                 f"0-8 are 1k, 9-17 2k, 18-26 4k)")
+    methods = list(dict.fromkeys(args.methods))  # (each once)
     torch.set_num_threads(args.threads)
-    cfg = LongContextConfig(task="passkey", contexts=[1024, 2048, 4096], num_keys=3, seed=args.seed,
-                            kv_zip_pooling="avg", kv_zip_share_heads=args.share_heads)  # the eval's best
+    cfg = LongContextConfig(task="passkey", contexts=list(CONTEXTS), depths=list(DEPTHS), num_keys=KEYS,
+                            seed=args.seed, kv_zip_pooling="avg", kv_zip_share_heads=args.share_heads)  # the best
     model, tok = load_model(cfg.model)
     model.set_attn_implementation("hf_pagedkv")
     examples = passkey_prepare.make_examples(cfg, tok, load_text(EvalConfig(dataset=cfg.dataset,
                                                                               data_dir=cfg.data_dir)))
-    totals = {m: [0, 0, 0.0] for m in args.methods}  # correct, examples, sum of log-probabilities
+    totals = {m: [0, 0, 0.0] for m in methods}  # correct, examples, sum of log-probabilities
     for ex in examples:
-        if ex["context_len"] not in args.lengths or (args.examples and ex["example"] not in args.examples):
+        if ex["example"] not in wanted:
             continue
-        for method in args.methods:
+        for method in methods:
             set_seed(cfg.seed)
             policy = None if method == "full" else policy_for("kv_zip_global", cfg, ratio=args.ratio,
                                                               context=len(ex["context_ids"]))
@@ -120,7 +149,7 @@ def main(argv=None) -> int:
                               "method": method, "correct": ok, "key_logprob": round(lp, 3), "answer": text}),
                   flush=True)
     for method, (ok, n, lp) in totals.items():
-        print(f"{method}: {ok}/{n} correct, mean key log-probability {lp / max(n, 1):.3f}")
+        print(f"{method}: {ok}/{n} correct, key log-probability {lp / n:.3f} on average")
     return 0
 
 

@@ -25,7 +25,7 @@ from transformers import set_seed
 
 from eval.config import EvalConfig
 from eval.data import load_text
-from eval.long_context import answer, policy_for
+from eval.long_context import answer, policy_for, prefill
 from eval.long_context_config import LongContextConfig
 from eval.tasks.passkey import metrics as passkey_metrics
 from eval.tasks.passkey import prepare as passkey_prepare
@@ -85,19 +85,12 @@ def needle_positions(example: dict, tokenizer) -> tuple[int, ...]:
 
 
 @torch.no_grad()
-def key_logprob(model, tokenizer, example: dict, policy) -> float:
-    """Log-probability of the key after the question (summed over its tokens), the cache compressed as `answer`
-    compresses it."""
-    from hf_pagedkv import compress_context
-
-    cache = PagedCache(pool=BlockPool(block_size=16), config=model.config, retention=policy)
-    ctx, q = example["context_ids"], example["question_ids"]
-    model(torch.tensor([ctx], device=model.device), **cache_kwargs(cache))
-    if policy is not None:
-        compress_context(model, cache, ctx, tokenizer=tokenizer)
+def key_logprob(model, tokenizer, example: dict, cache: PagedCache) -> float:
+    """Log-probability of the key after the question (summed over its tokens), fed through `cache`, which holds the
+    prefilled (and compressed) context."""
+    q = example["question_ids"]
     key = tokenizer(" " + str(example["key"]), add_special_tokens=False)["input_ids"]
     logits = model(torch.tensor([q + key], device=model.device), **cache_kwargs(cache)).logits[0].float()
-    cache.release()
     lp = logits.log_softmax(-1)
     return sum(lp[len(q) - 1 + j, t].item() for j, t in enumerate(key))
 
@@ -139,10 +132,12 @@ def main(argv=None) -> int:
                 policy = NeedleKVzip(**{f.name: getattr(policy, f.name) for f in fields(policy)},
                                      forced=needle_positions(ex, tok))
             cache = PagedCache(pool=BlockPool(block_size=cfg.block_size), config=model.config, retention=policy)
-            text, _ = answer(model, tok, cache, ex, cfg)
+            out = prefill(model, tok, cache, ex, cfg)  # the context, prefilled and compressed once for both measures
+            with cache.fork() as forked:  # (copy-on-write: the answer's tokens do not reach the fork's blocks)
+                lp = key_logprob(model, tok, ex, forked)
+            text, _ = answer(model, tok, cache, ex, cfg, prefilled=out)
             cache.release()
             ok = passkey_metrics.is_correct(text, ex["key"])
-            lp = key_logprob(model, tok, ex, policy)
             t = totals[method]
             t[0], t[1], t[2] = t[0] + ok, t[1] + 1, t[2] + lp
             print(json.dumps({"example": ex["example"], "context_len": ex["context_len"], "depth": ex["depth"],

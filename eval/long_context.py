@@ -178,17 +178,25 @@ def prompt_of(example: dict, cfg: LongContextConfig) -> list[int]:
 
 
 @torch.no_grad()
-def answer(model, tokenizer, cache: PagedCache, example: dict, cfg: LongContextConfig,
-           max_new_tokens: int = 8) -> tuple[str, dict]:
-    """Prefill what `cache` does not hold of the prompt in one step; unless the question is in the prompt, append
-    it as the next step (the cache compresses the context before it); decode greedily (with the question in the
-    prompt, the cache compresses before the first decoded token). The answer text and what the cache held after
-    the question."""
-    dev = model.device
+def prefill(model, tokenizer, cache: PagedCache, example: dict, cfg: LongContextConfig):
+    """Prefill what `cache` does not hold of the prompt in one step; with a `KVzip` policy, then compress the
+    context (its reconstruction pass). The prefill's model output."""
     prompt = prompt_of(example, cfg)
-    out = model(torch.tensor([prompt[cache.get_seq_length():]], device=dev), **cache_kwargs(cache))
+    out = model(torch.tensor([prompt[cache.get_seq_length():]], device=model.device), **cache_kwargs(cache))
     if isinstance(cache.retention_policy, KVzip):  # query-agnostic: a reconstruction pass scores the context
         compress_context(model, cache, prompt, tokenizer=tokenizer)
+    return out
+
+
+@torch.no_grad()
+def answer(model, tokenizer, cache: PagedCache, example: dict, cfg: LongContextConfig,
+           max_new_tokens: int = 8, prefilled=None) -> tuple[str, dict]:
+    """`prefill` (unless `prefilled`, its output for this cache, is given); unless the question is in the prompt,
+    append it as the next step (the cache compresses the context before it); decode greedily (with the question in
+    the prompt, the cache compresses before the first decoded token). The answer text and what the cache held after
+    the question."""
+    dev = model.device
+    out = prefill(model, tokenizer, cache, example, cfg) if prefilled is None else prefilled
     if not cfg.question_in_prompt:
         out = model(torch.tensor([example["question_ids"]], device=dev), **cache_kwargs(cache))
     tokens = []

@@ -28,8 +28,6 @@ then their totals. Examples are numbered as the eval numbers them: 0-8 at 1k, 9-
 
 from __future__ import annotations
 
-import argparse
-import itertools
 import json
 from dataclasses import replace
 
@@ -43,7 +41,7 @@ from eval.tasks.passkey import prepare as passkey_prepare
 from hf_pagedkv import BlockPool, KVzip, PagedCache, cache_kwargs, compress_context
 from hf_pagedkv._compat import register_attention
 from hf_pagedkv.tools.models import load_model
-from passkey_oracle import CONTEXTS, DEPTHS, KEYS, positive, ratio
+from passkey_oracle import CONTEXTS, DEPTHS, KEYS, example_arguments, parse_examples
 
 RULES = ("full", "layer", "share", "head_max", "head")
 #: the attention implementation this script registers (a head-masked `sdpa`, no cache)
@@ -126,21 +124,9 @@ def kept_by_joint_ranking(policy: KVzip, scores: dict[int, torch.Tensor], held: 
 
 @torch.no_grad()
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lengths", type=int, nargs="+", choices=CONTEXTS, default=CONTEXTS,
-                    help="the context lengths to run (the examples are always made for 1k, 2k and 4k, as the eval's)")
-    ap.add_argument("--ratio", type=ratio, default=0.5, help="the compression ratio, in (0, 1)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap = example_arguments(__doc__.splitlines()[0])
     ap.add_argument("--rules", nargs="+", choices=RULES, default=list(RULES))
-    ap.add_argument("--threads", type=positive, default=1)
-    ap.add_argument("--examples", type=int, nargs="*",
-                    help="only these example indices (0-8 at 1k, 9-17 at 2k, 18-26 at 4k, each within --lengths)")
-    args = ap.parse_args(argv)
-    wanted = [i for i, (n, _, _) in enumerate(itertools.product(CONTEXTS, DEPTHS, range(KEYS)))
-              if n in args.lengths and (not args.examples or i in args.examples)]
-    if not wanted:
-        ap.error(f"no example is both in --lengths {args.lengths} and in --examples {args.examples} (examples "
-                 f"0-8 are 1k, 9-17 2k, 18-26 4k)")
+    args, wanted = parse_examples(ap, argv)
     rules = list(dict.fromkeys(args.rules))
     torch.set_num_threads(args.threads)
     cfg = LongContextConfig(task="passkey", contexts=list(CONTEXTS), depths=list(DEPTHS), num_keys=KEYS,

@@ -95,23 +95,35 @@ def key_logprob(model, tokenizer, example: dict, cache: PagedCache) -> float:
     return sum(lp[len(q) - 1 + j, t].item() for j, t in enumerate(key))
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def example_arguments(description: str) -> argparse.ArgumentParser:
+    """A parser with the options every passkey benchmark takes: --lengths, --ratio, --seed, --threads, --examples."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--lengths", type=int, nargs="+", choices=CONTEXTS, default=CONTEXTS,
                     help="the context lengths to run (the examples are always made for 1k, 2k and 4k, as the eval's)")
     ap.add_argument("--ratio", type=ratio, default=0.5, help="the compression ratio, in (0, 1)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--share-heads", action="store_true")
-    ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     ap.add_argument("--threads", type=positive, default=1)
     ap.add_argument("--examples", type=int, nargs="*",
                     help="only these example indices (0-8 at 1k, 9-17 at 2k, 18-26 at 4k, each within --lengths)")
+    return ap
+
+
+def parse_examples(ap: argparse.ArgumentParser, argv=None) -> tuple[argparse.Namespace, list[int]]:
+    """The parsed arguments and the indices of the examples they select (an argparse error if none)."""
     args = ap.parse_args(argv)
     wanted = [i for i, (n, _, _) in enumerate(itertools.product(CONTEXTS, DEPTHS, range(KEYS)))
               if n in args.lengths and (not args.examples or i in args.examples)]
     if not wanted:
         ap.error(f"no example is both in --lengths {args.lengths} and in --examples {args.examples} (examples "
                  f"0-8 are 1k, 9-17 2k, 18-26 4k)")
+    return args, wanted
+
+
+def main(argv=None) -> int:
+    ap = example_arguments(__doc__.splitlines()[0])
+    ap.add_argument("--share-heads", action="store_true")
+    ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    args, wanted = parse_examples(ap, argv)
     methods = list(dict.fromkeys(args.methods))  # (each once)
     torch.set_num_threads(args.threads)
     cfg = LongContextConfig(task="passkey", contexts=list(CONTEXTS), depths=list(DEPTHS), num_keys=KEYS,

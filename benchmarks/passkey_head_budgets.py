@@ -13,7 +13,7 @@ number of tokens in all (the sinks and the last `recent_tokens` always kept):
 
 - `layer`: the cache's rule (`KVzip.score_budgets`, then each head its own best `keep` tokens; per-head scores);
 - `share`: the same with ``share_heads=True`` (a layer's heads keep the same tokens);
-- `head_max`: storable in today's blocks: a layer keeps, in every head, as many tokens as its best-provided head
+- `head_max`: the joint ranking cut to what today's blocks can store: a layer keeps, in every head, as many tokens as its best-provided head
   has in the joint ranking, the ranking cut where the layers' total reaches the uniform total;
 - `head`: each (layer, KV head) keeps exactly what it has in the joint ranking (KVzip's non-uniform heads, AdaKV's
   allocation): not storable by the cache today;
@@ -23,7 +23,7 @@ Printed per example and rule: the key's log-probability after the question (summ
 teacher-forced) and whether every key token is the argmax (teacher-forced, a proxy for the eval's greedy answer),
 then their totals. Examples are numbered as the eval numbers them: 0-8 at 1k, 9-17 at 2k, 18-26 at 4k.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/passkey_head_budgets.py --lengths 1024 2048 [--seed 1]
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/passkey_head_budgets.py [--seed 1]   # about 55 minutes each
 """
 
 from __future__ import annotations

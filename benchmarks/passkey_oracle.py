@@ -98,12 +98,12 @@ def key_logprob(model, tokenizer, example: dict, cache: PagedCache) -> float:
 def example_arguments(description: str) -> argparse.ArgumentParser:
     """A parser with the options every passkey benchmark takes: --lengths, --ratio, --seed, --threads, --examples."""
     ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--lengths", type=int, nargs="+", choices=CONTEXTS, default=CONTEXTS,
+    ap.add_argument("--lengths", type=int, nargs="+", choices=CONTEXTS, default=list(CONTEXTS),
                     help="the context lengths to run (the examples are always made for 1k, 2k and 4k, as the eval's)")
     ap.add_argument("--ratio", type=ratio, default=0.5, help="the compression ratio, in (0, 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=positive, default=1)
-    ap.add_argument("--examples", type=int, nargs="*",
+    ap.add_argument("--examples", type=int, nargs="+",
                     help="only these example indices (0-8 at 1k, 9-17 at 2k, 18-26 at 4k, each within --lengths)")
     return ap
 

@@ -40,7 +40,9 @@ def compress_context(model, cache, context_ids, tokenizer=None, prompt_ids: Sequ
         cache (`PagedCache`): built with ``retention=KVzip(...)``, holding exactly the prefilled context (no
             question yet, nothing evicted).
         context_ids (`torch.LongTensor` of shape `[batch, n]` or `[n]`, or a list of ints): the context the cache
-            holds (the same for every row when 1-D).
+            holds (the same for every row when 1-D). NOTE: the cache keeps no token ids, so only the length and the
+            batch are checked: other ids of the same shape are scored as if the cache held them, and the wrong
+            tokens are kept. Pass the very ids you prefilled.
         tokenizer (*optional*): builds the repeat prompt (`repeat_prompt_ids`) when `prompt_ids` is not given.
             Pass one (or `prompt_ids`): without a prompt the context is repeated right after itself, which scored
             worse (1 of 3 keys against 2 of 3, same setting as `repeat_prompt_ids`).
@@ -112,7 +114,8 @@ def compress_context(model, cache, context_ids, tokenizer=None, prompt_ids: Sequ
                          f"{tuple(ctx.shape)}.")
     stats = cache.retention_stats()
     if stats.tokens_seen and (stats.tokens_seen != ctx.shape[1] or cache.num_rows != ctx.shape[0]):
-        raise ValueError(f"compress_context: the cache holds {cache.num_rows} rows of {stats.tokens_seen} tokens, "
+        rows = f"{cache.num_rows} row{'s' if cache.num_rows != 1 else ''}"
+        raise ValueError(f"compress_context: the cache holds {rows} of {stats.tokens_seen} tokens, "
                          f"but `context_ids` is {tuple(ctx.shape)}: prefill exactly the context, then compress.")
     prompt = _prompt_ids(tokenizer, prompt_ids, model.device)[None].expand(ctx.shape[0], -1)  # [batch, m]
     vocab = model.get_input_embeddings().num_embeddings

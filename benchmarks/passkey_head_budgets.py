@@ -41,7 +41,7 @@ from eval.tasks.passkey import prepare as passkey_prepare
 from hf_pagedkv import BlockPool, KVzip, PagedCache, cache_kwargs, compress_context
 from hf_pagedkv._compat import register_attention
 from hf_pagedkv.tools.models import load_model
-from passkey_oracle import CONTEXTS, DEPTHS, KEYS, example_arguments, parse_examples
+from passkey_oracle import CONTEXTS, DEPTHS, KEYS, example_arguments, key_ids, key_measures, parse_examples
 
 RULES = ("full", "layer", "share", "head_max", "head")
 #: the attention implementation this script registers (a head-masked `sdpa`, no cache)
@@ -114,9 +114,10 @@ def kept_by_joint_ranking(policy: KVzip, scores: dict[int, torch.Tensor], held: 
     while a < b:
         mid = (a + b + 1) // 2
         a, b = (mid, b) if int(counts(mid).amax(1).sum()) <= per_head * len(layers) else (a, mid - 1)
+    most = counts(a).amax(1)  # [layers]: what each layer's best-provided head has at that cut
     for j, i in enumerate(layers):
         s = scores[i]
-        keep = held - (hi - lo) + int(counts(a)[j].max())
+        keep = held - (hi - lo) + int(most[j])
         idx = policy.select(torch.empty(*s.shape, 0), keep, observed=s)
         kept[i] = torch.zeros(s.shape, dtype=torch.bool).scatter_(-1, idx, True)
     return kept
@@ -141,7 +142,7 @@ def main(argv=None) -> int:
         if ex["example"] not in wanted:
             continue
         ctx, q = ex["context_ids"], ex["question_ids"]
-        key = tok(" " + str(ex["key"]), add_special_tokens=False)["input_ids"]
+        key = key_ids(tok, ex)
         policy = policy_for("kv_zip_global", cfg, ratio=args.ratio, context=len(ctx))
         scores = None
         if set(rules) - {"full"}:  # the reconstruction scores, from a cache compressed as the eval compresses it
@@ -161,9 +162,7 @@ def main(argv=None) -> int:
                              else kept_by_joint_ranking(policy, scores, len(ctx), per_layer_max=rule == "head_max"))
                 model.set_attn_implementation(MASKED)
             logits = model(torch.tensor([ctx + q + key], device=model.device), use_cache=False).logits[0]
-            lp = logits[len(ctx) + len(q) - 1: len(ctx) + len(q) - 1 + len(key)].float().log_softmax(-1)
-            logp = sum(lp[j, t].item() for j, t in enumerate(key))
-            right = all(lp[j].argmax().item() == t for j, t in enumerate(key))
+            logp, right = key_measures(logits[len(ctx) + len(q) - 1: len(ctx) + len(q) - 1 + len(key)], key)
             t = totals[rule]
             t[0], t[1], t[2] = t[0] + right, t[1] + 1, t[2] + logp
             row[rule] = {"key_right": right, "key_logprob": round(logp, 3)}

@@ -84,15 +84,26 @@ def needle_positions(example: dict, tokenizer) -> tuple[int, ...]:
     raise ValueError(f"example {example['example']}: the needle's tokens are not in its context")
 
 
+def key_ids(tokenizer, example: dict) -> list[int]:
+    """The key's tokens as an answer after the question starts (a space, then the digits)."""
+    return tokenizer(" " + str(example["key"]), add_special_tokens=False)["input_ids"]
+
+
+def key_measures(logits: torch.Tensor, key: list[int]) -> tuple[float, bool]:
+    """From the logits that predict the key's tokens (`[len(key), vocab]`, teacher-forced): the key's
+    log-probability (summed over its tokens) and whether every key token is the argmax."""
+    lp = logits.float().log_softmax(-1)
+    return (sum(lp[j, t].item() for j, t in enumerate(key)),
+            all(lp[j].argmax().item() == t for j, t in enumerate(key)))
+
+
 @torch.no_grad()
 def key_logprob(model, tokenizer, example: dict, cache: PagedCache) -> float:
     """Log-probability of the key after the question (summed over its tokens), fed through `cache`, which holds the
     prefilled (and compressed) context."""
-    q = example["question_ids"]
-    key = tokenizer(" " + str(example["key"]), add_special_tokens=False)["input_ids"]
-    logits = model(torch.tensor([q + key], device=model.device), **cache_kwargs(cache)).logits[0].float()
-    lp = logits.log_softmax(-1)
-    return sum(lp[len(q) - 1 + j, t].item() for j, t in enumerate(key))
+    q, key = example["question_ids"], key_ids(tokenizer, example)
+    logits = model(torch.tensor([q + key], device=model.device), **cache_kwargs(cache)).logits[0]
+    return key_measures(logits[len(q) - 1: len(q) - 1 + len(key)], key)[0]
 
 
 def example_arguments(description: str) -> argparse.ArgumentParser:

@@ -19,11 +19,16 @@ number of tokens in all (the sinks and the last `recent_tokens` always kept):
   allocation): not storable by the cache today;
 - `full`: nothing hidden.
 
+With `--value-weighted` every rule ranks by the scores times the tokens' relative value norms
+(`KVzip(value_weighted=True)`, VATP) instead of the reconstruction scores alone.
+
 Printed per example and rule: the key's log-probability after the question (summed over its tokens,
 teacher-forced) and whether every key token is the argmax (teacher-forced, a proxy for the eval's greedy answer),
 then their totals. Examples are numbered as the eval numbers them: 0-8 at 1k, 9-17 at 2k, 18-26 at 4k.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/passkey_head_budgets.py [--seed 1]   # about 55 minutes each
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/passkey_head_budgets.py --lengths 1024 2048 --rules full layer \
+        share --value-weighted
 """
 
 from __future__ import annotations
@@ -127,6 +132,8 @@ def kept_by_joint_ranking(policy: KVzip, scores: dict[int, torch.Tensor], held: 
 def main(argv=None) -> int:
     ap = example_arguments(__doc__.splitlines()[0])
     ap.add_argument("--rules", nargs="+", choices=RULES, default=list(RULES))
+    ap.add_argument("--value-weighted", action="store_true",
+                    help="rank by the scores times the tokens' relative value norms (KVzip(value_weighted=True))")
     args, wanted = parse_examples(ap, argv)
     rules = list(dict.fromkeys(args.rules))
     torch.set_num_threads(args.threads)
@@ -143,13 +150,16 @@ def main(argv=None) -> int:
             continue
         ctx, q = ex["context_ids"], ex["question_ids"]
         key = key_ids(tok, ex)
-        policy = policy_for("kv_zip_global", cfg, ratio=args.ratio, context=len(ctx))
+        policy = replace(policy_for("kv_zip_global", cfg, ratio=args.ratio, context=len(ctx)),
+                         value_weighted=args.value_weighted)
         scores = None
         if set(rules) - {"full"}:  # the reconstruction scores, from a cache compressed as the eval compresses it
             model.set_attn_implementation("hf_pagedkv")
             cache = PagedCache(pool=BlockPool(block_size=cfg.block_size), config=model.config, retention=policy)
             model(torch.tensor([ctx], device=model.device), **cache_kwargs(cache))
-            scores = {i: s.cpu() for i, s in compress_context(model, cache, ctx, tokenizer=tok).items()}
+            values = {i: layer.values.clone() for i, layer in enumerate(cache.layers)}  # [1, H, n, d] each
+            scores = {i: policy.weigh(s, values[i]).cpu()  # (the pass's own scores unless --value-weighted)
+                      for i, s in compress_context(model, cache, ctx, tokenizer=tok).items()}
             cache.release()
         row = {"example": ex["example"], "context_len": ex["context_len"], "depth": ex["depth"]}
         for rule in rules:

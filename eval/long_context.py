@@ -24,7 +24,8 @@ named from its settings; a finished run is skipped (`--overwrite` redoes it):
   `kv_zip_global` (`kv_zip_pooled` with KVzip's ranking across layers, `KVzip(layer_budgets="global")`: each layer
   keeps what its heads hold of the best-scored tokens of all layers; its layers are tiers, layer groups of their own,
   so it computes the context itself as `pyramid_kv` does); `kv_zip_share_heads` makes both keep the same tokens
-  in every KV head of a layer (`KVzip(share_heads=True)`).
+  in every KV head of a layer (`KVzip(share_heads=True)`), and `kv_zip_value_weighted` weighs each token's score by
+  its value's norm (`KVzip(value_weighted=True)`).
   Each example's context is computed once and published in a prefix-caching pool; every method's cache attaches
   to it and computes the last ``recent_tokens``-plus tokens itself (SnapKV's observation window), then compresses
   the whole context before the question, exactly as after a one-step prefill.
@@ -82,7 +83,7 @@ def policy_for(method: str, cfg: LongContextConfig, budget: int | None = None, r
     cls = {"key_norm": KeyNorm, "key_diff": KeyDiff, "snap_kv": SnapKV, "pyramid_kv": PyramidKV,
            "kv_zip": KVzip, "kv_zip_recent": KVzip, "kv_zip_pooled": KVzip, "kv_zip_global": KVzip}[method]
     pooled = {"kernel_size": cfg.kv_zip_kernel, "pooling": cfg.kv_zip_pooling, "recent_share": cfg.kv_zip_recent_share,
-              "share_heads": cfg.kv_zip_share_heads}
+              "share_heads": cfg.kv_zip_share_heads, "value_weighted": cfg.kv_zip_value_weighted}
     extra = {"kv_zip_recent": {"recent_share": cfg.recent_share}, "kv_zip_pooled": pooled,
              "kv_zip_global": {**pooled, "layer_budgets": "global", "safeguard": cfg.kv_zip_safeguard}}.get(method, {})
     if ratio is not None:
@@ -279,6 +280,7 @@ def report_text(cfg: LongContextConfig, metrics: dict) -> str:
              + (f", {cfg.kv_zip_pooling}-pooling" if pooled and cfg.kv_zip_pooling != "max" else "")
              + (f", recent share {cfg.kv_zip_recent_share}" if pooled and cfg.kv_zip_recent_share else "")
              + (", heads share their tokens" if pooled and cfg.kv_zip_share_heads else "")
+             + (", scores weighted by value norms" if pooled and cfg.kv_zip_value_weighted else "")
              + (f"; kv_zip_global: safeguard {cfg.kv_zip_safeguard}" if "kv_zip_global" in cfg.methods
                 and cfg.kv_zip_safeguard else "")
              + f"; {metrics['environment']['seconds']} s.", ""]

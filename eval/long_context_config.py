@@ -66,6 +66,9 @@ class LongContextConfig:
             head's uniform budget it keeps before the ranking across layers (`KVzip.safeguard`, AdaKV's).
         kv_zip_share_heads (`bool`, defaults to `False`): passkey, methods `kv_zip_pooled` and `kv_zip_global`: the KV
             heads of a layer keep the same tokens, ranked by the mean of their scores (`KVzip.share_heads`).
+        kv_zip_value_weighted (`bool`, defaults to `False`): passkey, methods `kv_zip_pooled` and `kv_zip_global`:
+            each token's score times its relative value norm before the pooling and the ranking
+            (`KVzip.value_weighted`, VATP).
         block_size (`int`, defaults to 16): `PagedCache` block size.
         methods (`list[str]`, *optional*): from `PPL_METHODS` (perplexity) or `PASSKEY_METHODS` (passkey); all of
             the task's by default.
@@ -100,6 +103,7 @@ class LongContextConfig:
     kv_zip_recent_share: float = 0.0
     kv_zip_safeguard: float = 0.0
     kv_zip_share_heads: bool = False
+    kv_zip_value_weighted: bool = False
     block_size: int = 16
     methods: list[str] | None = None
     quants: list[str] = field(default_factory=lambda: ["fp"])
@@ -152,9 +156,9 @@ class LongContextConfig:
                 or not 0 <= self.kv_zip_safeguard <= 1:
             raise ValueError(f"LongContextConfig.kv_zip_safeguard must be a number in [0, 1], got "
                              f"{self.kv_zip_safeguard!r}.")
-        if not isinstance(self.kv_zip_share_heads, bool):
-            raise ValueError(f"LongContextConfig.kv_zip_share_heads must be true or false, got "
-                             f"{self.kv_zip_share_heads!r}.")
+        for name in ("kv_zip_share_heads", "kv_zip_value_weighted"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"LongContextConfig.{name} must be true or false, got {getattr(self, name)!r}.")
         if any(not 0 < r < 1 for r in self.ratios) or any(not 0 <= d <= 100 for d in self.depths):
             raise ValueError(f"LongContextConfig: ratios {self.ratios} must be in (0, 1), depths {self.depths} in "
                              "[0, 100].")
@@ -184,6 +188,8 @@ class LongContextConfig:
             del ident["kv_zip_safeguard"]
         if not pooled or not ident["kv_zip_share_heads"]:  # newer still
             del ident["kv_zip_share_heads"]
+        if not pooled or not ident["kv_zip_value_weighted"]:  # the newest of all
+            del ident["kv_zip_value_weighted"]
         digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:6]
         if self.task == "perplexity":
             key = f"w{self.num_windows}-n{self.context_len}-b{'_'.join(map(str, self.budgets))}-c{self.chunk}"

@@ -72,11 +72,17 @@ class KVzip(ImportancePolicy):
             answered when the needle was kept whole in every head and missed when each head kept a different half
             of it). With ``layer_budgets="global"`` the layers' budgets come from the same means. How many tokens
             a layer keeps, and so the bytes held, follow the same rules as without it.
+        value_weighted (`bool`, *optional*, defaults to `False`): `True`: each token's score is multiplied by the
+            L2 norm of its value in that KV head, divided by the mean norm over the context's real tokens in that
+            (row, layer, KV head), before the pooling and the ranking (`weigh`). A token's contribution to the
+            attention output is its weight times its value, so a token attended to but with a small value matters
+            less: Guo et al., "Attention Score is not All You Need for Token Importance Indicator in KV Cache
+            Reduction: Value Also Matters" (VATP, arXiv 2406.12335). The bytes held do not change.
 
     Raises:
         ValueError: as `ImportancePolicy`; `chunk_tokens` not an int >= 1; `kernel_size` not an odd int >= 1;
             `pooling` not one of `POOLINGS`; `layer_budgets` not one of `LAYER_BUDGETS`; `safeguard` not a number
-            in [0, 1]; `share_heads` not a bool.
+            in [0, 1]; `share_heads` or `value_weighted` not a bool.
 
     Example:
 
@@ -97,6 +103,7 @@ class KVzip(ImportancePolicy):
     layer_budgets: str = "uniform"
     safeguard: float = 0.0
     share_heads: bool = False
+    value_weighted: bool = False
 
     name = "kv_zip"
     reconstructs = True
@@ -115,6 +122,9 @@ class KVzip(ImportancePolicy):
         if not isinstance(self.share_heads, bool):
             raise ValueError(f"`share_heads` must be a bool (True: the KV heads of a layer keep the same tokens), got "
                              f"{self.share_heads!r}.")
+        if not isinstance(self.value_weighted, bool):
+            raise ValueError(f"`value_weighted` must be a bool (True: scores times the tokens' value norms), got "
+                             f"{self.value_weighted!r}.")
         if self.safeguard and not self.is_tiered():
             raise ValueError(f"`safeguard` applies to the ranking across layers only: pass layer_budgets=\"global\" "
                              f"with it (got layer_budgets={self.layer_budgets!r}, safeguard={self.safeguard!r}).")
@@ -240,6 +250,30 @@ class KVzip(ImportancePolicy):
                              f"{tuple(keys.shape[:3])}, got {got}. Call hf_pagedkv.compress_context(model, cache, "
                              "context_ids) after the prefill.")
         return self._pooled(observed, None if valid is None else valid.to(observed.device)[:, None, :])
+
+    def weigh(self, scores: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """The reconstruction scores that rank the tokens: `scores` as they are, or with ``value_weighted=True``
+        times each token's relative value norm (VATP, arXiv 2406.12335).
+
+        Args:
+            scores (`torch.Tensor` of shape `[rows, num_kv_heads, held]`): one layer's `ContextScores`.
+            values (`torch.Tensor` of shape `[rows, num_kv_heads, held, head_dim]`): the layer's held values.
+            valid (`torch.BoolTensor` of shape `[rows, held]`, *optional*): False at left padding, left out of the
+                mean norm (padding scores 0 either way).
+
+        Returns:
+            `torch.Tensor` of shape `[rows, num_kv_heads, held]`, float32: ``scores * norm / mean_norm``, the norm
+            the L2 norm of each token's value and the mean over the row's real tokens, per (row, KV head).
+        """
+        if not self.value_weighted:
+            return scores
+        norms = values.float().norm(dim=-1).to(scores.device)  # [rows, num_kv_heads, held]
+        if valid is None:
+            mean = norms.mean(dim=-1, keepdim=True)
+        else:
+            real = valid.to(scores.device)[:, None, :].float()  # [rows, 1, held]
+            mean = (norms * real).sum(-1, keepdim=True) / real.sum(-1, keepdim=True).clamp_min(1)
+        return scores.float() * norms / mean.clamp_min(torch.finfo(torch.float32).tiny)
 
     def _pooled(self, scores: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         """`scores` (`[rows, num_kv_heads, held]`) pooled over `kernel_size` tokens, float32; with `share_heads` each

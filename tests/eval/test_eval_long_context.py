@@ -112,6 +112,15 @@ def test_passkey_examples_and_run(tiny, tmp_path):
     assert "heads share their tokens" in report_text(shared, {"environment": {"seconds": 1.0}, "passkey": {}})
     with pytest.raises(ValueError, match="kv_zip_share_heads"):
         LongContextConfig(**{**cfg.to_dict(), "kv_zip_share_heads": "yes"})
+    weighted = LongContextConfig(**{**cfg.to_dict(), "kv_zip_value_weighted": True})
+    assert policy_for("kv_zip_global", weighted, ratio=0.5, context=256).value_weighted
+    assert policy_for("kv_zip_pooled", weighted, ratio=0.5, context=256).value_weighted
+    assert not policy_for("kv_zip_global", cfg, ratio=0.5, context=256).value_weighted
+    assert weighted.run_dir() != cfg.run_dir()  # a new setting, and the runs before it keep their names
+    assert "scores weighted by value norms" in report_text(weighted, {"environment": {"seconds": 1.0},
+                                                                      "passkey": {}})
+    with pytest.raises(ValueError, match="kv_zip_value_weighted"):
+        LongContextConfig(**{**cfg.to_dict(), "kv_zip_value_weighted": 1})
     plain = policy_for("kv_zip", cfg, ratio=0.5, context=256)
     assert (plain.recent_share, plain.kernel_size) == (0, 1)
     assert "kv_zip_recent: recent share 0.5; kv_zip_pooled: kernel 7" in (cfg.run_dir() / "report.md").read_text()

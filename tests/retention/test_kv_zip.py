@@ -366,6 +366,54 @@ def test_share_heads_with_global_budgets_equals_the_head_masked_reference(llama)
         assert c.pool.stats().blocks_in_use == 0
 
 
+def test_value_weighted_scores_are_times_the_relative_value_norm_and_padding_is_left_out():
+    scores = torch.tensor([[[0.5, 0.5, 0.2, 0.0]]])  # [1, 1, 4]
+    values = torch.zeros(1, 1, 4, 2)
+    values[0, 0, :, 0] = torch.tensor([1.0, 3.0, 4.0, 4.0])  # norms 1, 3, 4, 4: mean 3
+    plain = KVzip(budget=64)
+    assert plain.weigh(scores, values) is scores  # off by default: the pass's own scores
+    got = KVzip(budget=64, value_weighted=True).weigh(scores, values)
+    torch.testing.assert_close(got, torch.tensor([[[0.5 / 3, 0.5, 0.8 / 3, 0.0]]]), atol=1e-7, rtol=0)
+    valid = torch.tensor([[False, True, True, True]])  # left padding: the mean over the real tokens, 11 / 3
+    got = KVzip(budget=64, value_weighted=True).weigh(scores * valid, values, valid)
+    torch.testing.assert_close(got, torch.tensor([[[0.0, 1.5 / 11 * 3, 0.8 / 11 * 3, 0.0]]]), atol=1e-7, rtol=0)
+    for bad in (1, "yes", None):
+        with pytest.raises(ValueError, match="value_weighted"):
+            KVzip(budget=64, value_weighted=bad)
+
+
+def test_value_weighted_global_budgets_equal_the_head_masked_reference(llama):
+    steps = [N, 5, 1, 3]
+    x = ids(2, sum(steps), seed=24)
+    policy = KVzip(budget=10, sink_tokens=1, recent_tokens=2, chunk_tokens=8, layer_budgets="global",
+                   value_weighted=True)
+    cache = prefilled(llama, x[:, :N], policy)
+    values = {layer: cache.layers[layer].values.clone() for layer in range(len(cache.layers))}  # [2, H, N, d]
+    raw = compress_context(llama, cache, x[:, :N], prompt_ids=PROMPT)
+    want_scores = reference_kvzip_scores(llama, x[:, :N], PROMPT)
+    assert all((raw[layer] - want_scores[layer]).abs().max() < SCORE_ATOL for layer in want_scores)  # returned raw
+    norms = {layer: v.norm(dim=-1) for layer, v in values.items()}  # [2, H, N]
+    weighted = {layer: s * norms[layer] / norms[layer].mean(-1, keepdim=True) for layer, s in want_scores.items()}
+    keeps = list(cache.retention_stats().tokens_held_per_layer)
+    wanted = plain_global_budgets(weighted, 10, sink=1, recent=2)
+    assert all(abs(k - w) < B for k, w in zip(keeps, wanted))  # the ranking of the weighted scores across layers
+    assert sum(keeps) <= 3 * 10
+    kept = {}
+    for layer, k in enumerate(keeps):
+        kept.update(reference_kvzip_kept({layer: weighted[layer]}, k, sink=1, recent=2))
+    assert cache.pool.stats().blocks_in_use == sum(2 * num_blocks_for(k, B) for k in keeps)
+    cache.check_invariants()
+    got = run_steps(llama, x[:, N:], steps[1:], cache, before=lambda c, s, q: c.check_invariants())
+    want = kept_heads_reference(llama, x, N, kept)
+    assert (got - want[:, N:]).abs().max() < CROSS_STEP_LOGIT_ATOL  # every step after the compression
+    unweighted = {}
+    for layer, k in enumerate(keeps):
+        unweighted.update(reference_kvzip_kept({layer: want_scores[layer]}, k, sink=1, recent=2))
+    assert any(not torch.equal(kept[layer], unweighted[layer]) for layer in kept)  # the weights changed the choice
+    cache.release()
+    assert cache.pool.stats().blocks_in_use == 0
+
+
 def test_context_scores_keep_a_running_max_and_check_their_shape():
     from hf_pagedkv.retention.context_scores import ContextScores
 

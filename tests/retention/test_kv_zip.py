@@ -335,28 +335,42 @@ def test_share_heads_ranks_every_head_of_a_layer_by_the_heads_mean_score():
             KVzip(budget=64, share_heads=bad)
 
 
-def test_share_heads_with_global_budgets_equals_the_head_masked_reference(llama):
+def global_setup(llama, seed: int, **settings):
+    """Steps, token ids (2 rows) and a cache holding their context, prefilled under `KVzip` with a budget of 10 (1
+    sink, 2 recent) ranked across layers, plus `settings`."""
     steps = [N, 5, 1, 3]
-    x = ids(2, sum(steps), seed=23)
-    policy = KVzip(budget=10, sink_tokens=1, recent_tokens=2, chunk_tokens=8, layer_budgets="global",
-                   share_heads=True)
-    cache = prefilled(llama, x[:, :N], policy)
-    compress_context(llama, cache, x[:, :N], prompt_ids=PROMPT)
-    want_scores = reference_kvzip_scores(llama, x[:, :N], PROMPT)
-    shared = {layer: s.mean(dim=1, keepdim=True).expand(s.shape) for layer, s in want_scores.items()}
+    x = ids(2, sum(steps), seed=seed)
+    policy = KVzip(budget=10, sink_tokens=1, recent_tokens=2, chunk_tokens=8, layer_budgets="global", **settings)
+    return steps, x, prefilled(llama, x[:, :N], policy)
+
+
+def run_against_global_reference(llama, x, steps, cache, ranked: dict[int, torch.Tensor]):
+    """After `compress_context` with a budget of 10 (1 sink, 2 recent) ranked across layers: the layers' budgets
+    follow a plain sort of `ranked` (layer -> `[2, H, N]`), every layer keeps its best `ranked` tokens, only their
+    blocks are held, and every step after the compression equals the head-masked reference. Returns the steps'
+    logits, the kept sets and the budgets."""
     keeps = list(cache.retention_stats().tokens_held_per_layer)
-    wanted = plain_global_budgets(shared, 10, sink=1, recent=2)
-    assert all(abs(k - w) < B for k, w in zip(keeps, wanted))  # the ranking of the heads' means across layers
+    wanted = plain_global_budgets(ranked, 10, sink=1, recent=2)
+    assert all(abs(k - w) < B for k, w in zip(keeps, wanted))  # the ranking across layers
     assert sum(keeps) <= 3 * 10
     kept = {}
     for layer, k in enumerate(keeps):
-        kept.update(reference_kvzip_kept({layer: shared[layer]}, k, sink=1, recent=2))
-        assert torch.equal(kept[layer][:, 0], kept[layer][:, 1])  # one token set per layer
+        kept.update(reference_kvzip_kept({layer: ranked[layer]}, k, sink=1, recent=2))
     assert cache.pool.stats().blocks_in_use == sum(2 * num_blocks_for(k, B) for k in keeps)
     cache.check_invariants()
     got = run_steps(llama, x[:, N:], steps[1:], cache, before=lambda c, s, q: c.check_invariants())
     want = kept_heads_reference(llama, x, N, kept)
     assert (got - want[:, N:]).abs().max() < CROSS_STEP_LOGIT_ATOL  # every step after the compression
+    return got, kept, keeps
+
+
+def test_share_heads_with_global_budgets_equals_the_head_masked_reference(llama):
+    steps, x, cache = global_setup(llama, seed=23, share_heads=True)
+    compress_context(llama, cache, x[:, :N], prompt_ids=PROMPT)
+    want_scores = reference_kvzip_scores(llama, x[:, :N], PROMPT)
+    shared = {layer: s.mean(dim=1, keepdim=True).expand(s.shape) for layer, s in want_scores.items()}
+    got, kept, _ = run_against_global_reference(llama, x, steps, cache, shared)  # ranked by the heads' means
+    assert all(torch.equal(k[:, 0], k[:, 1]) for k in kept.values())  # one token set per layer
     own = prefilled(llama, x[:, :N], KVzip(budget=10, sink_tokens=1, recent_tokens=2, chunk_tokens=8,
                                            layer_budgets="global"))
     compress_context(llama, own, x[:, :N], prompt_ids=PROMPT)
@@ -383,29 +397,14 @@ def test_value_weighted_scores_are_times_the_relative_value_norm_and_padding_is_
 
 
 def test_value_weighted_global_budgets_equal_the_head_masked_reference(llama):
-    steps = [N, 5, 1, 3]
-    x = ids(2, sum(steps), seed=24)
-    policy = KVzip(budget=10, sink_tokens=1, recent_tokens=2, chunk_tokens=8, layer_budgets="global",
-                   value_weighted=True)
-    cache = prefilled(llama, x[:, :N], policy)
+    steps, x, cache = global_setup(llama, seed=24, value_weighted=True)
     values = {layer: cache.layers[layer].values.clone() for layer in range(len(cache.layers))}  # [2, H, N, d]
     raw = compress_context(llama, cache, x[:, :N], prompt_ids=PROMPT)
     want_scores = reference_kvzip_scores(llama, x[:, :N], PROMPT)
     assert all((raw[layer] - want_scores[layer]).abs().max() < SCORE_ATOL for layer in want_scores)  # returned raw
     norms = {layer: v.norm(dim=-1) for layer, v in values.items()}  # [2, H, N]
     weighted = {layer: s * norms[layer] / norms[layer].mean(-1, keepdim=True) for layer, s in want_scores.items()}
-    keeps = list(cache.retention_stats().tokens_held_per_layer)
-    wanted = plain_global_budgets(weighted, 10, sink=1, recent=2)
-    assert all(abs(k - w) < B for k, w in zip(keeps, wanted))  # the ranking of the weighted scores across layers
-    assert sum(keeps) <= 3 * 10
-    kept = {}
-    for layer, k in enumerate(keeps):
-        kept.update(reference_kvzip_kept({layer: weighted[layer]}, k, sink=1, recent=2))
-    assert cache.pool.stats().blocks_in_use == sum(2 * num_blocks_for(k, B) for k in keeps)
-    cache.check_invariants()
-    got = run_steps(llama, x[:, N:], steps[1:], cache, before=lambda c, s, q: c.check_invariants())
-    want = kept_heads_reference(llama, x, N, kept)
-    assert (got - want[:, N:]).abs().max() < CROSS_STEP_LOGIT_ATOL  # every step after the compression
+    _, kept, keeps = run_against_global_reference(llama, x, steps, cache, weighted)  # ranked by the weighted scores
     unweighted = {}
     for layer, k in enumerate(keeps):
         unweighted.update(reference_kvzip_kept({layer: want_scores[layer]}, k, sink=1, recent=2))

@@ -162,7 +162,7 @@ class Evictor:
                              f"{rows} rows of {held} tokens the cache holds; nothing was evicted.")
         keep = self.policy.keep_for(held)
         if 0 < keep < held:
-            if self.policy.reconstructs and self.policy.value_weighted:  # (the ranking's scores; the pass's own are returned as they are)
+            if self.policy.reconstructs and self.policy.value_weighted:  # the scores to rank by (not returned)
                 scores = {layer.layer_idx: self.policy.weigh(scores[layer.layer_idx], cache.read_layer(layer, 0)[1],
                                                              valid) for layer in layers if layer.is_initialized}
             keeps = self._tier_keeps(cache, groups, keep, held, scores, valid)

@@ -51,14 +51,17 @@ def compress_context(model, cache, context_ids, tokenizer=None, prompt_ids: Sequ
             mask (1 for real tokens, 0 for left padding), as given to the prefill. The reconstruction pass then
             gets the mask and the positions `generate` would give (padding masked; each row's positions count its
             real tokens), padding scores 0, and each row keeps its best real tokens (the sinks are its first real
-            tokens): a row scores and keeps as it would in a batch of its own (`ImportancePolicy.select`). Padding
+            tokens): a row scores and keeps as it would in a batch of its own (`ImportancePolicy.select`), given
+            the same number of tokens to keep. NOTE: that number is one for the batch, and a `compression_ratio`
+            is of the padded length, so a shorter row keeps a larger share of its tokens. Padding
             is kept only where a row has fewer real tokens than the budget, in the slots its mask masks, so
             pass the same mask (extended by 1s) to `generate`. Prefill with the positions `generate` gives
             (``position_ids = attention_mask.cumsum(-1) - 1``, or through `generate` itself).
 
     Returns:
         `dict[int, torch.Tensor]`: the scores per layer index, `[batch, num_kv_heads, n]` float32 each (0 at
-        padding).
+        padding): the pass's own, also with ``KVzip(value_weighted=True)``, whose ranking multiplies them by the
+        tokens' relative value norms first (`KVzip.weigh`).
 
     Raises:
         ValueError: `model` is not a transformers model or its attention is not ``"hf_pagedkv"``; `prompt_ids` not a

@@ -77,7 +77,8 @@ class KVzip(ImportancePolicy):
             (row, layer, KV head), before the pooling and the ranking (`weigh`). A token's contribution to the
             attention output is its weight times its value, so a token attended to but with a small value matters
             less: Guo et al., "Attention Score is not All You Need for Token Importance Indicator in KV Cache
-            Reduction: Value Also Matters" (VATP, arXiv 2406.12335). The bytes held do not change.
+            Reduction: Value Also Matters" (VATP, arXiv 2406.12335). The bytes held do not change, and
+            `compress_context` still returns the pass's own scores.
 
     Raises:
         ValueError: as `ImportancePolicy`; `chunk_tokens` not an int >= 1; `kernel_size` not an odd int >= 1;

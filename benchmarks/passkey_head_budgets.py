@@ -157,8 +157,9 @@ def main(argv=None) -> int:
             model.set_attn_implementation("hf_pagedkv")
             cache = PagedCache(pool=BlockPool(block_size=cfg.block_size), config=model.config, retention=policy)
             model(torch.tensor([ctx], device=model.device), **cache_kwargs(cache))
-            values = {i: layer.values.clone() for i, layer in enumerate(cache.layers)}  # [1, H, n, d] each
-            scores = {i: policy.weigh(s, values[i]).cpu()  # (the pass's own scores unless --value-weighted)
+            values = ({i: layer.values.clone() for i, layer in enumerate(cache.layers)}  # [1, H, n, d] each
+                      if policy.value_weighted else {})  # (the held values, before the compression replaces them)
+            scores = {i: (policy.weigh(s, values[i]) if policy.value_weighted else s).cpu()
                       for i, s in compress_context(model, cache, ctx, tokenizer=tok).items()}
             cache.release()
         row = {"example": ex["example"], "context_len": ex["context_len"], "depth": ex["depth"]}

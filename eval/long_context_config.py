@@ -29,6 +29,10 @@ PASSKEY_METHODS = ("full", "sink_window", "key_norm", "key_diff", "snap_kv", "py
                    "kv_zip_pooled", "kv_zip_global")
 TASKS = ("perplexity", "passkey")
 _NOT_IN_NAME = ("output_dir", "overwrite", "data_dir", "num_threads")
+_POOLED = ("kv_zip_pooled", "kv_zip_global")
+#: the settings that only some methods read, and those methods (a setting off its default needs one of them)
+_READERS = {"recent_share": ("kv_zip_recent",), "kv_zip_kernel": _POOLED, "kv_zip_pooling": _POOLED,
+            "kv_zip_recent_share": _POOLED, "kv_zip_share_heads": _POOLED, "kv_zip_value_weighted": _POOLED, "kv_zip_safeguard": ("kv_zip_global",)}
 
 
 @dataclass
@@ -83,6 +87,11 @@ class LongContextConfig:
             the first generated token, so SnapKV's observation window holds the question).
         seed (`int`, defaults to 0).
         output_dir (`str`, defaults to `"eval/runs"`), overwrite (`bool`, defaults to `False`).
+
+    Raises:
+        ValueError: a setting out of its range or of the wrong type, a method or quant not the task's, or a setting
+            only some methods read (`recent_share`, the `kv_zip_*` ones) moved off its default while none of the
+            chosen methods reads it (it would be silently ignored); the message names the methods that read it.
     """
 
     task: str = "perplexity"
@@ -159,6 +168,14 @@ class LongContextConfig:
         for name in ("kv_zip_share_heads", "kv_zip_value_weighted"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"LongContextConfig.{name} must be true or false, got {getattr(self, name)!r}.")
+        unread = [name for name, readers in _READERS.items()
+                  if getattr(self, name) != _DEFAULTS[name] and not set(readers) & set(self.methods)]
+        if unread:  # else the flag would be silently ignored, and the run named and reported as if it were read
+            readers = [m for m in PASSKEY_METHODS if any(m in _READERS[name] for name in unread)]
+            settings = ", ".join(f"{name}={getattr(self, name)!r}" for name in unread)
+            raise ValueError(f"LongContextConfig: {settings} set, but none of the methods {self.methods} (task "
+                             f"{self.task}) reads {'it' if len(unread) == 1 else 'them'}; add one of {readers} to the "
+                             "passkey methods, or leave it at its default.")
         if any(not 0 < r < 1 for r in self.ratios) or any(not 0 <= d <= 100 for d in self.depths):
             raise ValueError(f"LongContextConfig: ratios {self.ratios} must be in (0, 1), depths {self.depths} in "
                              "[0, 100].")
@@ -197,6 +214,9 @@ class LongContextConfig:
             key = f"n{'_'.join(map(str, self.contexts))}-r{'_'.join(map(str, self.ratios))}-k{self.num_keys}"
             key += "-qin" if self.question_in_prompt else ""
         return Path(self.output_dir) / f"long-{self.task}-{key}-{digest}"
+
+
+_DEFAULTS = {f.name: f.default for f in fields(LongContextConfig)}
 
 
 def resolve(argv: list[str] | None = None, prog: str = "python -m eval.long_context"):

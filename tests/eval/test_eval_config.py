@@ -157,28 +157,42 @@ def test_a_setting_out_of_range_on_the_command_line_is_a_usage_error(capsys, whi
     assert match in err and "Traceback" not in err
 
 
-def test_recent_share_is_a_float_flag_and_names_only_the_runs_that_read_it():
+def test_recent_share_is_a_float_flag_and_names_only_the_runs_that_read_it(capsys):
     from eval.long_context_config import resolve as resolve_long
+
+    def refused(extra, setting, readers):  # a setting no chosen method reads: a usage error, not silently ignored
+        with pytest.raises(SystemExit):
+            resolve_long(extra)
+        err = capsys.readouterr().err
+        assert f"{setting} set, but none of the methods" in err and f"add one of {readers}" in err, err
 
     argv = ["--task", "passkey", "--methods", "full", "kv_zip", "--contexts", "1024", "--num-keys", "1"]
     cfg, _ = resolve_long(argv)
     assert cfg.recent_share == 0.5  # the default
-    # a run without kv_zip_recent keeps its name whatever the share (the runs committed before it existed too)
-    assert resolve_long(argv + ["--recent-share", "0.25"])[0].run_dir() == cfg.run_dir()
+    # a run without kv_zip_recent refuses another share; the default is fine (and keeps the runs' names from before)
+    refused(argv + ["--recent-share", "0.25"], "recent_share=0.25", "['kv_zip_recent']")
+    assert resolve_long(argv + ["--recent-share", "0.5"])[0].run_dir() == cfg.run_dir()
     recent = argv + ["--methods", "full", "kv_zip", "kv_zip_recent"]
     a, b = resolve_long(recent)[0], resolve_long(recent + ["--recent-share", "0.25"])[0]
     assert b.recent_share == 0.25 and a.run_dir() != b.run_dir() != cfg.run_dir()
-    assert resolve_long(argv + ["--kv-zip-kernel", "3"])[0].run_dir() == cfg.run_dir()  # the same for the kernel
+    refused(argv + ["--kv-zip-kernel", "3"], "kv_zip_kernel=3", "['kv_zip_pooled', 'kv_zip_global']")  # the kernel
     pooled = argv + ["--methods", "full", "kv_zip", "kv_zip_pooled"]
     c, d = resolve_long(pooled)[0], resolve_long(pooled + ["--kv-zip-kernel", "3"])[0]
     assert (c.kv_zip_kernel, d.kv_zip_kernel) == (7, 3) and c.run_dir() != d.run_dir() != cfg.run_dir()
     # the pooling: max (the default) keeps the names of the runs from before it; avg names its own
     e, f = resolve_long(pooled + ["--kv-zip-pooling", "max"])[0], resolve_long(pooled + ["--kv-zip-pooling", "avg"])[0]
     assert (c.kv_zip_pooling, f.kv_zip_pooling) == ("max", "avg") and e.run_dir() == c.run_dir() != f.run_dir()
-    assert resolve_long(argv + ["--kv-zip-pooling", "avg"])[0].run_dir() == cfg.run_dir()
+    refused(argv + ["--kv-zip-pooling", "avg"], "kv_zip_pooling='avg'", "['kv_zip_pooled', 'kv_zip_global']")
     # kv_zip_pooled's recent share: 0 (the default) keeps the names of the runs from before it; a share names its own
     g, h = resolve_long(pooled + ["--kv-zip-recent-share", "0"])[0], resolve_long(
         pooled + ["--kv-zip-recent-share", "0.25"])[0]
     assert (c.kv_zip_recent_share, h.kv_zip_recent_share) == (0, 0.25) and g.run_dir() == c.run_dir() != h.run_dir()
-    assert resolve_long(argv + ["--kv-zip-recent-share", "0.25"])[0].run_dir() == cfg.run_dir()
-    assert resolve_long(recent + ["--kv-zip-recent-share", "0.25"])[0].run_dir() == a.run_dir()
+    refused(recent + ["--kv-zip-recent-share", "0.25"], "kv_zip_recent_share=0.25",
+            "['kv_zip_pooled', 'kv_zip_global']")
+    refused(pooled + ["--kv-zip-safeguard", "0.2"], "kv_zip_safeguard=0.2", "['kv_zip_global']")  # global's only
+    assert resolve_long(argv + ["--methods", "kv_zip_global", "--kv-zip-safeguard", "0.2"])[0].kv_zip_safeguard == 0.2
+    # the newer flags, and the perplexity task (whose methods read none of them): every unread setting is named
+    refused(argv + ["--kv-zip-share-heads", "--kv-zip-value-weighted"],
+            "kv_zip_share_heads=True, kv_zip_value_weighted=True", "['kv_zip_pooled', 'kv_zip_global']")
+    refused(["--task", "perplexity", "--kv-zip-value-weighted"], "kv_zip_value_weighted=True",
+            "['kv_zip_pooled', 'kv_zip_global']")

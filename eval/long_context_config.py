@@ -32,7 +32,8 @@ _NOT_IN_NAME = ("output_dir", "overwrite", "data_dir", "num_threads")
 _POOLED = ("kv_zip_pooled", "kv_zip_global")
 #: the settings that only some methods read, and those methods (a setting off its default needs one of them)
 _READERS = {"recent_share": ("kv_zip_recent",), "kv_zip_kernel": _POOLED, "kv_zip_pooling": _POOLED,
-            "kv_zip_recent_share": _POOLED, "kv_zip_share_heads": _POOLED, "kv_zip_value_weighted": _POOLED, "kv_zip_safeguard": ("kv_zip_global",)}
+            "kv_zip_recent_share": _POOLED, "kv_zip_share_heads": _POOLED, "kv_zip_value_weighted": _POOLED,
+            "kv_zip_safeguard": ("kv_zip_global",)}
 
 
 @dataclass

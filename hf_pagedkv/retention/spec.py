@@ -14,16 +14,22 @@ SPEC_HELP = ("sink_window:SINK:WINDOW (StreamingLLM), key_norm:BUDGET or key_nor
              "key_diff:RATIO, snapkv:BUDGET or snapkv:RATIO (SnapKV; needs attn_implementation=\"hf_pagedkv\"), "
              "pyramidkv:BUDGET or pyramidkv:RATIO (PyramidKV, 4 tiers; the same attention), "
              "kv_zip:BUDGET or kv_zip:RATIO (KVzip; needs the same attention and compress_context), "
-             "kv_zip_global:BUDGET or kv_zip_global:RATIO (KVzip ranked across layers, max-pooled over 7 tokens) "
+             "kv_zip_global:BUDGET or kv_zip_global:RATIO (KVzip ranked across layers, max-pooled over 7 tokens), "
+             "kv_zip_weighted:BUDGET or kv_zip_weighted:RATIO (the same, average-pooled, its scores weighted by the "
+             "values' norms: the passkey eval's best) "
              "(BUDGET: tokens kept; RATIO: a float in (0, 1), the fraction of the prompt removed); every importance "
              "policy also takes :SHARE after it, a float in [0, 1): the share of the kept tokens given to the most "
              "recent ones (H2O's split, e.g. kv_zip:0.5:0.5)")
 _IMPORTANCE = {"key_norm": KeyNorm, "key_diff": KeyDiff, "snapkv": SnapKV, "snap_kv": SnapKV, "kv_zip": KVzip,
                "kvzip": KVzip}
-_IMPORTANCE.update(pyramidkv=PyramidKV, pyramid_kv=PyramidKV, kv_zip_global=KVzip, kvzip_global=KVzip)
-# the settings a name adds: kv_zip_global is the passkey eval's `kv_zip_global` (its best KVzip setting)
-_SETTINGS = {"kv_zip_global": {"layer_budgets": "global", "kernel_size": 7},
-             "kvzip_global": {"layer_budgets": "global", "kernel_size": 7}}
+_IMPORTANCE.update(pyramidkv=PyramidKV, pyramid_kv=PyramidKV, kv_zip_global=KVzip, kvzip_global=KVzip,
+                   kv_zip_weighted=KVzip, kvzip_weighted=KVzip)
+# the settings a name adds: kv_zip_global is the passkey eval's `kv_zip_global` with its defaults (max-pooled);
+# kv_zip_weighted the same with `--kv-zip-pooling avg --kv-zip-value-weighted`, the eval's best (session 25)
+_GLOBAL = {"layer_budgets": "global", "kernel_size": 7}
+_WEIGHTED = {**_GLOBAL, "pooling": "avg", "value_weighted": True}
+_SETTINGS = {"kv_zip_global": _GLOBAL, "kvzip_global": _GLOBAL, "kv_zip_weighted": _WEIGHTED,
+             "kvzip_weighted": _WEIGHTED}
 
 
 def parse_retention(spec: str) -> RetentionPolicy:
@@ -33,8 +39,9 @@ def parse_retention(spec: str) -> RetentionPolicy:
     `PyramidKV(compression_ratio=0.5)`; ``"kv_zip:0.5"`` (or ``"kvzip:0.5"``) -> `KVzip(compression_ratio=0.5)`;
     ``"kv_zip:0.5:0.25"`` -> `KVzip(compression_ratio=0.5, recent_share=0.25)` (a third part, for any importance
     policy: its `recent_share`); ``"kv_zip_global:0.5"`` -> `KVzip(compression_ratio=0.5, kernel_size=7,
-    layer_budgets="global")` (the passkey eval's `kv_zip_global`; its cache needs ``config=``). Whitespace around
-    the spec is ignored.
+    layer_budgets="global")` (the passkey eval's `kv_zip_global`; its cache needs ``config=``);
+    ``"kv_zip_weighted:0.5"`` -> the same with ``pooling="avg", value_weighted=True`` (the passkey eval's best,
+    `kv_zip_global` with ``--kv-zip-pooling avg --kv-zip-value-weighted``). Whitespace around the spec is ignored.
 
     Raises:
         ValueError: naming the part that is wrong and its form: an unknown policy name, the wrong number of parts or

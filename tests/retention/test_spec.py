@@ -21,6 +21,13 @@ def test_specs_parse_to_their_policies():
     assert parse_retention("pyramidkv:512") == PyramidKV(budget=512) != SnapKV(budget=512)
     assert parse_retention(" kv_zip:512:0.25 ") == KVzip(budget=512, recent_share=0.25)  # whitespace around: fine
     assert parse_retention("KV_Zip : 0.5") == KVzip(compression_ratio=0.5)  # around each part, and in any case
+    glob = KVzip(compression_ratio=0.5, kernel_size=7, layer_budgets="global")  # max-pooled, the eval's default
+    assert parse_retention("kv_zip_global:0.5") == parse_retention("kvzip_global:0.5") == glob
+    best = KVzip(compression_ratio=0.5, kernel_size=7, layer_budgets="global", pooling="avg", value_weighted=True)
+    assert parse_retention("kv_zip_weighted:0.5") == parse_retention("kvzip_weighted:0.5") == best != glob
+    assert parse_retention("kv_zip_weighted:512:0.25") == KVzip(budget=512, recent_share=0.25, kernel_size=7,
+                                                                layer_budgets="global", pooling="avg",
+                                                                value_weighted=True)
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -114,6 +121,7 @@ RECON = 2 * 4096 + 40  # KVzip's reconstruction pass: the context twice and the 
 
 @pytest.mark.parametrize("spec, peak, unevicted_peak", [
     ("kv_zip:2000", RECON, RECON), ("kv_zip_global:3000", RECON, RECON),  # the pass runs even if nothing is evicted
+    ("kv_zip_weighted:3000", RECON, RECON),  # (the weighting changes which tokens are kept, not how many)
     ("snapkv:3000", 4096 + 3001, None), ("key_norm:2000", 4096 + 2001, None)])
 def test_a_budget_plans_the_peak_while_it_compresses_as_a_ratio_does(spec, peak, unevicted_peak, capsys):
     """A budget below max_seq_len compresses a prompt of max_seq_len tokens: the prefill plus the kept tokens in fresh

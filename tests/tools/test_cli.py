@@ -306,7 +306,7 @@ def test_eval_help_names_its_command_and_each_default_once(argv, prog, capsys):
 
 
 @pytest.mark.parametrize("spec, name", [("snapkv:0.5", "SnapKV"), ("kv_zip:0.5", "KVzip"),
-                                        ("kv_zip_global:0.5", "KVzip")])
+                                        ("kv_zip_global:0.5", "KVzip"), ("kv_zip_weighted:0.5", "KVzip")])
 def test_generate_with_a_query_aware_retention_policy(monkeypatch, capsys, spec, name):
     cli = _cli_with_tiny_model(monkeypatch)
     model = cli.load_model()[0]
@@ -317,7 +317,8 @@ def test_generate_with_a_query_aware_retention_policy(monkeypatch, capsys, spec,
         assert cli.main(argv) == 0
         out = capsys.readouterr().out
         assert f"retention {name}(" in out and "(1 evictions)" in out  # the prompt was compressed once
-        assert ("layer_budgets='global'" in out) == spec.startswith("kv_zip_global")
+        assert ("layer_budgets='global'" in out) == spec.startswith(("kv_zip_global", "kv_zip_weighted"))
+        assert ("value_weighted=True" in out) == spec.startswith("kv_zip_weighted")
         assert model.config._attn_implementation == "hf_pagedkv"  # the CLI switched to the attention SnapKV needs
     finally:
         model.set_attn_implementation(before)

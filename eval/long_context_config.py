@@ -174,9 +174,12 @@ class LongContextConfig:
         if unread:  # else the flag would be silently ignored, and the run named and reported as if it were read
             readers = [m for m in PASSKEY_METHODS if any(m in _READERS[name] for name in unread)]
             settings = ", ".join(f"{name}={getattr(self, name)!r}" for name in unread)
+            fix = (f"add one of {readers} to the methods" if self.task == "passkey" else
+                   f"{'it is a passkey setting' if len(unread) == 1 else 'they are passkey settings'}: use --task "
+                   f"passkey with one of {readers} among the methods")
             raise ValueError(f"LongContextConfig: {settings} set, but none of the methods {self.methods} (task "
-                             f"{self.task}) reads {'it' if len(unread) == 1 else 'them'}; add one of {readers} to the "
-                             "passkey methods, or leave it at its default.")
+                             f"{self.task}) reads {'it' if len(unread) == 1 else 'them'}; {fix}, or leave "
+                             f"{'it' if len(unread) == 1 else 'them'} at the default.")
         if any(not 0 < r < 1 for r in self.ratios) or any(not 0 <= d <= 100 for d in self.depths):
             raise ValueError(f"LongContextConfig: ratios {self.ratios} must be in (0, 1), depths {self.depths} in "
                              "[0, 100].")
@@ -220,22 +223,35 @@ class LongContextConfig:
 _DEFAULTS = {f.name: f.default for f in fields(LongContextConfig)}
 
 
+def _field_help() -> dict[str, str]:
+    """Each field's `--flag` help: its entry in `LongContextConfig`'s Args (type, default and meaning; an entry
+    that documents several fields is given to each), so the docstring stays the one place they are written."""
+    args = LongContextConfig.__doc__.split("Args:\n", 1)[1].split("\n    Raises:", 1)[0]
+    helps = {}
+    for entry in re.split(r"\n(?=        \S)", args.strip("\n")):
+        text = " ".join(entry.split())
+        for name in re.findall(r"(?:^|, )(\w+) \(", text.split("):", 1)[0]):
+            helps[name] = text.replace("%", "%%")  # (argparse formats help with %)
+    return helps
+
+
 def resolve(argv: list[str] | None = None, prog: str = "python -m eval.long_context"):
     """`(LongContextConfig, argparse.Namespace)` from defaults, then `--config FILE`, then the other flags."""
     parser = argparse.ArgumentParser(prog=prog, description=__doc__, argument_default=argparse.SUPPRESS)
     parser.add_argument("--config", dest="config_file", help="YAML file of settings (CLI flags override it)")
+    helps = _field_help()
     for f in fields(LongContextConfig):
-        flag = "--" + f.name.replace("_", "-")
+        flag, kw = "--" + f.name.replace("_", "-"), {"dest": f.name, "help": helps[f.name]}
         if f.type == "bool":
-            parser.add_argument(flag, dest=f.name, action="store_true")
+            parser.add_argument(flag, action="store_true", **kw)
         elif f.type.startswith("list"):
-            parser.add_argument(flag, dest=f.name, nargs="+")
+            parser.add_argument(flag, nargs="+", **kw)
         elif f.type == "int":
-            parser.add_argument(flag, dest=f.name, type=int)
+            parser.add_argument(flag, type=int, **kw)
         elif f.type == "float":
-            parser.add_argument(flag, dest=f.name, type=float)
+            parser.add_argument(flag, type=float, **kw)
         else:
-            parser.add_argument(flag, dest=f.name)
+            parser.add_argument(flag, **kw)
     parser.add_argument("-v", "--verbose", action="store_true", default=False)
     args = parser.parse_args(argv)
     settings = {}

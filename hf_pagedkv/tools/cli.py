@@ -160,9 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--quant", default="fp", choices=list(PRESETS),
                    help="KV storage format, e.g. k8v4: 8-bit keys, 4-bit values (default: %(default)s)")
     g.add_argument("--retention", metavar="SPEC", help="a retention policy that evicts tokens and frees their blocks: "
-                   "sink_window:SINK:WINDOW, or key_norm/key_diff/snapkv/pyramidkv/kv_zip/kv_zip_global/"
-                   "kv_zip_weighted:BUDGET|RATIO[:SHARE] (the query-aware ones switch the model to the hf_pagedkv "
-                   "attention)")
+                   "sink_window:SINK:WINDOW, or NAME:BUDGET|RATIO[:SHARE] with NAME one of key_norm, key_diff, "
+                   "snapkv, pyramidkv, kv_zip, kv_zip_global, kv_zip_weighted (the query-aware ones switch the "
+                   "model to the hf_pagedkv attention)")
     g.add_argument("--attention", choices=["sdpa", "hf_pagedkv", "hf_pagedkv_compiled"], default=None,
                    help="the model's attention: sdpa, hf_pagedkv (reads the cache's blocks and codes in place) or "
                    "hf_pagedkv_compiled (its quantized reads in C on the CPU, Triton on CUDA) (default: sdpa, or "

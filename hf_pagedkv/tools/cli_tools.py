@@ -49,8 +49,8 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
                                     "0's memory; without CUDA, this machine's RAM / --tp, as CPU ranks share it)")
     p.add_argument("--retention", metavar="SPEC", help="plan for a retention policy: each sequence holds at most "
                    "what it keeps, and the pool is sized for the peak while it compresses (sink_window:SINK:WINDOW, "
-                   "key_norm/key_diff/snapkv/pyramidkv/kv_zip/kv_zip_global/kv_zip_weighted:BUDGET|RATIO[:SHARE]; "
-                   "BUDGET: tokens kept, RATIO: a float in (0, 1), the fraction removed, SHARE: the kept tokens' "
+                   "or NAME:BUDGET|RATIO[:SHARE] with NAME one of key_norm, key_diff, snapkv, pyramidkv, kv_zip, "
+                   "kv_zip_global, kv_zip_weighted; BUDGET: tokens kept, RATIO: a float in (0, 1), the fraction removed, SHARE: the kept tokens' "
                    "share given to the most recent ones)")
     p.add_argument("--host-memory", help="a host-memory tier for offloaded caches and evicted prefix blocks, e.g. "
                                          "64GiB: prints the blocks, tokens and sequences it holds")

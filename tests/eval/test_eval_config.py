@@ -1,5 +1,6 @@
 """EvalConfig layering (defaults < YAML < CLI), validation, data resolution and run-directory naming."""
 
+import dataclasses
 import json
 
 import pytest
@@ -157,6 +158,18 @@ def test_a_setting_out_of_range_on_the_command_line_is_a_usage_error(capsys, whi
     assert match in err and "Traceback" not in err
 
 
+def test_every_long_context_flag_has_its_docstring_entry_as_help(capsys):
+    from eval.long_context_config import LongContextConfig
+    from eval.long_context_config import resolve as resolve_long
+
+    with pytest.raises(SystemExit):
+        resolve_long(["--help"])
+    flat = " ".join(capsys.readouterr().out.split())
+    for f in dataclasses.fields(LongContextConfig):  # each flag's help starts with its field's entry: name (type...
+        assert f"--{f.name.replace('_', '-')}" in flat and f"{f.name} (`" in flat, f.name
+    assert "(`KVzip.value_weighted`, VATP)" in flat and "ratios (`list[float]`, defaults to 0.25 0.5 0.75)" in flat
+
+
 def test_recent_share_is_a_float_flag_and_names_only_the_runs_that_read_it(capsys):
     from eval.long_context_config import resolve as resolve_long
 
@@ -164,7 +177,8 @@ def test_recent_share_is_a_float_flag_and_names_only_the_runs_that_read_it(capsy
         with pytest.raises(SystemExit):
             resolve_long(extra)
         err = capsys.readouterr().err
-        assert f"{setting} set, but none of the methods" in err and f"add one of {readers}" in err, err
+        assert f"{setting} set, but none of the methods" in err and f"one of {readers}" in err, err
+        assert ("use --task passkey" in err) == ("--task" in extra and "perplexity" in extra), err
 
     argv = ["--task", "passkey", "--methods", "full", "kv_zip", "--contexts", "1024", "--num-keys", "1"]
     cfg, _ = resolve_long(argv)

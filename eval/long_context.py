@@ -59,7 +59,7 @@ from hf_pagedkv import PyramidKV
 
 from .config import EvalConfig
 from .data import load_text, tokenize_prefix
-from .long_context_config import LongContextConfig, resolve
+from .long_context_config import POOLED_METHODS, LongContextConfig, resolve
 from .tasks.passkey import metrics as passkey_metrics
 from .tasks.passkey import prepare as passkey_prepare
 from .tasks.perplexity.metrics import token_nll
@@ -270,12 +270,12 @@ def run_passkey(model, tokenizer, cfg: LongContextConfig) -> tuple[list[dict], d
 
 # -- report ------------------------------------------------------------------------------------------------------------
 def report_text(cfg: LongContextConfig, metrics: dict) -> str:
-    pooled = bool({"kv_zip_pooled", "kv_zip_global"} & set(cfg.methods))
+    pooled = [m for m in cfg.methods if m in POOLED_METHODS]
     lines = [f"# Long contexts: {cfg.task}", "", f"Model: {cfg.model or 'SmolLM2-135M-Instruct (bundled GGUF)'}; "
              f"data: `{cfg.dataset}`; block size {cfg.block_size}; sinks {cfg.sink_tokens}, recent tokens "
              f"{cfg.recent_tokens}"
              + (f"; kv_zip_recent: recent share {cfg.recent_share}" if "kv_zip_recent" in cfg.methods else "")
-             + (f"; {'/'.join(m for m in cfg.methods if m in ('kv_zip_pooled', 'kv_zip_global'))}: kernel "
+             + (f"; {'/'.join(pooled)}: kernel "
                 f"{cfg.kv_zip_kernel}" if pooled else "")
              + (f", {cfg.kv_zip_pooling}-pooling" if pooled and cfg.kv_zip_pooling != "max" else "")
              + (f", recent share {cfg.kv_zip_recent_share}" if pooled and cfg.kv_zip_recent_share else "")

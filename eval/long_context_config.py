@@ -29,11 +29,16 @@ PASSKEY_METHODS = ("full", "sink_window", "key_norm", "key_diff", "snap_kv", "py
                    "kv_zip_pooled", "kv_zip_global")
 TASKS = ("perplexity", "passkey")
 _NOT_IN_NAME = ("output_dir", "overwrite", "data_dir", "num_threads")
-_POOLED = ("kv_zip_pooled", "kv_zip_global")
-#: the settings that only some methods read, and those methods (a setting off its default needs one of them)
-_READERS = {"recent_share": ("kv_zip_recent",), "kv_zip_kernel": _POOLED, "kv_zip_pooling": _POOLED,
-            "kv_zip_recent_share": _POOLED, "kv_zip_share_heads": _POOLED, "kv_zip_value_weighted": _POOLED,
-            "kv_zip_safeguard": ("kv_zip_global",)}
+#: the passkey methods that pool KVzip's scores (they read the `kv_zip_*` settings)
+POOLED_METHODS = ("kv_zip_pooled", "kv_zip_global")
+#: the settings that only some methods read, and those methods (a setting off its default needs one of them; a
+#: run none of them is in leaves the setting out of its name)
+_READERS = {"recent_share": ("kv_zip_recent",), "kv_zip_kernel": POOLED_METHODS, "kv_zip_pooling": POOLED_METHODS,
+            "kv_zip_recent_share": POOLED_METHODS, "kv_zip_share_heads": POOLED_METHODS,
+            "kv_zip_value_weighted": POOLED_METHODS, "kv_zip_safeguard": ("kv_zip_global",)}
+#: the settings added after runs were committed: at their defaults they stay out of the name, so those runs keep it
+_NAMED_OFF_DEFAULT = ("question_in_prompt", "kv_zip_pooling", "kv_zip_recent_share", "kv_zip_safeguard",
+                      "kv_zip_share_heads", "kv_zip_value_weighted")
 
 
 @dataclass
@@ -169,8 +174,7 @@ class LongContextConfig:
         for name in ("kv_zip_share_heads", "kv_zip_value_weighted"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"LongContextConfig.{name} must be true or false, got {getattr(self, name)!r}.")
-        unread = [name for name, readers in _READERS.items()
-                  if getattr(self, name) != _DEFAULTS[name] and not set(readers) & set(self.methods)]
+        unread = [name for name in _READERS if getattr(self, name) != _DEFAULTS[name] and not self.reads(name)]
         if unread:  # else the flag would be silently ignored, and the run named and reported as if it were read
             readers = [m for m in PASSKEY_METHODS if any(m in _READERS[name] for name in unread)]
             settings = ", ".join(f"{name}={getattr(self, name)!r}" for name in unread)
@@ -184,6 +188,10 @@ class LongContextConfig:
             raise ValueError(f"LongContextConfig: ratios {self.ratios} must be in (0, 1), depths {self.depths} in "
                              "[0, 100].")
 
+    def reads(self, name: str) -> bool:
+        """Whether one of `methods` reads the setting `name` (`True` for a setting every run reads)."""
+        return name not in _READERS or bool(set(_READERS[name]) & set(self.methods))
+
     @property
     def resolved_data_dir(self) -> Path:
         return resolve_data_dir(self.data_dir)
@@ -194,23 +202,12 @@ class LongContextConfig:
     def run_dir(self) -> Path:
         """`output_dir/<task>-<key settings>-<hash of every setting that changes the numbers>`."""
         ident = {k: v for k, v in self.to_dict().items() if k not in _NOT_IN_NAME}
-        if not ident["question_in_prompt"]:  # added later: runs from before keep their names
-            del ident["question_in_prompt"]
-        if "kv_zip_recent" not in ident["methods"]:  # added later, and read by that method only
-            del ident["recent_share"]
-        pooled = bool({"kv_zip_pooled", "kv_zip_global"} & set(ident["methods"]))  # the methods reading these
-        if not pooled:  # so is this one
-            del ident["kv_zip_kernel"]
-        if not pooled or ident["kv_zip_pooling"] == "max":  # added later still
-            del ident["kv_zip_pooling"]
-        if not pooled or ident["kv_zip_recent_share"] == 0:  # and this one
-            del ident["kv_zip_recent_share"]
-        if "kv_zip_global" not in ident["methods"] or ident["kv_zip_safeguard"] == 0:  # the newest
-            del ident["kv_zip_safeguard"]
-        if not pooled or not ident["kv_zip_share_heads"]:  # newer still
-            del ident["kv_zip_share_heads"]
-        if not pooled or not ident["kv_zip_value_weighted"]:  # the newest of all
-            del ident["kv_zip_value_weighted"]
+        for name in _READERS:  # (each added after runs were committed that none of its methods was in)
+            if not self.reads(name):
+                del ident[name]
+        for name in _NAMED_OFF_DEFAULT:
+            if name in ident and ident[name] == _DEFAULTS[name]:
+                del ident[name]
         digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:6]
         if self.task == "perplexity":
             key = f"w{self.num_windows}-n{self.context_len}-b{'_'.join(map(str, self.budgets))}-c{self.chunk}"

@@ -83,7 +83,8 @@ def policy_for(method: str, cfg: LongContextConfig, budget: int | None = None, r
     cls = {"key_norm": KeyNorm, "key_diff": KeyDiff, "snap_kv": SnapKV, "pyramid_kv": PyramidKV,
            "kv_zip": KVzip, "kv_zip_recent": KVzip, "kv_zip_pooled": KVzip, "kv_zip_global": KVzip}[method]
     pooled = {"kernel_size": cfg.kv_zip_kernel, "pooling": cfg.kv_zip_pooling, "recent_share": cfg.kv_zip_recent_share,
-              "share_heads": cfg.kv_zip_share_heads, "value_weighted": cfg.kv_zip_value_weighted}
+              "share_heads": cfg.kv_zip_share_heads, "value_weighted": cfg.kv_zip_value_weighted,
+              "value_power": cfg.kv_zip_value_power}
     extra = {"kv_zip_recent": {"recent_share": cfg.recent_share}, "kv_zip_pooled": pooled,
              "kv_zip_global": {**pooled, "layer_budgets": "global", "safeguard": cfg.kv_zip_safeguard}}.get(method, {})
     if ratio is not None:
@@ -281,6 +282,7 @@ def report_text(cfg: LongContextConfig, metrics: dict) -> str:
              + (f", recent share {cfg.kv_zip_recent_share}" if pooled and cfg.kv_zip_recent_share else "")
              + (", heads share their tokens" if pooled and cfg.kv_zip_share_heads else "")
              + (", scores weighted by value norms" if pooled and cfg.kv_zip_value_weighted else "")
+             + (f" to the power {cfg.kv_zip_value_power}" if pooled and cfg.kv_zip_value_power != 1 else "")
              + (f"; kv_zip_global: safeguard {cfg.kv_zip_safeguard}" if "kv_zip_global" in cfg.methods
                 and cfg.kv_zip_safeguard else "")
              + f"; {metrics['environment']['seconds']} s.", ""]

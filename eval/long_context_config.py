@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -35,10 +36,11 @@ POOLED_METHODS = ("kv_zip_pooled", "kv_zip_global")
 #: run none of them is in leaves the setting out of its name)
 _READERS = {"recent_share": ("kv_zip_recent",), "kv_zip_kernel": POOLED_METHODS, "kv_zip_pooling": POOLED_METHODS,
             "kv_zip_recent_share": POOLED_METHODS, "kv_zip_share_heads": POOLED_METHODS,
-            "kv_zip_value_weighted": POOLED_METHODS, "kv_zip_safeguard": ("kv_zip_global",)}
+            "kv_zip_value_weighted": POOLED_METHODS, "kv_zip_value_power": POOLED_METHODS,
+            "kv_zip_safeguard": ("kv_zip_global",)}
 #: the settings added after runs were committed: at their defaults they stay out of the name, so those runs keep it
 _NAMED_OFF_DEFAULT = ("question_in_prompt", "kv_zip_pooling", "kv_zip_recent_share", "kv_zip_safeguard",
-                      "kv_zip_share_heads", "kv_zip_value_weighted")
+                      "kv_zip_share_heads", "kv_zip_value_weighted", "kv_zip_value_power")
 
 
 @dataclass
@@ -79,6 +81,8 @@ class LongContextConfig:
         kv_zip_value_weighted (`bool`, defaults to `False`): passkey, methods `kv_zip_pooled` and `kv_zip_global`:
             each token's score times its relative value norm before the pooling and the ranking
             (`KVzip.value_weighted`, VATP).
+        kv_zip_value_power (`float`, defaults to 1.0): passkey, methods `kv_zip_pooled` and `kv_zip_global`, with
+            `kv_zip_value_weighted`: the exponent of the relative value norm (`KVzip.value_power`), > 0.
         block_size (`int`, defaults to 16): `PagedCache` block size.
         methods (`list[str]`, *optional*): from `PPL_METHODS` (perplexity) or `PASSKEY_METHODS` (passkey); all of
             the task's by default.
@@ -119,6 +123,7 @@ class LongContextConfig:
     kv_zip_safeguard: float = 0.0
     kv_zip_share_heads: bool = False
     kv_zip_value_weighted: bool = False
+    kv_zip_value_power: float = 1.0
     block_size: int = 16
     methods: list[str] | None = None
     quants: list[str] = field(default_factory=lambda: ["fp"])
@@ -174,6 +179,12 @@ class LongContextConfig:
         for name in ("kv_zip_share_heads", "kv_zip_value_weighted"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"LongContextConfig.{name} must be true or false, got {getattr(self, name)!r}.")
+        value = self.kv_zip_value_power
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"LongContextConfig.kv_zip_value_power must be a finite number > 0, got {value!r}.")
+        if value != 1 and not self.kv_zip_value_weighted:
+            raise ValueError(f"LongContextConfig.kv_zip_value_power={value!r} is the exponent of the value weighting: "
+                             "set kv_zip_value_weighted (--kv-zip-value-weighted) too, or leave it at 1.")
         unread = [name for name in _READERS if getattr(self, name) != _DEFAULTS[name] and not self.reads(name)]
         if unread:  # else the flag would be silently ignored, and the run named and reported as if it were read
             readers = [m for m in PASSKEY_METHODS if any(m in _READERS[name] for name in unread)]

@@ -79,11 +79,16 @@ class KVzip(ImportancePolicy):
             less: Guo et al., "Attention Score is not All You Need for Token Importance Indicator in KV Cache
             Reduction: Value Also Matters" (VATP, arXiv 2406.12335). The bytes held do not change, and
             `compress_context` still returns the pass's own scores.
+        value_power (`float`, *optional*, defaults to 1.0): with ``value_weighted=True``, the exponent of the
+            relative value norm (``scores * (norm / mean_norm) ** value_power``), a finite number > 0; 2 weighs the
+            values more (on SmolLM2's passkey task, with ``kernel_size=3``, it kept more keys than 1 in a head-masked
+            simulation, `docs/long_contexts.md`). Without ``value_weighted`` it must stay 1.
 
     Raises:
         ValueError: as `ImportancePolicy`; `chunk_tokens` not an int >= 1; `kernel_size` not an odd int >= 1;
             `pooling` not one of `POOLINGS`; `layer_budgets` not one of `LAYER_BUDGETS`; `safeguard` not a number
-            in [0, 1]; `share_heads` or `value_weighted` not a bool.
+            in [0, 1]; `share_heads` or `value_weighted` not a bool; `value_power` not a finite number > 0, or not 1
+            without ``value_weighted``.
 
     Example:
 
@@ -105,6 +110,7 @@ class KVzip(ImportancePolicy):
     safeguard: float = 0.0
     share_heads: bool = False
     value_weighted: bool = False
+    value_power: float = 1.0
 
     name = "kv_zip"
     reconstructs = True
@@ -126,6 +132,13 @@ class KVzip(ImportancePolicy):
         if not isinstance(self.value_weighted, bool):
             raise ValueError(f"`value_weighted` must be a bool (True: scores times the tokens' value norms), got "
                              f"{self.value_weighted!r}.")
+        if isinstance(self.value_power, bool) or not isinstance(self.value_power, numbers.Real) \
+                or not math.isfinite(self.value_power) or self.value_power <= 0:
+            raise ValueError(f"`value_power` must be a finite number > 0 (the exponent of the relative value norm), "
+                             f"got {self.value_power!r}.")
+        if self.value_power != 1 and not self.value_weighted:
+            raise ValueError(f"`value_power` is the exponent of the value weighting: pass value_weighted=True with it "
+                             f"(got value_power={self.value_power!r}, value_weighted=False).")
         if self.safeguard and not self.is_tiered():
             raise ValueError(f"`safeguard` applies to the ranking across layers only: pass layer_budgets=\"global\" "
                              f"with it (got layer_budgets={self.layer_budgets!r}, safeguard={self.safeguard!r}).")
@@ -254,7 +267,7 @@ class KVzip(ImportancePolicy):
 
     def weigh(self, scores: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """The reconstruction scores that rank the tokens: `scores` as they are, or with ``value_weighted=True``
-        times each token's relative value norm (VATP, arXiv 2406.12335).
+        times each token's relative value norm to the power `value_power` (VATP, arXiv 2406.12335).
 
         Args:
             scores (`torch.Tensor` of shape `[rows, num_kv_heads, held]`): one layer's `ContextScores`.
@@ -263,8 +276,9 @@ class KVzip(ImportancePolicy):
                 mean norm (padding scores 0 either way).
 
         Returns:
-            `torch.Tensor` of shape `[rows, num_kv_heads, held]`, float32: ``scores * norm / mean_norm``, the norm
-            the L2 norm of each token's value and the mean over the row's real tokens, per (row, KV head).
+            `torch.Tensor` of shape `[rows, num_kv_heads, held]`, float32: ``scores * (norm / mean_norm) **
+            value_power``, the norm the L2 norm of each token's value and the mean over the row's real tokens, per
+            (row, KV head).
         """
         if not self.value_weighted:
             return scores
@@ -274,7 +288,8 @@ class KVzip(ImportancePolicy):
         else:
             real = valid.to(scores.device)[:, None, :].float()  # [rows, 1, held]
             mean = (norms * real).sum(-1, keepdim=True) / real.sum(-1, keepdim=True).clamp_min(1)
-        return scores.float() * norms / mean.clamp_min(torch.finfo(torch.float32).tiny)
+        relative = norms / mean.clamp_min(torch.finfo(torch.float32).tiny)
+        return scores.float() * (relative if self.value_power == 1 else relative ** self.value_power)
 
     def _pooled(self, scores: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         """`scores` (`[rows, num_kv_heads, held]`) pooled over `kernel_size` tokens, float32; with `share_heads` each

@@ -210,3 +210,22 @@ def test_recent_share_is_a_float_flag_and_names_only_the_runs_that_read_it(capsy
             "kv_zip_share_heads=True, kv_zip_value_weighted=True", "['kv_zip_pooled', 'kv_zip_global']")
     refused(["--task", "perplexity", "--kv-zip-value-weighted"], "kv_zip_value_weighted=True",
             "['kv_zip_pooled', 'kv_zip_global']")
+    refused(argv + ["--kv-zip-value-weighted", "--kv-zip-value-power", "2"],
+            "kv_zip_value_weighted=True, kv_zip_value_power=2.0", "['kv_zip_pooled', 'kv_zip_global']")
+    squared = pooled + ["--kv-zip-value-weighted", "--kv-zip-value-power"]
+    assert resolve_long(squared + ["2"])[0].kv_zip_value_power == 2.0
+    assert resolve_long(squared + ["1"])[0].run_dir() == resolve_long(squared[:-1])[0].run_dir()  # 1: the default
+
+
+def test_every_committed_long_context_run_rebuilds_its_directory_name_from_its_config():
+    """A setting added to `LongContextConfig` must leave the committed runs' names as they are (at its default it stays
+    out of the name), or the docs' run directories stop matching what the eval would write."""
+    from pathlib import Path
+
+    from eval.long_context_config import LongContextConfig
+
+    runs = sorted((Path(__file__).resolve().parents[2] / "eval" / "results").glob("long-*/config.yaml"))
+    assert len(runs) >= 39  # the runs committed by session 26
+    for path in runs:
+        settings = {**yaml.safe_load(path.read_text()), "output_dir": "eval/results"}
+        assert LongContextConfig(**settings).run_dir().name == path.parent.name, path

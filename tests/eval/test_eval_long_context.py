@@ -121,6 +121,16 @@ def test_passkey_examples_and_run(tiny, tmp_path):
                                                                       "passkey": {}})
     with pytest.raises(ValueError, match="kv_zip_value_weighted"):
         LongContextConfig(**{**cfg.to_dict(), "kv_zip_value_weighted": 1})
+    squared = LongContextConfig(**{**weighted.to_dict(), "kv_zip_value_power": 2.0})
+    assert policy_for("kv_zip_global", squared, ratio=0.5, context=256).value_power == 2.0
+    assert policy_for("kv_zip_global", weighted, ratio=0.5, context=256).value_power == 1.0
+    assert squared.run_dir() != weighted.run_dir()  # and at 1 the runs before it keep their names
+    assert "value norms to the power 2.0" in report_text(squared, {"environment": {"seconds": 1.0}, "passkey": {}})
+    for bad in (0, -2.0, float("nan"), True):
+        with pytest.raises(ValueError, match="kv_zip_value_power"):
+            LongContextConfig(**{**weighted.to_dict(), "kv_zip_value_power": bad})
+    with pytest.raises(ValueError, match="set kv_zip_value_weighted"):  # the exponent of a weighting that is off
+        LongContextConfig(**{**cfg.to_dict(), "kv_zip_value_power": 2.0})
     plain = policy_for("kv_zip", cfg, ratio=0.5, context=256)
     assert (plain.recent_share, plain.kernel_size) == (0, 1)
     assert "kv_zip_recent: recent share 0.5; kv_zip_pooled: kernel 7" in (cfg.run_dir() / "report.md").read_text()

@@ -394,6 +394,15 @@ def test_value_weighted_scores_are_times_the_relative_value_norm_and_padding_is_
     for bad in (1, "yes", None):
         with pytest.raises(ValueError, match="value_weighted"):
             KVzip(budget=64, value_weighted=bad)
+    squared = KVzip(budget=64, value_weighted=True, value_power=2).weigh(scores, values)  # (norm / mean) ** 2
+    torch.testing.assert_close(squared, torch.tensor([[[0.5 / 9, 0.5, 0.2 * 16 / 9, 0.0]]]), atol=1e-7, rtol=0)
+    assert torch.equal(KVzip(budget=64, value_weighted=True, value_power=1.0).weigh(scores, values),
+                       KVzip(budget=64, value_weighted=True).weigh(scores, values))  # 1: the plain weighting
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "2"):
+        with pytest.raises(ValueError, match="value_power"):
+            KVzip(budget=64, value_weighted=True, value_power=bad)
+    with pytest.raises(ValueError, match="value_weighted=True"):  # an exponent of a weighting that is off
+        KVzip(budget=64, value_power=2)
 
 
 def test_value_weighted_global_budgets_equal_the_head_masked_reference(llama):

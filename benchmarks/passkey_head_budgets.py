@@ -20,7 +20,8 @@ number of tokens in all (the sinks and the last `recent_tokens` always kept):
 - `full`: nothing hidden.
 
 With `--value-weighted` every rule ranks by the scores times the tokens' relative value norms
-(`KVzip(value_weighted=True)`, VATP) instead of the reconstruction scores alone.
+(`KVzip(value_weighted=True)`, VATP) instead of the reconstruction scores alone (`--value-power P`: to the power `P`);
+`--kernel K` pools them over `K` tokens instead of the eval's 7.
 
 Printed per example and rule: the key's log-probability after the question (summed over its tokens,
 teacher-forced) and whether every key token is the argmax (teacher-forced, a proxy for the eval's greedy answer),
@@ -134,7 +135,15 @@ def main(argv=None) -> int:
     ap.add_argument("--rules", nargs="+", choices=RULES, default=list(RULES))
     ap.add_argument("--value-weighted", action="store_true",
                     help="rank by the scores times the tokens' relative value norms (KVzip(value_weighted=True))")
+    ap.add_argument("--value-power", type=float, default=1.0,
+                    help="with --value-weighted: the exponent of the relative value norm (KVzip.value_power)")
+    ap.add_argument("--kernel", type=int, default=7, help="the pooling's kernel, odd (KVzip.kernel_size; the eval's 7)")
     args, wanted = parse_examples(ap, argv)
+    try:  # (KVzip's own checks, before the model loads)
+        KVzip(budget=64, kernel_size=args.kernel, pooling="avg", value_weighted=args.value_weighted,
+              value_power=args.value_power)
+    except ValueError as exc:
+        ap.error(str(exc))
     rules = list(dict.fromkeys(args.rules))
     torch.set_num_threads(args.threads)
     cfg = LongContextConfig(task="passkey", contexts=list(CONTEXTS), depths=list(DEPTHS), num_keys=KEYS,
@@ -151,7 +160,7 @@ def main(argv=None) -> int:
         ctx, q = ex["context_ids"], ex["question_ids"]
         key = key_ids(tok, ex)
         policy = replace(policy_for("kv_zip_global", cfg, ratio=args.ratio, context=len(ctx)),
-                         value_weighted=args.value_weighted)
+                         value_weighted=args.value_weighted, value_power=args.value_power, kernel_size=args.kernel)
         scores = None
         if set(rules) - {"full"}:  # the reconstruction scores, from a cache compressed as the eval compresses it
             model.set_attn_implementation("hf_pagedkv")

@@ -15,8 +15,8 @@ SPEC_HELP = ("sink_window:SINK:WINDOW (StreamingLLM), key_norm:BUDGET or key_nor
              "pyramidkv:BUDGET or pyramidkv:RATIO (PyramidKV, 4 tiers; the same attention), "
              "kv_zip:BUDGET or kv_zip:RATIO (KVzip; needs the same attention and compress_context), "
              "kv_zip_global:BUDGET or kv_zip_global:RATIO (KVzip ranked across layers, max-pooled over 7 tokens), "
-             "kv_zip_weighted:BUDGET or kv_zip_weighted:RATIO (the same, average-pooled, its scores weighted by the "
-             "values' norms: the passkey eval's best) "
+             "kv_zip_weighted:BUDGET or kv_zip_weighted:RATIO (KVzip ranked across layers, average-pooled over 3 "
+             "tokens, its scores weighted by the squared relative norms of the values: the passkey eval's best) "
              "(BUDGET: tokens kept; RATIO: a float in (0, 1), the fraction of the prompt removed); every importance "
              "policy also takes :SHARE after it, a float in [0, 1): the share of the kept tokens given to the most "
              "recent ones (H2O's split, e.g. kv_zip:0.5:0.5)")
@@ -25,9 +25,10 @@ _IMPORTANCE = {"key_norm": KeyNorm, "key_diff": KeyDiff, "snapkv": SnapKV, "snap
 _IMPORTANCE.update(pyramidkv=PyramidKV, pyramid_kv=PyramidKV, kv_zip_global=KVzip, kvzip_global=KVzip,
                    kv_zip_weighted=KVzip, kvzip_weighted=KVzip)
 # the settings a name adds: kv_zip_global is the passkey eval's `kv_zip_global` with its defaults (max-pooled);
-# kv_zip_weighted the same with `--kv-zip-pooling avg --kv-zip-value-weighted`, the eval's best (session 25)
+# kv_zip_weighted the eval's best: `--kv-zip-pooling avg --kv-zip-value-weighted --kv-zip-kernel 3
+# --kv-zip-value-power 2` (session 27; until then kernel 7 and the plain weighting, session 25)
 _GLOBAL = {"layer_budgets": "global", "kernel_size": 7}
-_WEIGHTED = {**_GLOBAL, "pooling": "avg", "value_weighted": True}
+_WEIGHTED = {"layer_budgets": "global", "kernel_size": 3, "pooling": "avg", "value_weighted": True, "value_power": 2.0}
 _SETTINGS = {"kv_zip_global": _GLOBAL, "kvzip_global": _GLOBAL, "kv_zip_weighted": _WEIGHTED,
              "kvzip_weighted": _WEIGHTED}
 
@@ -40,8 +41,9 @@ def parse_retention(spec: str) -> RetentionPolicy:
     ``"kv_zip:0.5:0.25"`` -> `KVzip(compression_ratio=0.5, recent_share=0.25)` (a third part, for any importance
     policy: its `recent_share`); ``"kv_zip_global:0.5"`` -> `KVzip(compression_ratio=0.5, kernel_size=7,
     layer_budgets="global")` (the passkey eval's `kv_zip_global`; its cache needs ``config=``);
-    ``"kv_zip_weighted:0.5"`` -> the same with ``pooling="avg", value_weighted=True`` (the passkey eval's best,
-    `kv_zip_global` with ``--kv-zip-pooling avg --kv-zip-value-weighted``). Whitespace around the spec is ignored.
+    ``"kv_zip_weighted:0.5"`` -> `KVzip(compression_ratio=0.5, kernel_size=3, pooling="avg",
+    layer_budgets="global", value_weighted=True, value_power=2.0)` (the passkey eval's best, `kv_zip_global` with
+    ``--kv-zip-pooling avg --kv-zip-value-weighted --kv-zip-kernel 3 --kv-zip-value-power 2``). Whitespace around the spec is ignored.
 
     Raises:
         ValueError: naming the part that is wrong and its form: an unknown policy name, the wrong number of parts or

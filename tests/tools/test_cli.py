@@ -319,6 +319,7 @@ def test_generate_with_a_query_aware_retention_policy(monkeypatch, capsys, spec,
         assert f"retention {name}(" in out and "(1 evictions)" in out  # the prompt was compressed once
         assert ("layer_budgets='global'" in out) == spec.startswith(("kv_zip_global", "kv_zip_weighted"))
         assert ("value_weighted=True" in out) == spec.startswith("kv_zip_weighted")
+        assert ("value_power=2.0" in out) == spec.startswith("kv_zip_weighted")
         assert model.config._attn_implementation == "hf_pagedkv"  # the CLI switched to the attention SnapKV needs
     finally:
         model.set_attn_implementation(before)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from hf_pagedkv.retention.kv_zip import MAX_VALUE_POWER
 from hf_pagedkv.retention.score_pooling import POOLINGS
 
 from .config import load_yaml, resolve_data_dir
@@ -82,7 +82,7 @@ class LongContextConfig:
             each token's score times its relative value norm before the pooling and the ranking
             (`KVzip.value_weighted`, VATP).
         kv_zip_value_power (`float`, defaults to 1.0): passkey, methods `kv_zip_pooled` and `kv_zip_global`, with
-            `kv_zip_value_weighted`: the exponent of the relative value norm (`KVzip.value_power`), > 0.
+            `kv_zip_value_weighted`: the exponent of the relative value norm (`KVzip.value_power`), in (0, 8].
         block_size (`int`, defaults to 16): `PagedCache` block size.
         methods (`list[str]`, *optional*): from `PPL_METHODS` (perplexity) or `PASSKEY_METHODS` (passkey); all of
             the task's by default.
@@ -180,8 +180,9 @@ class LongContextConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"LongContextConfig.{name} must be true or false, got {getattr(self, name)!r}.")
         value = self.kv_zip_value_power
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            raise ValueError(f"LongContextConfig.kv_zip_value_power must be a finite number > 0, got {value!r}.")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_VALUE_POWER:
+            raise ValueError(f"LongContextConfig.kv_zip_value_power (--kv-zip-value-power) must be a number in "
+                             f"(0, {MAX_VALUE_POWER}], e.g. 2 (1: the plain value weighting), got {value!r}.")
         if value != 1 and not self.kv_zip_value_weighted:
             raise ValueError(f"LongContextConfig.kv_zip_value_power={value!r} is the exponent of the value weighting: "
                              "set kv_zip_value_weighted (--kv-zip-value-weighted) too, or leave it at 1.")

@@ -19,6 +19,8 @@ REPEAT_PROMPT = "Repeat the previous context exactly."
 REPEAT_PROMPT_MAX_TOKENS = len(("\n\n" + REPEAT_PROMPT + "\n").encode()) + 1
 #: how `KVzip` divides its budget over the layers: the same everywhere, or by its ranking across layers
 LAYER_BUDGETS = ("uniform", "global")
+# the largest `value_power`: at 8 a token with twice the mean value norm already weighs 256 times as much
+MAX_VALUE_POWER = 8
 
 
 @dataclass(frozen=True)
@@ -80,14 +82,14 @@ class KVzip(ImportancePolicy):
             Reduction: Value Also Matters" (VATP, arXiv 2406.12335). The bytes held do not change, and
             `compress_context` still returns the pass's own scores.
         value_power (`float`, *optional*, defaults to 1.0): with ``value_weighted=True``, the exponent of the
-            relative value norm (``scores * (norm / mean_norm) ** value_power``), a finite number > 0; 2 weighs the
+            relative value norm (``scores * (norm / mean_norm) ** value_power``), a number in (0, 8]; 2 weighs the
             values more (on SmolLM2's passkey task, with ``kernel_size=3``, it kept more keys than 1 in a head-masked
             simulation, `docs/long_contexts.md`). Without ``value_weighted`` it must stay 1.
 
     Raises:
         ValueError: as `ImportancePolicy`; `chunk_tokens` not an int >= 1; `kernel_size` not an odd int >= 1;
             `pooling` not one of `POOLINGS`; `layer_budgets` not one of `LAYER_BUDGETS`; `safeguard` not a number
-            in [0, 1]; `share_heads` or `value_weighted` not a bool; `value_power` not a finite number > 0, or not 1
+            in [0, 1]; `share_heads` or `value_weighted` not a bool; `value_power` not a number in (0, 8], or not 1
             without ``value_weighted``.
 
     Example:
@@ -133,9 +135,9 @@ class KVzip(ImportancePolicy):
             raise ValueError(f"`value_weighted` must be a bool (True: scores times the tokens' value norms), got "
                              f"{self.value_weighted!r}.")
         if isinstance(self.value_power, bool) or not isinstance(self.value_power, numbers.Real) \
-                or not math.isfinite(self.value_power) or self.value_power <= 0:
-            raise ValueError(f"`value_power` must be a finite number > 0 (the exponent of the relative value norm), "
-                             f"got {self.value_power!r}.")
+                or not 0 < self.value_power <= MAX_VALUE_POWER:  # (False for NaN)
+            raise ValueError(f"`value_power` must be a number in (0, {MAX_VALUE_POWER}] (the exponent of the relative "
+                             f"value norm; 1 is VATP's weighting, 2 the passkey eval's best), got {self.value_power!r}.")
         if self.value_power != 1 and not self.value_weighted:
             raise ValueError(f"`value_power` is the exponent of the value weighting: pass value_weighted=True with it "
                              f"(got value_power={self.value_power!r}, value_weighted=False).")
@@ -289,7 +291,13 @@ class KVzip(ImportancePolicy):
             real = valid.to(scores.device)[:, None, :].float()  # [rows, 1, held]
             mean = (norms * real).sum(-1, keepdim=True) / real.sum(-1, keepdim=True).clamp_min(1)
         relative = norms / mean.clamp_min(torch.finfo(torch.float32).tiny)
-        return scores.float() * (relative if self.value_power == 1 else relative ** self.value_power)
+        if self.value_power == 1:
+            return scores.float() * relative
+        # saturate instead of overflowing: a relative norm can reach `held` (one token holding all of the norm),
+        # and inf would rank as noise (and 0 * inf is NaN); in the usual range both clamps change nothing
+        largest = torch.finfo(torch.float32).max
+        weight = relative.clamp_max(largest ** (1 / self.value_power) / 2) ** self.value_power
+        return (scores.float() * weight).clamp_max(largest)
 
     def _pooled(self, scores: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         """`scores` (`[rows, num_kv_heads, held]`) pooled over `kernel_size` tokens, float32; with `share_heads` each

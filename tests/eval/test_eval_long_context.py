@@ -126,8 +126,8 @@ def test_passkey_examples_and_run(tiny, tmp_path):
     assert policy_for("kv_zip_global", weighted, ratio=0.5, context=256).value_power == 1.0
     assert squared.run_dir() != weighted.run_dir()  # and at 1 the runs before it keep their names
     assert "value norms to the power 2.0" in report_text(squared, {"environment": {"seconds": 1.0}, "passkey": {}})
-    for bad in (0, -2.0, float("nan"), True):
-        with pytest.raises(ValueError, match="kv_zip_value_power"):
+    for bad in (0, -2.0, float("nan"), True, 9.0):
+        with pytest.raises(ValueError, match=r"kv_zip_value_power \(--kv-zip-value-power\) must be a number in"):
             LongContextConfig(**{**weighted.to_dict(), "kv_zip_value_power": bad})
     with pytest.raises(ValueError, match="set kv_zip_value_weighted"):  # the exponent of a weighting that is off
         LongContextConfig(**{**cfg.to_dict(), "kv_zip_value_power": 2.0})

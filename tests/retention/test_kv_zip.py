@@ -398,9 +398,22 @@ def test_value_weighted_scores_are_times_the_relative_value_norm_and_padding_is_
     torch.testing.assert_close(squared, torch.tensor([[[0.5 / 9, 0.5, 0.2 * 16 / 9, 0.0]]]), atol=1e-7, rtol=0)
     assert torch.equal(KVzip(budget=64, value_weighted=True, value_power=1.0).weigh(scores, values),
                        KVzip(budget=64, value_weighted=True).weigh(scores, values))  # 1: the plain weighting
-    for bad in (0, -1.0, float("inf"), float("nan"), True, "2"):
-        with pytest.raises(ValueError, match="value_power"):
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "2", 8.5, 1e6):
+        with pytest.raises(ValueError, match=r"value_power` must be a number in \(0, 8\]"):
             KVzip(budget=64, value_weighted=True, value_power=bad)
+    # a token holding all of a long row's value norm: its relative norm is the row's length, 2 ** 20 here, and
+    # (2 ** 20) ** 8 is past float32's range; the weight saturates (its rank kept) instead of becoming inf, and a
+    # score of 0 stays 0 instead of 0 * inf = NaN
+    held = 2 ** 20
+    big = torch.zeros(1, 1, held, 1)
+    big[0, 0, 0, 0] = 1.0
+    row = torch.full((1, 1, held), 1e-3)
+    row[0, 0, 1] = 0.0
+    steepest = KVzip(budget=64, value_weighted=True, value_power=8).weigh(row, big)
+    assert torch.isfinite(steepest).all()
+    cap = (torch.finfo(torch.float32).max ** (1 / 8) / 2) ** 8  # the weight's ceiling, about 1.3e36
+    torch.testing.assert_close(steepest[0, 0, 0], torch.tensor(cap * 1e-3), rtol=1e-5, atol=0)
+    assert steepest[0, 0, 1:].eq(0).all()
     with pytest.raises(ValueError, match="value_weighted=True"):  # an exponent of a weighting that is off
         KVzip(budget=64, value_power=2)
 

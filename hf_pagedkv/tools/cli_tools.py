@@ -156,15 +156,16 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         # what the cache refuses for this model, refused here too (before any plan)
         least = (policy.sink_tokens + policy.window - 1 if not isinstance(policy, ImportancePolicy)  # SinkWindow
                  else policy.keep_for(args.max_seq_len))  # after a compaction
-        if model.num_sliding and least < min(args.max_seq_len, model.sliding_window - 1):
-            parser.error(f"--retention {args.retention}: keeps as few as {least:,} tokens, but this model's "
-                         f"sliding-window layers read the last {model.sliding_window - 1:,}; on a hybrid model the "
-                         "full-attention layers must keep at least window - 1 tokens (a larger budget, window or a "
-                         "smaller ratio)")
         if model.num_sliding and policy.reconstructs:
             parser.error(f"--retention {args.retention}: KVzip is not supported on models with sliding-window "
                          "layers (its reconstruction pass would move their windows); use snapkv, pyramidkv, key_diff, "
                          "key_norm or sink_window")
+        need = min(args.max_seq_len, model.sliding_window - 1) if model.num_sliding else 0
+        if least < need:
+            parser.error(f"--retention {args.retention}: keeps as few as {least:,} tokens, but this model's "
+                         f"sliding-window layers read the last {model.sliding_window - 1:,}; on a hybrid model the "
+                         f"full-attention layers must keep at least window - 1 tokens, here {need:,} (the sequence's "
+                         "length if shorter): a larger budget, window or a smaller ratio")
         try:
             policy.layer_tiers(model.num_layers - model.num_sliding)  # PyramidKV: enough full-attention layers
         except ValueError as e:  # (the command line's pyramidkv has 4 tiers; fewer are set in Python)

@@ -103,11 +103,16 @@ def test_plan_with_retention_on_a_hybrid_model(tmp_path, capsys):
     for spec, message in (("sink_window:4:256", "must keep at least window - 1 tokens"),
                           ("sink_window:0:4", "keeps as few as 3 tokens"),  # (its bound of 19 is a maximum)
                           ("kv_zip:0.5", "KVzip is not supported on models with sliding-window"),
+                          ("kv_zip:64", "KVzip is not supported"),  # (not "a larger budget", which would fail too)
+                          ("sink_window:4:128", "must keep at least window - 1 tokens, here 511 "),
                           ("pyramidkv:0.5", "has 2: build PyramidKV(tiers=...) with fewer tiers")):  # 2 of 4 are full attention
         with pytest.raises(SystemExit) as e:
             main(argv + ["--retention", spec])
         assert e.value.code == 2, spec
         assert message in capsys.readouterr().err, spec
+    with pytest.raises(SystemExit):  # a sequence shorter than the window: it must keep all of it, not window - 1
+        main(argv[:4] + ["400"] + argv[5:] + ["--retention", "key_norm:0.9"])
+    assert "keeps as few as 69 tokens" in (err := capsys.readouterr().err) and "here 400 (the sequence's" in err
 
 
 def test_plan_counts_the_protected_tokens_of_a_ratio(capsys):

@@ -71,6 +71,7 @@ def _generate(args: argparse.Namespace) -> int:
     model.set_attn_implementation(args.attention)  # (hf_pagedkv for SnapKV, KVzip: it hands the queries to the cache)
     cache = PagedCache(block_size=args.block_size, config=model.config, quant=quant, retention=retention)
     t0 = time.perf_counter()
+    compressing = 0.0  # seconds of KVzip's prefill and reconstruction pass, inside the total
     set_seed(args.seed)  # the same seed for the --check run: sampling draws the same tokens from the same logits
     with torch.inference_mode():
         if retention is not None and retention.reconstructs and input_ids.shape[1] > 1:
@@ -79,6 +80,7 @@ def _generate(args: argparse.Namespace) -> int:
 
             model(input_ids[:, :-1], **cache_kwargs(cache), logits_to_keep=1)
             compress_context(model, cache, input_ids[:, :-1], tokenizer=tokenizer)
+            compressing = time.perf_counter() - t0
         out = model.generate(input_ids, **cache_kwargs(cache), **gen)
     seconds = time.perf_counter() - t0
     new_tokens = out.sequences[0, input_ids.shape[1]:]
@@ -86,7 +88,8 @@ def _generate(args: argparse.Namespace) -> int:
     print()
     stats = cache.pool.stats()
     print(f"prompt: {input_ids.shape[1]} tokens ({source}); generated {len(new_tokens)} tokens in {seconds:.1f} s "
-          f"({len(new_tokens) / seconds:.1f} tokens/s)")
+          f"({len(new_tokens) / seconds:.1f} tokens/s"
+          + (f"; {compressing:.1f} s of it the prefill and KVzip's reconstruction pass)" if compressing else ")"))
     cached = cache.get_seq_length()
     kept = cache.retention_stats()
     mean = " (the mean over layers)" if kept.tokens_held_per_layer else ""

@@ -320,6 +320,7 @@ def test_generate_with_a_query_aware_retention_policy(monkeypatch, capsys, spec,
         assert ("layer_budgets='global'" in out) == spec.startswith(("kv_zip_global", "kv_zip_weighted"))
         assert ("value_weighted=True" in out) == spec.startswith("kv_zip_weighted")
         assert ("value_power=2.0" in out) == spec.startswith("kv_zip_weighted")
+        assert ("s of it the prefill and KVzip's reconstruction pass)" in out) == spec.startswith("kv_zip")
         assert model.config._attn_implementation == "hf_pagedkv"  # the CLI switched to the attention SnapKV needs
     finally:
         model.set_attn_implementation(before)

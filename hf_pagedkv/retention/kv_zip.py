@@ -137,7 +137,8 @@ class KVzip(ImportancePolicy):
         if isinstance(self.value_power, bool) or not isinstance(self.value_power, numbers.Real) \
                 or not 0 < self.value_power <= MAX_VALUE_POWER:  # (False for NaN)
             raise ValueError(f"`value_power` must be a number in (0, {MAX_VALUE_POWER}] (the exponent of the relative "
-                             f"value norm; 1 is VATP's weighting, 2 the passkey eval's best), got {self.value_power!r}.")
+                             f"value norm; 1 is VATP's weighting, 2 the passkey eval's best), "
+                             f"got {self.value_power!r}.")
         if self.value_power != 1 and not self.value_weighted:
             raise ValueError(f"`value_power` is the exponent of the value weighting: pass value_weighted=True with it "
                              f"(got value_power={self.value_power!r}, value_weighted=False).")
@@ -290,9 +291,10 @@ class KVzip(ImportancePolicy):
         else:
             real = valid.to(scores.device)[:, None, :].float()  # [rows, 1, held]
             mean = (norms * real).sum(-1, keepdim=True) / real.sum(-1, keepdim=True).clamp_min(1)
-        relative = norms / mean.clamp_min(torch.finfo(torch.float32).tiny)
-        if self.value_power == 1:
-            return scores.float() * relative
+        mean = mean.clamp_min(torch.finfo(torch.float32).tiny)
+        if self.value_power == 1:  # VATP's weighting, rounded as before value_power existed (the committed runs)
+            return scores.float() * norms / mean
+        relative = norms / mean
         # saturate instead of overflowing: a relative norm can reach `held` (one token holding all of the norm),
         # and inf would rank as noise (and 0 * inf is NaN); in the usual range both clamps change nothing
         largest = torch.finfo(torch.float32).max

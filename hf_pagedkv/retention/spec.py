@@ -43,7 +43,8 @@ def parse_retention(spec: str) -> RetentionPolicy:
     layer_budgets="global")` (the passkey eval's `kv_zip_global`; its cache needs ``config=``);
     ``"kv_zip_weighted:0.5"`` -> `KVzip(compression_ratio=0.5, kernel_size=3, pooling="avg",
     layer_budgets="global", value_weighted=True, value_power=2.0)` (the passkey eval's best, `kv_zip_global` with
-    ``--kv-zip-pooling avg --kv-zip-value-weighted --kv-zip-kernel 3 --kv-zip-value-power 2``). Whitespace around the spec is ignored.
+    ``--kv-zip-pooling avg --kv-zip-value-weighted --kv-zip-kernel 3 --kv-zip-value-power 2``). Whitespace around
+    the spec is ignored.
 
     Raises:
         ValueError: naming the part that is wrong and its form: an unknown policy name, the wrong number of parts or

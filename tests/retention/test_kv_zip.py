@@ -396,8 +396,9 @@ def test_value_weighted_scores_are_times_the_relative_value_norm_and_padding_is_
             KVzip(budget=64, value_weighted=bad)
     squared = KVzip(budget=64, value_weighted=True, value_power=2).weigh(scores, values)  # (norm / mean) ** 2
     torch.testing.assert_close(squared, torch.tensor([[[0.5 / 9, 0.5, 0.2 * 16 / 9, 0.0]]]), atol=1e-7, rtol=0)
+    norms = values.norm(dim=-1)  # 1: the plain weighting, rounded as the committed runs were ((scores * norm) / mean)
     assert torch.equal(KVzip(budget=64, value_weighted=True, value_power=1.0).weigh(scores, values),
-                       KVzip(budget=64, value_weighted=True).weigh(scores, values))  # 1: the plain weighting
+                       scores * norms / norms.mean(dim=-1, keepdim=True))
     for bad in (0, -1.0, float("inf"), float("nan"), True, "2", 8.5, 1e6):
         with pytest.raises(ValueError, match=r"value_power` must be a number in \(0, 8\]"):
             KVzip(budget=64, value_weighted=True, value_power=bad)

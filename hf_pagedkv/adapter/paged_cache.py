@@ -202,7 +202,8 @@ class PagedCache(Cache):
         return out
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Tokens seen per row (layer `layer_idx`): cached ones, plus those a retention policy evicted."""
+        """Tokens seen per row (layer `layer_idx`): cached ones, plus those a retention policy evicted; 0 after
+        `release()` (a released cache holds nothing; its next `update` raises `CacheReleasedError`)."""
         return super().get_seq_length(layer_idx)
 
     def set_padding(self, attention_mask: torch.Tensor) -> None:
@@ -336,7 +337,9 @@ class PagedCache(Cache):
 
         Raises:
             ValueError: an index out of range.
+            CacheReleasedError: the cache was released (even for an index that would change nothing).
         """
+        self.check_usable()
         beam_idx = torch.as_tensor(beam_idx)
         if beam_idx.is_floating_point() or beam_idx.dtype == torch.bool:
             raise ValueError(f"reorder_cache: beam_idx must hold integer row indices, got {beam_idx.dtype}.")
@@ -362,7 +365,8 @@ class PagedCache(Cache):
         self._maybe_dups = True
 
     def reset(self) -> None:
-        """Free every block this cache holds; the cache stays usable (empty)."""
+        """Free every block this cache holds; the cache stays usable (empty). On a released cache, a no-op (it holds
+        nothing, and stays released)."""
         with self.pool.lock:
             if self._offloaded is not None:  # its blocks are in the host tier
                 self.pool.host.release(self._owner)
@@ -645,6 +649,9 @@ class PagedCache(Cache):
         group = self.pool.group_for(window, tier)
         rt = self._by_group.get(group)
         if rt is None:
+            # a released cache gave its owner token back: it registers no new rows (a cache released before its
+            # first step, built without config, gets here at its first update)
+            self.check_usable()
             if window is not None and self._evictor is not None and self._evictor.policy.reconstructs:
                 # NOTE: the reconstruction pass (as long as the context) moves the sliding windows past the
                 # context, and the crop after it cannot bring their blocks back

@@ -262,6 +262,56 @@ def test_released_cache_refuses_use():
     assert pool.stats().blocks_in_use == 0
 
 
+RELEASED_CACHE_CALLS = {
+    "forward": lambda cache, model: model(ids(1, 5), past_key_values=cache),
+    "generate": lambda cache, model: model.generate(ids(1, 5), past_key_values=cache, max_new_tokens=2),
+    "update": lambda cache, model: cache.update(*kv(1, 0, 3, label=1), layer_idx=0),
+    "fork": lambda cache, model: cache.fork(),
+    "deepcopy": lambda cache, model: copy.deepcopy(cache),
+    "copy": lambda cache, model: copy.copy(cache),
+    "crop": lambda cache, model: cache.crop(-1),
+    "crop(0)": lambda cache, model: cache.crop(0),
+    "reorder_cache": lambda cache, model: cache.reorder_cache(torch.tensor([0, 0])),
+    "reorder_cache(identity)": lambda cache, model: cache.reorder_cache(torch.tensor([], dtype=torch.long)),
+    "batch_select_indices": lambda cache, model: cache.batch_select_indices(torch.tensor([0])),
+    "batch_repeat_interleave": lambda cache, model: cache.batch_repeat_interleave(2),
+    "set_padding": lambda cache, model: cache.set_padding(torch.ones(1, 5, dtype=torch.long)),
+    "publish": lambda cache, model: cache.publish([[3, 4, 5, 6]], model=model),
+    "offload": lambda cache, model: cache.offload(),
+    "prefetch": lambda cache, model: cache.prefetch(),
+}
+
+
+@pytest.mark.parametrize("call", list(RELEASED_CACHE_CALLS))
+@pytest.mark.parametrize("built", ["lazy", "config", "retention", "quant"])
+def test_cache_released_before_its_first_use_refuses_every_entry_point(call, built):
+    """A cache released before it ever stored a token raises CacheReleasedError at each entry point, whether its
+    layers are built lazily at the first update (no config) or up front; the pool stays empty and usable."""
+    from hf_pagedkv import SinkWindow
+
+    model = tiny_model("llama")
+    pool = BlockPool(block_size=4, debug=True, quant="k8v4" if built == "quant" else None,
+                     prefix_caching=True)
+    kwargs = {"lazy": {}, "config": {"config": model.config},
+              "retention": {"retention": SinkWindow(sink_tokens=4, window=8)}, "quant": {}}[built]
+    cache = PagedCache(pool=pool, debug=True, **kwargs)
+    cache.release()
+    with pytest.raises(CacheReleasedError, match="was released"):
+        RELEASED_CACHE_CALLS[call](cache, model)
+    # what a released cache still answers: it holds nothing
+    assert cache.get_seq_length() == 0 and cache.block_tables() == [] and "released" in repr(cache)
+    cache.reset()  # a no-op: it stays released
+    cache.release()  # idempotent
+    with pytest.raises(CacheReleasedError):
+        cache.update(*kv(1, 0, 3, label=1), layer_idx=0)
+    assert pool.stats().blocks_in_use == 0
+    pool.check_invariants()
+    with PagedCache(pool=pool, **kwargs) as fresh:  # the pool serves the next cache
+        model(ids(1, 5), past_key_values=fresh)
+        assert fresh.get_seq_length() == 5
+    assert pool.stats().blocks_in_use == 0
+
+
 # -- cache operations with bad arguments -------------------------------------------------------------------------------
 def test_crop_with_a_positive_value():
     cache = PagedCache(block_size=4, debug=True)

@@ -6,6 +6,23 @@ EMPTY_PROMPT = ("the prompt is empty (0 tokens): the model needs at least one to
                 "logits from; give at least one token")
 
 
+def install_hint(extra: str, packages: str) -> str:
+    """The commands that install an optional extra, for `ImportError` messages.
+
+    hf_pagedkv installs from a clone of its repository (it is not on a package index, so installing it by name
+    finds nothing): the extra's command runs in the clone's root, and the extra's own packages install from anywhere.
+
+    Args:
+        extra (`str`): the optional-dependency group of pyproject.toml, e.g. ``"metrics"``.
+        packages (`str`): what that extra installs, as pip takes it, e.g. ``"'prometheus_client>=0.20'"``.
+
+    Example: ``install_hint("metrics", "'prometheus_client>=0.20'")`` ->
+    ``"pip install -e '.[metrics]' (the `metrics` extra, run in a clone of hf_pagedkv), or pip install
+    'prometheus_client>=0.20'"``.
+    """
+    return f"pip install -e '.[{extra}]' (the `{extra}` extra, run in a clone of hf_pagedkv), or pip install {packages}"
+
+
 class PoolExhaustedError(RuntimeError):
     """A fixed-size `BlockPool` has too few free blocks for a request.
 

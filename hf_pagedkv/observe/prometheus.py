@@ -1,4 +1,5 @@
-"""A Prometheus exporter for `BlockPool` metrics, through `prometheus_client` (``pip install 'hf_pagedkv[metrics]'``).
+"""A Prometheus exporter for `BlockPool` metrics, through `prometheus_client` (the `metrics` extra:
+``pip install -e '.[metrics]'`` in a clone of hf_pagedkv, or ``pip install prometheus_client``).
 
 Values are read from the pools when Prometheus scrapes (a custom collector), so nothing is updated per step.
 Each series carries a ``pool`` label. Names follow the Prometheus conventions (base units, ``_total`` counters)::
@@ -35,12 +36,14 @@ import logging
 import weakref
 from typing import TYPE_CHECKING
 
+from hf_pagedkv.errors import install_hint
+
 if TYPE_CHECKING:
     from hf_pagedkv.observe.pool_view import ObservedPool
 
 logger = logging.getLogger(__name__)
 
-_INSTALL = "pip install 'hf_pagedkv[metrics]'"
+_INSTALL = install_hint("metrics", "'prometheus_client>=0.20'")
 
 
 def _prometheus():
@@ -48,7 +51,7 @@ def _prometheus():
         import prometheus_client
         from prometheus_client import core
     except ImportError as e:
-        raise ImportError(f"The Prometheus exporter needs prometheus_client; install it with `{_INSTALL}`.") from e
+        raise ImportError(f"The Prometheus exporter needs prometheus_client; install it with {_INSTALL}.") from e
     return prometheus_client, core
 
 
@@ -187,7 +190,8 @@ def start_prometheus_server(pools, port: int = 0, addr: str = "127.0.0.1") -> Pr
         `PrometheusExporter`: close it (or use it as a context manager) to stop serving.
 
     Raises:
-        ImportError: prometheus_client is not installed (``pip install 'hf_pagedkv[metrics]'``).
+        ImportError: prometheus_client is not installed (``pip install -e '.[metrics]'`` in a clone of
+            hf_pagedkv, or ``pip install prometheus_client``).
         ValueError: `port` not in 0..65535.
 
     Example:

@@ -11,6 +11,7 @@ import sys
 
 from hf_pagedkv.block_pool import device_memory
 from hf_pagedkv.config import DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, parse_bytes
+from hf_pagedkv.errors import install_hint
 from hf_pagedkv.tools.models import DEFAULT_MODEL
 from hf_pagedkv.tools.planning import (
     _DTYPES,
@@ -312,7 +313,8 @@ def _texts(args: argparse.Namespace) -> list[str]:
     try:
         import datasets
     except ImportError as e:
-        raise ImportError("--text/--dataset need the `datasets` package: pip install 'hf_pagedkv[planning]'") from e
+        raise ImportError("--text/--dataset need the `datasets` package: "
+                          f"{install_hint('planning', repr('datasets>=2.19'))}") from e
 
     datasets.disable_progress_bars()
     if args.text:

@@ -25,7 +25,10 @@ def _scorer():
     try:
         from rouge_score import rouge_scorer
     except ImportError as exc:
-        raise ImportError("task=summarization needs rouge-score: pip install 'hf_pagedkv[eval]'") from exc
+        from hf_pagedkv.errors import install_hint
+
+        raise ImportError(f"task=summarization needs rouge-score: {install_hint('eval', repr('rouge-score>=0.1.2'))}"
+                          ) from exc
     return rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
 
 

@@ -1,12 +1,14 @@
-"""`BnbCodec`: blockwise NF4 / int8 from bitsandbytes (optional; ``pip install hf_pagedkv[quant]``)."""
+"""`BnbCodec`: blockwise NF4 / int8 from bitsandbytes (optional: the `quant` extra, ``pip install -e '.[quant]'`` in a
+clone of hf_pagedkv, or ``pip install bitsandbytes``)."""
 
 from __future__ import annotations
 
 import torch
 
+from hf_pagedkv.errors import install_hint
 from hf_pagedkv.storage.codecs.base import BlockLayout, Codec, check_finite, fp16_up
 
-_INSTALL = "pip install 'hf_pagedkv[quant]'  (or: pip install bitsandbytes)"
+_INSTALL = install_hint("quant", "'bitsandbytes>=0.45'")
 
 
 def _bnb():

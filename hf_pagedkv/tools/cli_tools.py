@@ -247,7 +247,11 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         prefix = f", prefix_caching=True, prefix_cache_memory={plan.prefix_cache_bytes}"
     print(f"pool to set{rank} (peak x 1.2{' + prefix cache' if prefix else ''}): {plan.pool_blocks:,} blocks, "
           f"{fmt_bytes(plan.pool_bytes)} -> BlockPool(block_size={plan.block_size}{quant}, "
-          f"max_memory={plan.pool_bytes}{prefix})")
+          f"max_memory={plan.pool_max_memory}{prefix})")
+    if plan.pool_bytes > plan.pool_max_memory:  # quantized: the full-precision stages sit outside max_memory
+        print(f"  (max_memory buys the {plan.pool_blocks:,} encoded blocks, {fmt_bytes(plan.block_bytes)} each; "
+              f"the full-precision partial blocks and sink tokens of {plan.batch} rows take "
+              f"{fmt_bytes(plan.pool_bytes - plan.pool_max_memory)} more)")
     if host:
         print(f"host tier: {fmt_bytes(host['bytes'])} -> {host['blocks']:,} blocks = {host['tokens']:,} tokens = "
               f"{host['sequences']:,} sequences of {plan.max_seq_len:,} tokens offloaded -> "

@@ -184,11 +184,13 @@ class CapacityPlan:
     kv_bytes: int  # batch * seq_bytes: the peak KV while decoding
     window_kv_bytes: int  # the same if sliding-window layers kept exactly their window (DynamicCache(config=...))
     weight_bytes: int | None  # parameters * dtype bytes, / tp rounded up (about one rank's: see plan_capacity)
-    pool_blocks: int  # the BlockPool to set: ceil(peak blocks * POOL_HEADROOM)
-    pool_bytes: int  # its bytes
+    pool_blocks: int  # the BlockPool to set: ceil(peak blocks * POOL_HEADROOM) (+ the prefix cache's blocks)
+    pool_bytes: int  # its bytes: pool_max_memory, plus (quantized) the full-precision stages and sinks of `batch` rows
     memory: int | None  # the memory it must fit in (one rank's device when tp > 1)
     fits: bool | None  # weights + pool <= memory (None without a memory)
     prefix_cache_bytes: int = 0  # of pool_bytes: room for cached-idle prefix blocks (`prefix_cache_memory`)
+    block_bytes: int = 0  # one block, all layers (encoded when quantized): what BlockPool(max_memory=) divides by
+    pool_max_memory: int = 0  # pool_blocks * block_bytes: BlockPool(max_memory=pool_max_memory) holds pool_blocks
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -217,7 +219,11 @@ def plan_capacity(model: ModelShape, max_seq_len: int, batch: int, quant: str = 
     `seq_bytes` and `kv_bytes` count; `window_kv_bytes` counts exactly the window, as `DynamicCache(config=...)`.
     The pool to set (`pool_blocks`, `pool_bytes`) is sized as if every layer held every token: a fixed `BlockPool`
     gives each layer group the same number of blocks, and the full-attention group needs them all (a prefill also
-    holds the whole prompt in every layer until the first decode step).
+    holds the whole prompt in every layer until the first decode step). ``BlockPool(max_memory=pool_max_memory)``
+    holds exactly `pool_blocks` blocks: it divides its budget by `block_bytes` (one block of every layer; encoded
+    codes and scales when quantized), so `pool_max_memory` is a whole number of blocks. A quantized pool also keeps
+    each row's open (partial) block and its sink tokens in full precision, outside that budget: `pool_bytes` adds
+    them for `batch` rows.
 
     Raises:
         ValueError: a non-positive length, batch or block size; an unknown `quant` preset or `dtype`; a `tp` that
@@ -257,13 +263,16 @@ def plan_capacity(model: ModelShape, max_seq_len: int, batch: int, quant: str = 
     # a sliding row drops the blocks wholly before its window (that of the last decode step, which started at n - 1)
     held = max_seq_len - (max(0, max_seq_len - window) // block_size) * block_size if model.sliding_window \
         else max_seq_len
-    blocks = -(-max_seq_len // block_size) * batch
-    pool_blocks = math.ceil(blocks * POOL_HEADROOM)
+    seq_blocks = -(-max_seq_len // block_size)
+    pool_blocks = math.ceil(seq_blocks * batch * POOL_HEADROOM)
     weights = None if model.num_params is None else -(-model.num_params * dtype_bytes // tp)
-    pool_bytes = math.ceil(one * batch * POOL_HEADROOM)
+    # NOTE: `BlockPool(max_memory=m)` holds m // block_bytes blocks, so the budget to print is a whole number of
+    # blocks (a budget of peak bytes x 1.2 would hold one block less than ceil(peak blocks x 1.2)). `round`: per_head
+    # is a float holding a whole number of bytes per block
+    block_bytes = round(heads * per_head * block_size)
+    staged = max(0, one - seq_blocks * block_bytes)  # quantized: the open block's stage and the sinks, per row
     prefix_bytes = 0
     if prefix_cache_memory is not None:  # whole blocks of the idle prefix cache, on top of the live sequences
-        block_bytes = math.ceil(heads * per_head * block_size)
         prefix_size = parse_bytes(prefix_cache_memory, "prefix_cache_memory")
         prefix_blocks = prefix_size // block_bytes
         if prefix_blocks == 0:
@@ -272,12 +281,13 @@ def plan_capacity(model: ModelShape, max_seq_len: int, batch: int, quant: str = 
                              f"{block_bytes:,} bytes, or leave it out for no prefix cache room.")
         prefix_bytes = prefix_blocks * block_bytes
         pool_blocks += prefix_blocks
-        pool_bytes += prefix_bytes
+    pool_max_memory = pool_blocks * block_bytes
+    pool_bytes = pool_max_memory + staged * batch
     fits = None if memory is None else (weights or 0) + pool_bytes <= memory
     held_one = seq_bytes(max_seq_len, held)
     return CapacityPlan(model, quant, dtype, block_size, max_seq_len, batch, tp, kv_heads, heads * per_head, held_one,
                         held_one * batch, seq_bytes(max_seq_len, window) * batch, weights, pool_blocks, pool_bytes,
-                        memory, fits, prefix_bytes)
+                        memory, fits, prefix_bytes, block_bytes, pool_max_memory)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,9 @@ def test_plan_textbook_7b(capsys):
     assert "bytes per token: 524,288 B (512.00 KiB) = 32 layers x 32 KV heads" in out
     assert "total KV: batch 16 -> 32.00 GiB" in out
     assert "weights: 6,738.4M parameters x 2 B = 12.55 GiB" in out
-    assert "pool to set (peak x 1.2): 4,916 blocks, 38.40 GiB" in out
+    # ceil(4096 blocks x 1.2) = 4,916 blocks of 8 MiB (16 tokens x 512 KiB), and a max_memory of exactly those
+    assert ("pool to set (peak x 1.2): 4,916 blocks, 38.41 GiB -> BlockPool(block_size=16, max_memory=41238396928)"
+            in out)
     assert "fits" in out
 
 
@@ -28,8 +30,8 @@ def test_plan_that_does_not_fit_says_what_to_change(capsys):
     argv = ["plan", "--model", "llama", "--max-seq-len", "4096", "--batch", "16", "--memory", "40GiB"]
     assert main(argv) == 1
     out = capsys.readouterr().out
-    # 40 GiB - 12.55 GiB of weights leaves room for 11 sequences of 2 GiB x 1.2
-    assert "does NOT fit: weights + pool = 50.95 GiB needed, 40.00 GiB available" in out
+    # 40 GiB - 12.55 GiB of weights leaves room for 11 sequences of 2 GiB x 1.2; the pool is 4,916 blocks of 8 MiB
+    assert "does NOT fit: weights + pool = 50.96 GiB needed, 40.00 GiB available" in out
     assert "change: --batch 11, or --quant k8v8" in out
 
 
@@ -348,3 +350,33 @@ def test_generate_attention_option(attention, quant, monkeypatch, capsys):
         assert model.config._attn_implementation == "sdpa"
     finally:
         model.set_attn_implementation(before)
+
+
+def _printed_pool(out: str) -> tuple[int, BlockPool]:
+    """The block count the `plan` output prints, and the BlockPool its `-> BlockPool(...)` expression builds."""
+    line = next(x for x in out.splitlines() if x.startswith("pool to set"))
+    blocks = int(re.search(r"\): ([\d,]+) blocks", line).group(1).replace(",", ""))
+    return blocks, eval(line.split("-> ", 1)[1], {"BlockPool": BlockPool})
+
+
+@pytest.mark.parametrize("arch, argv", [
+    ("llama", ["--max-seq-len", "4096", "--block-size", "16"]),  # 256 blocks x 1.2 = 307.2: 308
+    ("llama", ["--max-seq-len", "100", "--batch", "3", "--block-size", "4"]),
+    ("llama", ["--max-seq-len", "1000", "--batch", "2", "--quant", "k8v4"]),
+    ("llama", ["--max-seq-len", "333", "--quant", "k4v4"]),
+    ("llama", ["--max-seq-len", "500", "--block-size", "8", "--prefix-cache-memory", "100KiB"]),
+    ("llama", ["--max-seq-len", "4096", "--retention", "sink_window:4:64"]),
+    ("gemma2", ["--max-seq-len", "300", "--batch", "2", "--block-size", "4"]),  # hybrid: sliding-window layers
+    ("gemma2", ["--max-seq-len", "300", "--quant", "k8v8"]),
+])
+def test_plan_max_memory_holds_exactly_the_printed_blocks(arch, argv, tmp_path, capsys):
+    """`BlockPool(max_memory=printed)` holds the printed number of blocks (in every layer group), not one less."""
+    model = tiny_model(arch)
+    model.config.save_pretrained(tmp_path)
+    assert main(["plan", "--model", str(tmp_path / "config.json"), "--dtype", "float32", "--memory", "8GiB",
+                 *argv]) == 0
+    blocks, pool = _printed_pool(capsys.readouterr().out)
+    with PagedCache(pool=pool, config=model.config) as cache:  # the first layer sizes the pool from max_memory
+        model(ids(1, 5), past_key_values=cache)
+        assert [g.allocator.num_blocks for g in pool.groups] == [blocks] * len(pool.groups)
+        assert len(pool.groups) == (2 if arch == "gemma2" else 1)

@@ -30,7 +30,8 @@ def test_textbook_7b_example():
     assert plan.kv_bytes == 32 * GiB == plan.window_kv_bytes
     assert plan.seq_bytes == 2 * GiB
     assert plan.pool_blocks == 4096 // 16 * 16 * 12 // 10 + 1  # ceil(4096 blocks x 1.2)
-    assert plan.pool_bytes == pytest.approx(32 * GiB * 1.2, abs=1)
+    assert plan.block_bytes == 16 * 512 * KiB
+    assert plan.pool_bytes == plan.pool_max_memory == plan.pool_blocks * 16 * 512 * KiB  # whole blocks
     assert shape.num_params == 6_738_415_616  # LlamaConfig's defaults are Llama-2-7B
     assert plan.weight_bytes == 2 * 6_738_415_616
     assert plan.fits and not plan_capacity(shape, 4096, 16, memory=40 * GiB).fits

@@ -37,8 +37,9 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, default=1, help="sequences held at once (default: %(default)s)")
     p.add_argument("--quant", default="fp", choices=list(PRESETS), help="KV format (default: %(default)s)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
-                   help="full-precision dtype of K/V and weights (default: auto = what hf_pagedkv.tools.models.load_model "
-                        "uses for the bundled model, float32; else the config's dtype, or float16)")
+                   help="full-precision dtype of K/V and weights (default: auto = what "
+                        "hf_pagedkv.tools.models.load_model uses for the bundled model, float32; else the config's "
+                        "dtype, or float16)")
     p.add_argument("--block-size", type=int, default=None,
                    help="tokens per block (default: PagedCache's, 16, or 32 when quantized)")
     p.add_argument("--value-group-size", type=int, default=64,
@@ -49,10 +50,16 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--memory", help="memory to fit in, one rank's device with --tp, e.g. 24GiB (default: CUDA device "
                                     "0's memory; without CUDA, this machine's RAM / --tp, as CPU ranks share it)")
     p.add_argument("--retention", metavar="SPEC", help="plan for a retention policy: each sequence holds at most "
-                   "what it keeps, and the pool is sized for the peak while it compresses (sink_window:SINK:WINDOW, "
-                   "or NAME:BUDGET|RATIO[:SHARE] with NAME one of key_norm, key_diff, snapkv, pyramidkv, kv_zip, "
-                   "kv_zip_global, kv_zip_weighted; BUDGET: tokens kept, RATIO: a float in (0, 1), the fraction removed, SHARE: the kept tokens' "
-                   "share given to the most recent ones)")
+                   "what it keeps, and the pool is sized for the peak: a prefill stores the whole prompt before the "
+                   "first eviction (see --prefill-chunk), a compression writes the kept tokens next to it "
+                   "(sink_window:SINK:WINDOW, or NAME:BUDGET|RATIO[:SHARE] with NAME one of key_norm, key_diff, "
+                   "snapkv, pyramidkv, kv_zip, kv_zip_global, kv_zip_weighted; BUDGET: tokens kept, RATIO: a float "
+                   "in (0, 1), the fraction removed, SHARE: the kept tokens' share given to the most recent ones)")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
+                   help="with --retention sink_window: plan for prompts prefilled in chunks of TOKENS tokens "
+                        "(model.generate(..., prefill_chunk_size=TOKENS)), which the policy evicts between, so a "
+                        "sequence never holds more than its sinks, window and one chunk (default: the whole prompt "
+                        "in one forward step, stored in full before the first eviction: up to --max-seq-len tokens)")
     p.add_argument("--host-memory", help="a host-memory tier for offloaded caches and evicted prefix blocks, e.g. "
                                          "64GiB: prints the blocks, tokens and sequences it holds")
     p.add_argument("--prefix-cache-memory", default=None,
@@ -120,7 +127,7 @@ def _auto_dtype(model: str) -> str:
 
 
 def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    for name in ("max_seq_len", "batch", "block_size", "value_group_size", "tp"):
+    for name in ("max_seq_len", "batch", "block_size", "value_group_size", "tp", "prefill_chunk"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be a positive int, got {getattr(args, name)}")
     try:
@@ -139,6 +146,10 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.dtype == "auto":
         args.dtype = _auto_dtype(args.model)
     retention = None  # what the plan says of the policy (--json)
+    chunk = getattr(args, "prefill_chunk", None)
+    if chunk is not None and getattr(args, "retention", None) is None:
+        parser.error(f"--prefill-chunk {chunk}: a chunked prefill bounds what a sequence holds only when a retention "
+                     "policy evicts between the chunks; add --retention sink_window:SINK:WINDOW, or leave it out")
     if getattr(args, "retention", None) is not None:  # a retention policy bounds what each sequence holds
         from hf_pagedkv.retention.importance import ImportancePolicy
         from hf_pagedkv.retention.kv_zip import REPEAT_PROMPT_MAX_TOKENS
@@ -184,6 +195,23 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         elif kept >= L:
             say(f"retention {policy}: keeps every token of a sequence of {L:,}: it evicts nothing at this length")
         peak = min(held, L)
+        if chunk is not None and isinstance(policy, ImportancePolicy):
+            parser.error(f"--prefill-chunk {chunk}: {policy.name} compresses the prompt as stored, so chunks do not "
+                         "bound its peak; --prefill-chunk applies to --retention sink_window, or leave it out")
+        if not isinstance(policy, ImportancePolicy) and held < L:
+            # NOTE: SinkWindow evicts before each forward step, and a prefill is one step: it stores the whole prompt
+            # (which may be all of --max-seq-len) before the first eviction. A chunked prefill is one step per chunk,
+            # each evicting first: at most the sinks, the window and one chunk (`SinkWindow.max_held`).
+            if chunk is None:
+                peak = L
+                say(f"a prefill stores its whole prompt before the first eviction: the plan below is sized for a "
+                    f"prompt of up to --max-seq-len = {L:,} tokens (with model.generate(..., "
+                    "prefill_chunk_size=N), plan with --prefill-chunk N: the policy evicts between the chunks)")
+            else:
+                peak = min(L, policy.max_held(chunk, args.block_size or default_block))
+                say(f"a prefill in chunks of {chunk:,} tokens (model.generate(..., prefill_chunk_size={chunk})) "
+                    f"evicts between them: a sequence holds at most {peak:,} tokens at any step, the plan below is "
+                    "sized for that (a prefill in one step would store the whole prompt)")
         # The worst case is a prompt of max_seq_len tokens, budget or ratio alike. KVzip's reconstruction pass holds
         # the context, the repeat prompt and the context again (whatever the budget: it runs even if nothing is
         # evicted), then crops back to the context before the compaction, which needs less. Another importance
@@ -199,7 +227,7 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             say(f"while it compresses, a sequence holds up to {peak:,} tokens (the whole prompt plus the kept "
                 "tokens in fresh blocks): the plan below is sized for that peak")
         retention = {"policy": str(policy), "spec": args.retention, "max_seq_len": L, "held": min(held, L),
-                     "peak": peak}
+                     "peak": peak, "prefill_chunk": chunk}
         args.max_seq_len = peak
     try:
         plan = plan_capacity(model, args.max_seq_len, args.batch, quant=args.quant, dtype=args.dtype,

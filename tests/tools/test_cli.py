@@ -380,3 +380,65 @@ def test_plan_max_memory_holds_exactly_the_printed_blocks(arch, argv, tmp_path, 
         model(ids(1, 5), past_key_values=cache)
         assert [g.allocator.num_blocks for g in pool.groups] == [blocks] * len(pool.groups)
         assert len(pool.groups) == (2 if arch == "gemma2" else 1)
+
+
+def _planned_sink_window_pool(tmp_path, capsys, *extra) -> tuple[int, BlockPool, str]:
+    model = tiny_model("llama")
+    model.config.save_pretrained(tmp_path)
+    assert main(["plan", "--model", str(tmp_path / "config.json"), "--dtype", "float32", "--memory", "8GiB",
+                 "--max-seq-len", "400", "--block-size", "4", "--retention", "sink_window:4:32", *extra]) == 0
+    out = capsys.readouterr().out
+    return (*_printed_pool(out), out)
+
+
+def test_plan_with_sink_window_holds_a_whole_prompt_prefill(tmp_path, capsys):
+    """A prefill stores the whole prompt before SinkWindow's first eviction: the planned pool takes a prompt of
+    --max-seq-len tokens in one step; a pool sized for the sinks and window alone (the policy's bound) does not."""
+    from hf_pagedkv import PoolExhaustedError, SinkWindow
+    from hf_pagedkv.tools.planning import ModelShape, plan_capacity
+
+    model = tiny_model("llama")
+    blocks, pool, out = _planned_sink_window_pool(tmp_path, capsys)
+    assert "each sequence of 400 tokens holds at most 39 (its sinks and window)" in out  # 4 + 31 + 3 + 1
+    assert "sized for a prompt of up to --max-seq-len = 400 tokens" in out
+    assert blocks == 120  # ceil(100 blocks x 1.2): the whole prompt
+    policy = SinkWindow(sink_tokens=4, window=32)
+    with PagedCache(pool=pool, config=model.config, retention=policy) as cache, torch.inference_mode():
+        model.generate(ids(1, 396), past_key_values=cache, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        assert cache.get_seq_length() == 399 and pool.stats().blocks_in_use <= 39 // 4 + 1
+    # the bound alone (what the plan was sized for before: 39 tokens x 1.2) cannot take that prefill
+    shape = ModelShape.from_config(model.config)
+    bound = plan_capacity(shape, max_seq_len=39, batch=1, block_size=4, dtype="float32")
+    small = BlockPool(block_size=4, max_memory=bound.pool_max_memory)
+    with PagedCache(pool=small, config=model.config, retention=policy) as cache, torch.inference_mode():
+        with pytest.raises(PoolExhaustedError, match="99 blocks needed, 12 free"):
+            model(ids(1, 396), past_key_values=cache)
+    assert small.stats().blocks_in_use == 0
+
+
+def test_plan_with_sink_window_and_a_chunked_prefill(tmp_path, capsys):
+    """--prefill-chunk: SinkWindow evicts between the chunks of generate(..., prefill_chunk_size=N), so the pool for
+    sinks, window and one chunk takes the same 400-token prompt, in fewer blocks than a whole-prompt prefill."""
+    from hf_pagedkv import SinkWindow
+
+    model = tiny_model("llama")
+    blocks, pool, out = _planned_sink_window_pool(tmp_path, capsys, "--prefill-chunk", "64")
+    assert "a prefill in chunks of 64 tokens (model.generate(..., prefill_chunk_size=64)) evicts between them: a " \
+           "sequence holds at most 102 tokens at any step" in out  # 4 + (31 + 3) + 64
+    assert blocks == 32  # ceil(26 blocks x 1.2), against 120 for a prefill in one step
+    with PagedCache(pool=pool, config=model.config, retention=SinkWindow(4, 32)) as cache, torch.inference_mode():
+        model.generate(ids(1, 396), past_key_values=cache, max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                       prefill_chunk_size=64)
+        assert cache.get_seq_length() == 399
+        assert pool.metrics.snapshot().peak_blocks_in_use <= 26
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prefill-chunk", "64"], "add --retention sink_window:SINK:WINDOW"),
+    (["--prefill-chunk", "64", "--retention", "snapkv:100"], "applies to --retention sink_window"),
+    (["--prefill-chunk", "0", "--retention", "sink_window:4:32"], "--prefill-chunk must be a positive int"),
+])
+def test_plan_prefill_chunk_needs_a_sink_window(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--model", "llama", "--max-seq-len", "400", "--memory", "64GiB", *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err

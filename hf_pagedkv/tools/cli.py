@@ -20,6 +20,7 @@ from hf_pagedkv.tools.models import DEFAULT_MODEL, chat_prompt, default_document
 from hf_pagedkv.tools.verify import dynamic_cache_bytes
 
 MiB = 2**20
+PREFILL_NOTICE_TOKENS = 1024  # prompts at least this long get a "prefilling N tokens" line on stderr first
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -61,6 +62,12 @@ def _generate(args: argparse.Namespace) -> int:
     if input_ids.shape[1] == 0:  # text the tokenizer turns into no token at all
         print(f"hf-pagedkv generate: {source}: {EMPTY_PROMPT} (some text)", file=sys.stderr)
         return 2
+    refusal = _beyond_context(model, tokenizer, input_ids.shape[1], args, source)
+    if refusal is not None:  # before any forward: a prompt past the model's context only wastes minutes and memory
+        print(f"hf-pagedkv generate: {refusal}", file=sys.stderr)
+        return 2
+    if input_ids.shape[1] >= PREFILL_NOTICE_TOKENS:  # the first output comes after the whole prompt's forward
+        print(f"hf-pagedkv generate: {_prefill_notice(model, input_ids.shape[1], args)}", file=sys.stderr, flush=True)
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, return_dict_in_generate=True,
                output_logits=True)
     if args.do_sample:  # None keeps the model's generation_config
@@ -130,6 +137,65 @@ def _generate(args: argparse.Namespace) -> int:
         status = 0 if same or lossy else 1  # unquantized and nothing evicted, any difference is a bug
     cache.release()
     return status
+
+
+def _beyond_context(model, tokenizer, prompt_tokens: int, args: argparse.Namespace, source: str) -> str | None:
+    """Why the run would reach past the model's context (`config.max_position_embeddings`), or None.
+
+    The positions a run reaches: the prompt and `--max-new-tokens`; with a reconstruction policy (KVzip) also its
+    reconstruction pass, which feeds the repeat instruction and the context (the prompt but its last token) again
+    after the context, at the positions that follow it. A retention policy does not extend the reach: the tokens it
+    keeps keep their positions, and each new token takes the next one.
+    """
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if not isinstance(limit, int) or limit <= 0:
+        return None
+    new = args.max_new_tokens
+    context = f"the model's context of {limit:,} tokens (config.max_position_embeddings)"
+    if prompt_tokens + new > limit:
+        fix = (f"give at most {limit - new:,} prompt tokens (a shorter {_source_option(args)}) or lower "
+               "--max-new-tokens" if new < limit else f"lower --max-new-tokens below {limit:,}")
+        return (f"{source}: the prompt is {prompt_tokens:,} tokens and --max-new-tokens {new:,} takes the sequence to "
+                f"{prompt_tokens + new:,} positions, past {context}: {fix}.")
+    policy = args.retention_policy
+    if policy is not None and policy.reconstructs and prompt_tokens > 1:
+        from hf_pagedkv.retention.compress import repeat_prompt_ids
+
+        repeat = len(repeat_prompt_ids(tokenizer))
+        reach = 2 * (prompt_tokens - 1) + repeat  # the context, the repeat instruction, the context again
+        if reach > limit:
+            most = (limit - repeat) // 2 + 1
+            return (f"{source}: --retention {args.retention} runs KVzip's reconstruction pass, which feeds the "
+                    f"context again after it: the prompt's {prompt_tokens:,} tokens reach {reach:,} positions (the "
+                    f"context, {prompt_tokens - 1:,} tokens, twice and the {repeat}-token repeat instruction), past "
+                    f"{context}: give at most {most:,} prompt tokens (a shorter {_source_option(args)}), or a "
+                    "policy without a reconstruction pass (snapkv, pyramidkv, key_diff, key_norm, sink_window).")
+    return None
+
+
+def _source_option(args: argparse.Namespace) -> str:
+    return "--file" if args.file is not None else "--prompt" if args.prompt is not None else "--file or --prompt"
+
+
+def _prefill_notice(model, prompt_tokens: int, args: argparse.Namespace) -> str:
+    """The line said before a long prefill: its tokens, and about how much K/V it stores (when the planner can tell).
+    NOTE: the prefill runs as one forward step, as `DynamicCache`'s does: chunking it would change the outputs (sums
+    in another order; a retention policy would evict between the chunks), so progress within it is not shown."""
+    from hf_pagedkv.tools.cli_tools import fmt_bytes
+    from hf_pagedkv.tools.planning import ModelShape, plan_capacity
+
+    kv = ""
+    try:
+        dtype = str(model.dtype).removeprefix("torch.")
+        shape = ModelShape.from_config(model.config)
+        per_token = plan_capacity(shape, prompt_tokens, 1, quant=args.quant, dtype=dtype,
+                                  block_size=args.block_size).bytes_per_token
+        kv = f", about {fmt_bytes(prompt_tokens * per_token)} of K/V"
+    except ValueError:  # a dtype or a layer type the planner does not count: the notice without the size
+        pass
+    evicted = " before the retention policy evicts" if args.retention_policy is not None else ""
+    return (f"prefilling {prompt_tokens:,} prompt tokens in one forward step{kv}{evicted}; the generated text comes "
+            "after it")
 
 
 def _eval(argv: list[str]) -> int:

@@ -1,4 +1,4 @@
-"""`hf-pagedkv plan`, `tune-block-size` and `trace` (hf_pagedkv/tools/cli_tools.py, wired into hf_pagedkv/tools/cli.py)."""
+"""`hf-pagedkv plan`, `tune-block-size`, `trace` and `generate` (hf_pagedkv/tools/cli_tools.py and cli.py)."""
 
 from __future__ import annotations
 
@@ -442,3 +442,79 @@ def test_plan_prefill_chunk_needs_a_sink_window(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         main(["plan", "--model", "llama", "--max-seq-len", "400", "--memory", "64GiB", *argv])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def _long_file(tmp_path, monkeypatch, repeats: int):
+    """The CLI with the tiny model (context 4,096 tokens) and a --file of `repeats` sentences; the tokens of the
+    prompt `generate` builds from it. The tiny tokenizer gets a plain chat template (it has none)."""
+    from hf_pagedkv.tools.models import chat_prompt
+
+    cli = _cli_with_tiny_model(monkeypatch)
+    model, tokenizer = cli.load_model()
+    monkeypatch.setattr(tokenizer, "chat_template", "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+                        raising=False)
+    path = tmp_path / "notes.txt"
+    text = "The history of the city " * repeats
+    path.write_text(text)
+    tokens = len(tokenizer(chat_prompt(tokenizer, str(path), text)).input_ids)
+    return cli, model, tokenizer, str(path), tokens
+
+
+def _no_forward(monkeypatch, model):
+    monkeypatch.setattr(model, "forward", lambda *a, **k: pytest.fail("no forward may run for a refused prompt"))
+
+
+def test_generate_refuses_a_file_past_the_models_context_before_any_forward(tmp_path, monkeypatch, capsys):
+    cli, model, _, path, n = _long_file(tmp_path, monkeypatch, 1000)
+    assert model.config.max_position_embeddings == 4096 and n > 10_000
+    _no_forward(monkeypatch, model)
+    assert cli.main(["generate", "--file", path, "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err
+    assert (f"hf-pagedkv generate: {path}: the prompt is {n:,} tokens and --max-new-tokens 4 takes the sequence to "
+            f"{n + 4:,} positions, past the model's context of 4,096 tokens (config.max_position_embeddings): give "
+            "at most 4,092 prompt tokens (a shorter --file) or lower --max-new-tokens.") in err
+    assert "prefilling" not in err
+
+
+def test_generate_at_the_context_limit_runs_and_says_it_is_prefilling(tmp_path, monkeypatch, capsys):
+    """prompt + --max-new-tokens = max_position_embeddings runs (with a "prefilling N tokens" line on stderr before
+    the long prefill); one more token is refused before any forward."""
+    repeats = 402
+    while (found := _long_file(tmp_path, monkeypatch, repeats))[-1] >= 4096:  # (the title is the file's path)
+        repeats -= 1
+    cli, model, _, path, n = found
+    assert 4_000 < n < 4_096
+    argv = ["generate", "--file", path, "--max-new-tokens", str(4096 - n)]
+    assert cli.main(argv) == 0
+    captured = capsys.readouterr()
+    # 2 layers x 2 KV heads x (16 + 16) x 4 B = 512 B per token
+    assert f"hf-pagedkv generate: prefilling {n:,} prompt tokens in one forward step, about " \
+           f"{n * 512 / 2**20:,.2f} MiB of K/V; the generated text comes after it" in captured.err
+    assert f"prompt: {n} tokens" in captured.out
+    assert cli.main(GENERATE) == 0  # a short prompt: no prefilling line
+    assert "prefilling" not in capsys.readouterr().err
+    _no_forward(monkeypatch, model)
+    argv[-1] = str(4097 - n)
+    assert cli.main(argv) == 2
+    assert "takes the sequence to 4,097 positions, past the model's context of 4,096" in capsys.readouterr().err
+
+
+def test_generate_refuses_a_kv_zip_reconstruction_past_the_context(tmp_path, monkeypatch, capsys):
+    """KVzip's reconstruction pass feeds the context a second time after itself: a prompt of more than half the
+    context is refused before any forward, with the longest prompt that fits."""
+    from hf_pagedkv.retention.compress import repeat_prompt_ids
+
+    cli, model, tokenizer, path, n = _long_file(tmp_path, monkeypatch, 210)
+    before = model.config._attn_implementation
+    repeat = len(repeat_prompt_ids(tokenizer))
+    assert n + 4 <= 4096 < 2 * (n - 1) + repeat
+    _no_forward(monkeypatch, model)
+    try:
+        assert cli.main(["generate", "--file", path, "--max-new-tokens", "4", "--retention", "kv_zip:0.5"]) == 2
+    finally:
+        model.set_attn_implementation(before)
+    err = capsys.readouterr().err
+    assert (f"--retention kv_zip:0.5 runs KVzip's reconstruction pass, which feeds the context again after it: the "
+            f"prompt's {n:,} tokens reach {2 * (n - 1) + repeat:,} positions (the context, {n - 1:,} tokens, twice "
+            f"and the {repeat}-token repeat instruction), past the model's context of 4,096 tokens "
+            f"(config.max_position_embeddings): give at most {(4096 - repeat) // 2 + 1:,} prompt tokens") in err

@@ -101,7 +101,7 @@ class CompiledCodeAttention:
     min each on a shared 2-core machine, README) and none per step. Once a graph exists, a call first runs under
     ``torch.compiler.set_stance("fail_on_recompile")`` (a read the graphs held do not serve raises before anything
     runs, and is then compiled under the config patches below): the patches cost 50-170 us per call, the stance
-    10-20 (`benchmarks/compiled_read_in_model.py`).
+    10-20 (`benchmarks/dev/compiled_read_in_model.py`).
 
     Reads it takes: the `torch` backend's `Int8Codec`/`Int4Codec` for keys (``axis="channel"``) and values
     (``axis="token"``, one group per head), equal key and value head dims, and a read from the first block's

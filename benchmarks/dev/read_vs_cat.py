@@ -1,7 +1,7 @@
 """Why a batch read through the default `sdpa` path cannot beat `DynamicCache`: both copy the history, one layer.
 
-    OMP_NUM_THREADS=1 python benchmarks/read_vs_cat.py                  # batch 64, 80 tokens, 3 KV heads x 64
-    OMP_NUM_THREADS=1 python benchmarks/read_vs_cat.py --batch 32 --tokens 2048
+    OMP_NUM_THREADS=1 python benchmarks/dev/read_vs_cat.py                  # batch 64, 80 tokens, 3 KV heads x 64
+    OMP_NUM_THREADS=1 python benchmarks/dev/read_vs_cat.py --batch 32 --tokens 2048
 
 Times (best process time of `--reps` rounds of `--calls` calls, one thread, microseconds per call) of what each
 cache does to hand attention a contiguous `[batch, heads, tokens, head_dim]` fp32 tensor: `DynamicCache`'s
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.code_attention_parts import best  # noqa: E402
+from benchmarks.dev.code_attention_parts import best  # noqa: E402
 
 
 def main(argv=None) -> None:

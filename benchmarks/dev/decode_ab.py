@@ -1,7 +1,7 @@
 """Decode speed of this checkout against an earlier commit, interleaved in one run (CPU time, SmolLM2).
 
-    python benchmarks/decode_ab.py --base 8e584ab                   # fp and k8v4 at 512, 2048, 4096 tokens
-    python benchmarks/decode_ab.py --base HEAD~3 --lengths 512 --rounds 1 --steps 8     # a smoke run
+    python benchmarks/dev/decode_ab.py --base main                      # fp and k8v4 at 512, 2048, 4096 tokens
+    python benchmarks/dev/decode_ab.py --base HEAD~3 --lengths 512 --rounds 1 --steps 8     # a smoke run
 
 The base commit is checked out with `git worktree add --detach` into a temporary folder; each round runs one child
 process per side (base, then this checkout, alternating which goes first), each loading the bundled model once and
@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def child(lengths: list[int], methods: list[str], steps: int, threads: int) -> None:
@@ -32,7 +32,7 @@ def child(lengths: list[int], methods: list[str], steps: int, threads: int) -> N
     from hf_pagedkv import PagedCache
     try:
         from hf_pagedkv.tools.models import load_model
-    except ImportError:  # a base commit from before the folders (hf_pagedkv.models)
+    except ImportError:  # a base commit whose model loader is hf_pagedkv.models
         from hf_pagedkv.models import load_model
 
     model, _ = load_model()
@@ -65,7 +65,7 @@ def run_side(path: Path, args) -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--base", default="8e584ab", help="the commit to compare against (default: before layer groups)")
+    ap.add_argument("--base", required=True, help="the commit (or branch) to compare this checkout against")
     ap.add_argument("--lengths", default="512,2048,4096", help="prompt lengths, comma-separated")
     ap.add_argument("--methods", default="fp,k8v4", help="PagedCache quant presets ('fp' = full precision)")
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps per case")

@@ -1,7 +1,7 @@
 """Where the time of `code_attention` goes: process time of each part for one layer of SmolLM2 shapes (3 key/value
 heads, 3 query rows per head, head_dim 64, 32-token blocks), on random codes, warm caches.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/code_attention_parts.py --quant k4v4 --tokens 2048 --batch 1
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/dev/code_attention_parts.py --quant k4v4 --tokens 2048 --batch 1
 
 Each part is timed alone (best of `--reps` repetitions of `--calls` calls: the machine is shared, and noise only
 adds time), so the parts need not sum to the whole call (which also pays Python and dispatch, about 3 us per torch

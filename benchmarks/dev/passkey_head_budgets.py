@@ -27,8 +27,8 @@ Printed per example and rule: the key's log-probability after the question (summ
 teacher-forced) and whether every key token is the argmax (teacher-forced, a proxy for the eval's greedy answer),
 then their totals. Examples are numbered as the eval numbers them: 0-8 at 1k, 9-17 at 2k, 18-26 at 4k.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/passkey_head_budgets.py [--seed 1]   # about 55 minutes each
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/passkey_head_budgets.py --lengths 1024 2048 --rules full layer \
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/dev/passkey_head_budgets.py [--seed 1]   # about 55 minutes each
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/dev/passkey_head_budgets.py --lengths 1024 2048 --rules full layer \
         share --value-weighted
 """
 

@@ -10,7 +10,7 @@ from what else was evicted, not from the needle. Also printed: the log-probabili
 tokens, teacher-forced after the question), a finer measure than the answers, and its mean over the examples.
 Examples are numbered as the eval numbers them: 0-8 at 1k, 9-17 at 2k, 18-26 at 4k (depths 10/50/90, 3 keys).
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/passkey_oracle.py --lengths 1024 2048 --share-heads
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/dev/passkey_oracle.py --lengths 1024 2048 --share-heads
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Peak memory of a decode step with the ``"hf_pagedkv"`` attention: how far the process's resident memory rises
 above what it held before the step (Linux: VmHWM reset through /proc/self/clear_refs, then read back), SmolLM2.
 
-    python benchmarks/paged_attention_memory.py                          # 2048 tokens, batch 1 and 8
-    python benchmarks/paged_attention_memory.py --lengths 4096 --batches 1
+    python benchmarks/dev/paged_attention_memory.py                          # 2048 tokens, batch 1 and 8
+    python benchmarks/dev/paged_attention_memory.py --lengths 4096 --batches 1
 
 The issue's bound is "the pool plus one tile per layer": the pool is allocated before the step, so the step's rise
 should stay within one layer's working set of the attention (a tile of codes in the compute dtype, the scores) plus
@@ -26,7 +26,7 @@ from hf_pagedkv import PagedCache, cache_kwargs
 from hf_pagedkv.attention import DEFAULT_TILE_TOKENS
 from hf_pagedkv.tools.models import load_model
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from paged_attention import make_cache, prefill, prompt_kv  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """Why a quantized pool's logits can differ by more than fp rounding between ``"hf_pagedkv"`` and `sdpa`: the tiny
 Llama, k8v8, beam search (3 beams, 15-token prompt, 10 new tokens, block size 4), once per attention.
 
-    python benchmarks/paged_attention_code_flips.py
+    python benchmarks/dev/paged_attention_code_flips.py
 
 Prints the max |logit difference| per generated step and, per layer, how many stored codes differ between the two
 runs. Each attention call agrees with `sdpa` over the same codes within fp32 rounding (tests/attention checks
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from hf_pagedkv import PagedCache, cache_kwargs  # noqa: E402
 from tests.conftest import VOCAB, tiny_model  # noqa: E402
 

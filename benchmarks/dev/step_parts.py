@@ -1,8 +1,8 @@
 """Where a decode step's time goes, per part, without a profiler's distortion: SmolLM2, one process, wall time.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/step_parts.py --tokens 2048 --batch 1 --quant k4v4 \
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/dev/step_parts.py --tokens 2048 --batch 1 --quant k4v4 \
         --attention hf_pagedkv_compiled
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/step_parts.py --tokens 64 --batch 64 --quant fp --attention sdpa
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/dev/step_parts.py --tokens 64 --batch 64 --quant fp --attention sdpa
 
 Prefills `--tokens` random tokens per row into a `DynamicCache` and into a `PagedCache` (`--quant`), runs three
 untimed decode steps each, then `--steps` timed ones, `--rounds` times in turn (`DynamicCache` first, then

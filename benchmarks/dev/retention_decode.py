@@ -1,8 +1,8 @@
 """Decode speed after a KVzip compression: uniform budgets (one layer group) against the ranking across layers
 (`layer_budgets="global"`: one layer group per layer), beside the uncompressed cache, in one run (CPU time, SmolLM2).
 
-    python benchmarks/retention_decode.py                              # a 2,048-token context, ratio 0.5
-    python benchmarks/retention_decode.py --length 512 --steps 4 --rounds 1         # a smoke run
+    python benchmarks/dev/retention_decode.py                              # a 2,048-token context, ratio 0.5
+    python benchmarks/dev/retention_decode.py --length 512 --steps 4 --rounds 1         # a smoke run
 
 Each round, for each method in turn (the order rotating between rounds), prefills a random context of `--length`
 tokens through a `PagedCache` under the ``"hf_pagedkv"`` attention, compresses it (`compress_context`, untimed), then

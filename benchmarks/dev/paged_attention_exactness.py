@@ -1,7 +1,7 @@
 """Max |logit difference| between the ``"hf_pagedkv"`` attention and `sdpa` on the tiny test models (the numbers in
 the README's paged-attention section): greedy, left-padded batch, beams, forks; fp and quantized pools.
 
-    python benchmarks/paged_attention_exactness.py --tile-tokens 8      # several tiles per read (block size 4)
+    python benchmarks/dev/paged_attention_exactness.py --tile-tokens 8      # several tiles per read (block size 4)
 
 The reference is the same model with ``attn_implementation="sdpa"`` and the same kind of PagedCache ("de-quantize,
 then sdpa" for quantized pools). Tokens must be identical; the script says so when they are not.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import hf_pagedkv.attention.attention_function as attention_function  # noqa: E402
 from tests.attention.test_paged_attention import decode_forks, run  # noqa: E402
 from tests.conftest import VOCAB, tiny_model  # noqa: E402

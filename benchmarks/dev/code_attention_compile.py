@@ -1,7 +1,7 @@
 """Whether `torch.compile` (inductor, CPU) pays for the quantized decode read: one layer of SmolLM2 shapes (3
 key/value heads, 3 query rows per head, head_dim 64, 32-token blocks), random codes, one thread.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/code_attention_compile.py --quant k4v4 --tokens 96 2048 4096 \
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/dev/code_attention_compile.py --quant k4v4 --tokens 96 2048 4096 \
         --batch 1 8 --variants whole-fold [--cold]
 
 Variants, each against the eager `code_attention` on the same read (max |diff| of the outputs printed):
@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from benchmarks.code_attention_parts import B, D, H, R, best, make_read
+from benchmarks.dev.code_attention_parts import B, D, H, R, best, make_read
 from hf_pagedkv.attention.compiled_read import fused_code_read
 from hf_pagedkv.attention.paged_attention import NEGLIGIBLE, code_attention
 

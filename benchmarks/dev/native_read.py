@@ -3,7 +3,7 @@
 `DynamicCache` step reads); SmolLM2 shapes (3 key/value heads, 3 query rows each, head_dim 64, 32-token blocks),
 random codes, best process time of `--reps` runs of `--calls` calls, the three interleaved.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/native_read.py --tokens 96 2048 4096 --batch 1 8
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/dev/native_read.py --tokens 96 2048 4096 --batch 1 8
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from benchmarks.code_attention_parts import D, H, R, best, make_read
+from benchmarks.dev.code_attention_parts import D, H, R, best, make_read
 from hf_pagedkv.attention.native_read import NativeCodeAttention
 from hf_pagedkv.attention.paged_attention import code_attention
 

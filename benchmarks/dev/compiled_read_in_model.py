@@ -1,13 +1,13 @@
 """The compiled quantized read on the model's own codes: one layer's read captured from a SmolLM2 decode step.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/compiled_read_in_model.py --tokens 2048 --batch 1 --quant k4v4
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/dev/compiled_read_in_model.py --tokens 2048 --batch 1 --quant k4v4
 
 Prefills `--tokens` random tokens per row into a quantized `PagedCache` with ``attn_implementation=
 "hf_pagedkv_compiled"``, runs three decode steps, and keeps the last layer's read (`CodeRead`: views of the pool for
 a batch-1 row in consecutive blocks). Then, one thread, best of `--reps` rounds of `--calls` calls, microseconds per
 call: the compiled function (`CompiledCodeAttention`, as the attention calls it) and the eager `code_attention` on
 that read, on contiguous copies of its codes and scales, and on the micro-benchmark's random read of the same size
-(`benchmarks/code_attention_parts.make_read`); and the fixed cost per call of what wraps a compiled call: the two
+(`benchmarks/dev/code_attention_parts.make_read`); and the fixed cost per call of what wraps a compiled call: the two
 config patches that let it compile, and the ``fail_on_recompile`` stance a call with a graph takes instead.
 """
 
@@ -20,7 +20,7 @@ import torch
 import torch.fx.experimental._config  # noqa: F401  (torch.fx.experimental._config.patch below)
 
 import hf_pagedkv.attention.attention_function as attention_function
-from benchmarks.code_attention_parts import best, make_read
+from benchmarks.dev.code_attention_parts import best, make_read
 from hf_pagedkv import PagedCache, cache_kwargs
 from hf_pagedkv.attention.compiled_read import CompiledCodeAttention
 from hf_pagedkv.tools.models import load_model

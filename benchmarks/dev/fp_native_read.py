@@ -6,7 +6,7 @@ head_dim 64, 16-token blocks), random K/V written the way a prefill and 20 decod
 of `--calls` calls, each once from warm caches ("hot") and once after writing `--flush-mib` MiB ("cold": in a
 model's decode step the weights stream through the caches between two layers' reads).
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/fp_native_read.py --tokens 2048 4096 --batch 1 8
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/dev/fp_native_read.py --tokens 2048 4096 --batch 1 8
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.native_read import built_native
+from benchmarks.dev.native_read import built_native
 from hf_pagedkv import BlockPool, PagedCache
 from hf_pagedkv.attention import PagedView
 from hf_pagedkv.attention.paged_attention import paged_attention

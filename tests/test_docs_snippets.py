@@ -1,0 +1,78 @@
+"""Every ```python block of README.md and docs/*.md runs as written.
+
+The blocks of one file run in order in one namespace, fresh for each file (a guide may build its model in its first
+block and use it in the next ones), from a temporary working directory. The real model would be too slow here, so
+`AutoModelForCausalLM.from_pretrained`, `AutoTokenizer.from_pretrained` and `hf_pagedkv.tools.models.load_model`
+return a tiny random Llama (2 layers, 2 KV heads, head_dim 16) and its small BPE tokenizer, whatever name a block
+gives (`tests/eval_helpers.tiny_model_dir`). A block placed right after an HTML comment
+``<!-- snippet: skip REASON -->`` is not run (a block that needs several processes, a network port or a GPU); the
+reason must be given. The test fails if a block raises.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+import hf_pagedkv
+import hf_pagedkv.tools.models as models
+from tests.eval_helpers import tiny_model_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# an optional marker comment on the line(s) right before the fence, then the fenced block
+BLOCK = re.compile(r"(?:<!--\s*snippet:\s*(?P<marker>[^>]*?)\s*-->[ \t]*\n)?^```python[ \t]*\n(?P<code>.*?)^```",
+                   re.S | re.M)
+
+
+def python_blocks(path: Path) -> list[tuple[int, str | None, str]]:
+    """`(line of the fence, marker or None, code)` for every ```python block of `path`, in order."""
+    text = path.read_text(encoding="utf-8")
+    return [(text.count("\n", 0, m.start("code")), m.group("marker"), m.group("code")) for m in BLOCK.finditer(text)]
+
+
+@pytest.fixture
+def tiny_loaders(monkeypatch, tmp_path):
+    """Loaders that return the tiny model whatever name they get; the working directory is a temporary one."""
+    path = tiny_model_dir()
+    model_from_pretrained = transformers.AutoModelForCausalLM.from_pretrained
+    tokenizer_from_pretrained = transformers.AutoTokenizer.from_pretrained
+    load_model = models.load_model
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda name, *args, **kwargs: model_from_pretrained(path, *args, **kwargs).eval())
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda name, *args, **kwargs: tokenizer_from_pretrained(path, *args, **kwargs))
+    monkeypatch.setattr(models, "load_model", lambda name_or_path=None, **kwargs: load_model(path, **kwargs))
+    monkeypatch.chdir(tmp_path)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_the_block_finder_reads_markers_and_code(tmp_path):
+    doc = tmp_path / "doc.md"
+    doc.write_text("text\n```python\nx = 1\n```\n<!-- snippet: skip needs two processes -->\n```python\ny = 2\n```\n"
+                   "```bash\nls\n```\n")
+    assert python_blocks(doc) == [(2, None, "x = 1\n"), (6, "skip needs two processes", "y = 2\n")]
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_python_block_runs(path, tiny_loaders):
+    blocks = python_blocks(path)
+    namespace: dict = {"__name__": "__snippet__"}
+    for line, marker, code in blocks:
+        if marker is not None:
+            assert re.fullmatch(r"skip \S.*", marker), f"{path.name}:{line}: a marker is 'skip REASON', got {marker!r}"
+            continue
+        try:
+            exec(compile(code, f"{path.name}:{line}", "exec"), namespace)
+        except Exception as exc:  # noqa: BLE001 - any error of a documented block is a failure
+            pytest.fail(f"{path.relative_to(ROOT)}, the block at line {line} raised {type(exc).__name__}: {exc}")
+    for value in list(namespace.values()):  # give back what a file's blocks left open
+        if isinstance(value, hf_pagedkv.PagedCache):
+            value.release()

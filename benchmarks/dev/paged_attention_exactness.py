@@ -1,5 +1,5 @@
 """Max |logit difference| between the ``"hf_pagedkv"`` attention and `sdpa` on the tiny test models (the numbers in
-the README's paged-attention section): greedy, left-padded batch, beams, forks; fp and quantized pools.
+docs/paged_attention.md, Exactness): greedy, left-padded batch, beams, forks; fp and quantized pools.
 
     python benchmarks/dev/paged_attention_exactness.py --tile-tokens 8      # several tiles per read (block size 4)
 

@@ -16,7 +16,7 @@ _IMPORTANCE.update(pyramidkv=PyramidKV, pyramid_kv=PyramidKV, kv_zip_global=KVzi
                    kv_zip_weighted=KVzip, kvzip_weighted=KVzip)
 # the settings a name adds: kv_zip_global is the passkey eval's `kv_zip_global` with its defaults (max-pooled);
 # kv_zip_weighted the eval's best: `--kv-zip-pooling avg --kv-zip-value-weighted --kv-zip-kernel 3
-# --kv-zip-value-power 2` (session 27; until then kernel 7 and the plain weighting, session 25)
+# --kv-zip-value-power 2` (docs/retention.md, passkey results)
 _GLOBAL = {"layer_budgets": "global", "kernel_size": 7}
 _WEIGHTED = {"layer_budgets": "global", "kernel_size": 3, "pooling": "avg", "value_weighted": True, "value_power": 2.0}
 _SETTINGS = {"kv_zip_global": _GLOBAL, "kvzip_global": _GLOBAL, "kv_zip_weighted": _WEIGHTED,

@@ -76,3 +76,28 @@ def test_every_python_block_runs(path, tiny_loaders):
     for value in list(namespace.values()):  # give back what a file's blocks left open
         if isinstance(value, hf_pagedkv.PagedCache):
             value.release()
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("path", FILES + [ROOT / "eval" / "README.md", ROOT / "benchmarks" / "README.md"],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(path):
+    """Links to files of the repository name files that exist, and their `#anchor` a heading of that file."""
+    text = path.read_text(encoding="utf-8")
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+://", target):
+            continue
+        file, _, anchor = target.partition("#")
+        dest = (path.parent / file).resolve() if file else path
+        if not dest.exists():
+            broken.append(target)
+        elif anchor and dest.suffix == ".md":
+            headings = re.findall(r"^#+ (.+)$", dest.read_text(encoding="utf-8"), re.M)
+            if anchor not in {_anchor(h) for h in headings}:
+                broken.append(target)
+    assert broken == [], f"{path.relative_to(ROOT)}: links to missing files or headings"

@@ -101,3 +101,27 @@ def test_every_relative_link_resolves(path):
             if anchor not in {_anchor(h) for h in headings}:
                 broken.append(target)
     assert broken == [], f"{path.relative_to(ROOT)}: links to missing files or headings"
+
+
+def test_the_signatures_the_readme_shows_are_the_codes():
+    """Each `Name(...)` line of the README's ```text blocks names a public callable of `hf_pagedkv` with exactly its
+    parameters: names, order, keyword-only marker, defaults and `**kwargs`."""
+    import ast
+    import inspect
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    shown = re.findall(r"^([A-Za-z_]\w*)\((.*?)\)$", "\n".join(re.findall(r"^```text\n(.*?)^```", text, re.S | re.M)),
+                       re.S | re.M)
+    assert {name for name, _ in shown} >= {"PagedCache", "BlockPool"}
+    for name, params in shown:
+        doc = ast.parse(f"def f({' '.join(params.split())}): pass").body[0].args
+        kinds = inspect.Parameter
+        documented = [(a.arg, kinds.POSITIONAL_OR_KEYWORD) for a in doc.args]
+        documented += [(a.arg, kinds.KEYWORD_ONLY) for a in doc.kwonlyargs]
+        documented += [(doc.kwarg.arg, kinds.VAR_KEYWORD)] if doc.kwarg else []
+        defaults = dict(zip([a.arg for a in doc.args][len(doc.args) - len(doc.defaults):],
+                            [ast.literal_eval(d) for d in doc.defaults]))
+        defaults.update({a.arg: ast.literal_eval(d) for a, d in zip(doc.kwonlyargs, doc.kw_defaults) if d is not None})
+        real = inspect.signature(getattr(hf_pagedkv, name)).parameters.values()
+        assert documented == [(p.name, p.kind) for p in real], name
+        assert defaults == {p.name: p.default for p in real if p.default is not p.empty}, name

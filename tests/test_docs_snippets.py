@@ -125,3 +125,17 @@ def test_the_signatures_the_readme_shows_are_the_codes():
         real = inspect.signature(getattr(hf_pagedkv, name)).parameters.values()
         assert documented == [(p.name, p.kind) for p in real], name
         assert defaults == {p.name: p.default for p in real if p.default is not p.empty}, name
+
+
+@pytest.mark.parametrize("path", FILES + [ROOT / "eval" / "README.md", ROOT / "benchmarks" / "README.md"],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_repository_path_the_docs_name_exists(path):
+    """Paths such as `benchmarks/memory.py`, `tests/adapter/test_padding.py` or `storage/heap.py` (inside the package)
+    name files that exist, so a moved or deleted file shows up here."""
+    text = path.read_text(encoding="utf-8")
+    folders = "benchmarks|tests|eval|examples|scripts|hf_pagedkv"
+    named = set(re.findall(rf"(?<![\w/.])((?:{folders})/[\w/]+\.(?:py|c|yaml|ipynb|sh))", text))
+    inside = set(re.findall(r"`((?:storage|adapter|attention|pool|retention|observe|tools)/[\w/]+\.(?:py|c))`", text))
+    missing = sorted(p for p in named if not (ROOT / p).exists())
+    missing += sorted(p for p in inside if not (ROOT / "hf_pagedkv" / p).exists())
+    assert missing == [], f"{path.relative_to(ROOT)} names files that do not exist"

@@ -2,7 +2,7 @@
 
     python benchmarks/memory.py                 # both runs, every cache type; ~10-15 min on 2 CPU cores
     python benchmarks/memory.py --quick         # a 1024-token batch-1 run only (a smoke run)
-    python benchmarks/memory.py --store-padding # PagedCache stores left padding (no `cache.set_padding`), as before
+    python benchmarks/memory.py --store-padding # PagedCache stores left padding (no `cache.set_padding`)
 
 Each (run, cache type) is measured in its own process, so allocator state and peaks do not leak between them:
 the model (the bundled SmolLM2-135M-Instruct, fp32) is loaded and warmed up, the peak is reset, then one

@@ -25,7 +25,6 @@ import inspect
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from eval.config import resolve_data_dir  # noqa: E402
+import hf_pagedkv  # noqa: E402
 from hf_pagedkv import BlockPool, PagedCache, cache_kwargs  # noqa: E402
 from hf_pagedkv.tools.models import load_model  # noqa: E402
 from hf_pagedkv.tools.planning import PRESETS, ModelShape, plan_capacity  # noqa: E402
@@ -56,11 +56,6 @@ def describe_machine() -> dict[str, str]:
         cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    try:
-        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -69,7 +64,7 @@ def describe_machine() -> dict[str, str]:
         "load average at start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
         "software": f"Python {platform.python_version()}, torch {torch.__version__}, "
                     f"transformers {transformers.__version__}, {platform.platform()}",
-        "hf_pagedkv commit": commit,
+        "hf_pagedkv": hf_pagedkv.__version__,
     }
 
 
@@ -326,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in (512, 2048):
         if (n, "paged") in sweep:
             ratio = sweep[(n, "paged")]["tok_s"] / sweep[(n, "dynamic")]["tok_s"]
-            say(f"[issue 2] decode tokens/s at prompt {n}, PagedCache vs DynamicCache: {ratio:.2f}x (target >= 0.95x)")
+            say(f"decode tokens/s at prompt {n}, PagedCache vs DynamicCache: {ratio:.2f}x (target >= 0.95x)")
 
     # 2. beam search and parallel sampling, prompt 1024
     prompt = ids[None, : args.gen_prompt]
@@ -346,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         peak = q[0]["peak_bytes"] / d[0]["bytes"]
         same = torch.equal(q[0]["sequences"], d[0]["sequences"])
         time_target = f" (target <= {targets[0]:.1f}x)" if targets[0] else ""
-        say(f"[issue 2] {label}, {args.gen_prompt}-token prompt, {args.new_tokens} new tokens: "
+        say(f"{label}, {args.gen_prompt}-token prompt, {args.new_tokens} new tokens: "
             f"time {t_ratio:.2f}x{time_target}, "
             f"KV bytes {b_ratio:.2f}x (target <= {targets[1]}x; pool peak {peak:.2f}x) of DynamicCache "
             f"({d[0]['bytes'] / MiB:.1f} MiB), outputs {'identical' if same else 'DIFFERENT'}")

@@ -54,10 +54,7 @@ def unavailable_reason(name: str, cfg: EvalConfig, model_config) -> str | None:
     """`None` if `name` can be built here, else a one-line reason ("not available: ...") for its report row."""
     if name == "fp" or name == BASELINE:
         return None
-    if name in PAGED_CONFIGS:
-        if not hasattr(hf_pagedkv, "QuantConfig"):
-            return "not available: this hf_pagedkv has no quantization (hf_pagedkv.QuantConfig is missing)"
-    else:
+    if name not in PAGED_CONFIGS:
         backend, _ = _reference(name)
         module, package = _BACKEND_PACKAGES[backend]
         if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:

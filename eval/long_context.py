@@ -33,8 +33,8 @@ named from its settings; a finished run is skipped (`--overwrite` redoes it):
 Example:
 
 ```bash
-python -m eval.long_context --num-windows 2 --context-len 2048 --budgets 512 --output-dir eval/results
-python -m eval.long_context --task passkey --contexts 1024 --ratios 0.5 --num-keys 2 --output-dir eval/results
+python -m eval.long_context --num-windows 2 --context-len 2048 --budgets 512
+python -m eval.long_context --task passkey --contexts 1024 --ratios 0.5 --num-keys 2
 ```
 """
 

@@ -102,7 +102,7 @@ def quiet_model_loading():
             hf_logging.enable_progress_bar()
 
 
-# -- attention implementations (issue 15: hf_pagedkv.attention) -------------------------------------------------------
+# -- attention implementations (hf_pagedkv.attention) ----------------------------------------------------------------
 # NOTE: 5.23 and 5.24 agree here: `AttentionInterface` / `AttentionMaskInterface` are `GeneralInterface`s whose
 # `register` adds a name to a class-level mapping shared by every instance; a model calls
 # `ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...)(module, query, key, value, attention_mask,

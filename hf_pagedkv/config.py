@@ -70,7 +70,7 @@ class QuantConfig:
     when it fills. So do the sequence's first `sink_tokens` tokens: the attention sink, which most heads attend to
     heavily, so its quantization error reaches every later token (StreamingLLM, Xiao et al. 2023, arXiv 2309.17453;
     KVQuant, Hooper et al. 2024, arXiv 2401.18079, also keeps the first token in full precision). On SmolLM2
-    (1024-token prefill, 256 decode steps; README, Quantization), keeping one sink token lowers k8v4's mean KL from
+    (1024-token prefill, 256 decode steps; docs/quantization.md), keeping one sink token lowers k8v4's mean KL from
     2.1e-3 to 1.1e-3. Values tolerate fewer bits than keys (keys feed the softmax), hence the preset ladder
     ``fp -> v8 -> k8v8 -> k8v4 -> k4v4 (-> k4v2 -> k2v2)``.
 

@@ -17,7 +17,7 @@ IN_PLACE_NAMES = (ATTENTION_NAME, COMPILED_ATTENTION_NAME)
 
 
 class InPlaceReads:
-    """The hook between a `PagedCache` and the ``"hf_pagedkv"`` attention (issue 15).
+    """The hook between a `PagedCache` and the ``"hf_pagedkv"`` attention.
 
     Each layer's `update` makes a `PagedView` of what its attention reads (no tensor work). The first layers of a
     step return their K/V as usual (a view or a gathered / de-quantized copy) with the view attached; when the

@@ -130,7 +130,7 @@ def compiled_paged_attention_forward(module: torch.nn.Module, query: torch.Tenso
     ``"hf_pagedkv_compiled"``, opt-in. Same arguments, shapes and result (up to fp32 rounding: the sums run in
     another order); reads neither takes, and any build or compile error, use the eager read. The first decode step
     on a machine builds the C library (about 1 s); a read only `torch.compile` takes pays its compile time (seconds
-    per graph, see the README)."""
+    per graph, see docs/paged_attention.md)."""
     return paged_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                    is_causal=is_causal, compiled=compiled_quantized_read, native=native_table_read,
                                    **kwargs)

@@ -98,10 +98,10 @@ class CompiledCodeAttention:
     Compiles lazily, on the first supported read. Graphs are specialized on batch 1 against larger batches, on a
     mask or none, on the codecs' bits, the block size and the sink length (constants of the graph), and once more
     when a read passes 4096 columns (inductor's accumulator choice), so a process compiles a few graphs (4 s to 2
-    min each on a shared 2-core machine, README) and none per step. Once a graph exists, a call first runs under
+    min each on a shared 2-core machine) and none per step. Once a graph exists, a call first runs under
     ``torch.compiler.set_stance("fail_on_recompile")`` (a read the graphs held do not serve raises before anything
     runs, and is then compiled under the config patches below): the patches cost 50-170 us per call, the stance
-    10-20 (`benchmarks/compiled_read_in_model.py`).
+    10-20 (`benchmarks/dev/compiled_read_in_model.py`).
 
     Reads it takes: the `torch` backend's `Int8Codec`/`Int4Codec` for keys (``axis="channel"``) and values
     (``axis="token"``, one group per head), equal key and value head dims, and a read from the first block's
@@ -161,7 +161,7 @@ class CompiledCodeAttention:
             # process that runs k8v4 and k4v4 at batch 1 and 8 up to 4096+ tokens held 8 graphs, dynamo's default
             # limit per function (past it, dynamo runs the function eagerly): the limit is raised for this call only.
             # The int arguments (bits, block size, sink length: fixed for a cache) are constants of the graph: as
-            # symbols (``dynamic=True`` makes them so) the generated code ran 1.5-2x slower (README)
+            # symbols (``dynamic=True`` makes them so) the generated code ran 1.5-2x slower
             with torch.no_grad(), torch.fx.experimental._config.patch(use_duck_shape=False), \
                     torch._dynamo.config.patch(recompile_limit=_GRAPH_LIMIT, specialize_int=True):
                 out = self._fn(*args)

@@ -88,9 +88,6 @@ class PrefixIndex:
     def num_idle_blocks(self) -> int:
         return len(self._idle)
 
-    def is_idle(self, block: int) -> bool:
-        return block in self._idle
-
     def idle_blocks(self) -> list[int]:
         """Cached-idle blocks in eviction order (least recently released first)."""
         return list(self._idle)

@@ -84,7 +84,7 @@ class KVzip(ImportancePolicy):
         value_power (`float`, *optional*, defaults to 1.0): with ``value_weighted=True``, the exponent of the
             relative value norm (``scores * (norm / mean_norm) ** value_power``), a number in (0, 8]; 2 weighs the
             values more (on SmolLM2's passkey task, with ``kernel_size=3``, it kept more keys than 1 in a head-masked
-            simulation, `docs/long_contexts.md`). Without ``value_weighted`` it must stay 1.
+            simulation, `docs/retention.md`). Without ``value_weighted`` it must stay 1.
 
     Raises:
         ValueError: as `ImportancePolicy`; `chunk_tokens` not an int >= 1; `kernel_size` not an odd int >= 1;

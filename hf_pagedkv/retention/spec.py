@@ -10,23 +10,13 @@ from hf_pagedkv.retention.pyramid_kv import PyramidKV
 from hf_pagedkv.retention.sink_window import SinkWindow
 from hf_pagedkv.retention.snap_kv import SnapKV
 
-SPEC_HELP = ("sink_window:SINK:WINDOW (StreamingLLM), key_norm:BUDGET or key_norm:RATIO, key_diff:BUDGET or "
-             "key_diff:RATIO, snapkv:BUDGET or snapkv:RATIO (SnapKV; needs attn_implementation=\"hf_pagedkv\"), "
-             "pyramidkv:BUDGET or pyramidkv:RATIO (PyramidKV, 4 tiers; the same attention), "
-             "kv_zip:BUDGET or kv_zip:RATIO (KVzip; needs the same attention and compress_context), "
-             "kv_zip_global:BUDGET or kv_zip_global:RATIO (KVzip ranked across layers, max-pooled over 7 tokens), "
-             "kv_zip_weighted:BUDGET or kv_zip_weighted:RATIO (KVzip ranked across layers, average-pooled over 3 "
-             "tokens, its scores weighted by the squared relative norms of the values: the passkey eval's best) "
-             "(BUDGET: tokens kept; RATIO: a float in (0, 1), the fraction of the prompt removed); every importance "
-             "policy also takes :SHARE after it, a float in [0, 1): the share of the kept tokens given to the most "
-             "recent ones (H2O's split, e.g. kv_zip:0.5:0.5)")
 _IMPORTANCE = {"key_norm": KeyNorm, "key_diff": KeyDiff, "snapkv": SnapKV, "snap_kv": SnapKV, "kv_zip": KVzip,
                "kvzip": KVzip}
 _IMPORTANCE.update(pyramidkv=PyramidKV, pyramid_kv=PyramidKV, kv_zip_global=KVzip, kvzip_global=KVzip,
                    kv_zip_weighted=KVzip, kvzip_weighted=KVzip)
 # the settings a name adds: kv_zip_global is the passkey eval's `kv_zip_global` with its defaults (max-pooled);
 # kv_zip_weighted the eval's best: `--kv-zip-pooling avg --kv-zip-value-weighted --kv-zip-kernel 3
-# --kv-zip-value-power 2` (session 27; until then kernel 7 and the plain weighting, session 25)
+# --kv-zip-value-power 2` (docs/retention.md, passkey results)
 _GLOBAL = {"layer_budgets": "global", "kernel_size": 7}
 _WEIGHTED = {"layer_budgets": "global", "kernel_size": 3, "pooling": "avg", "value_weighted": True, "value_power": 2.0}
 _SETTINGS = {"kv_zip_global": _GLOBAL, "kvzip_global": _GLOBAL, "kv_zip_weighted": _WEIGHTED,

@@ -50,10 +50,6 @@ class QuantizedBlockStates:
     def num_blocks(self) -> int:
         return len(self.encoded)
 
-    def num_open(self) -> int:
-        """Blocks held in a stage (open, not encoded)."""
-        return sum(1 for b in self.stage_of if not self.encoded[b])
-
     def grow(self, num_blocks: int) -> None:
         """Track `num_blocks` blocks (new ones fresh)."""
         self.encoded.extend(bytes(num_blocks - len(self.encoded)))

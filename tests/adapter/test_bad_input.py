@@ -65,8 +65,8 @@ def test_pool_size_settings_conflict():
 
 
 def test_max_memory_needs_the_number_of_layers():
-    """`PagedCache(max_memory=...)` without `config` is refused when built (a fresh user's find: it failed only at
-    the first forward, naming a `pool` the user never made); a `BlockPool(max_memory=...)` passed without `config`
+    """`PagedCache(max_memory=...)` without `config` is refused when built, not at the first
+    forward with an error naming a `pool` the user never made; a `BlockPool(max_memory=...)` passed without `config`
     still fails at the first update, before any block is taken."""
     with pytest.raises(ValueError, match=r"PagedCache\(config=model.config, max_memory='1MiB'\)"):
         PagedCache(max_memory="1MiB")

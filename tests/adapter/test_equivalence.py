@@ -471,7 +471,7 @@ def test_forks_of_a_prefilled_prompt_continue_independently(arch, note_exact):
     release(forks[1])
 
 
-# -- the real model: a left-padded batch whose padding costs nothing (issue 12) ----------------------------------------
+# -- the real model: a left-padded batch whose padding costs nothing -------------------------------------------------
 @pytest.mark.model
 @pytest.mark.parametrize("quant", [None, "k8v4"])
 @pytest.mark.parametrize("kw", [{}, {"num_beams": 2}, {"do_sample": True, "num_return_sequences": 2}],

@@ -1,4 +1,4 @@
-"""Padding costs nothing (issue 12): whole blocks of left padding name the pool's one pad block (`set_padding`).
+"""Padding costs nothing: whole blocks of left padding name the pool's one pad block (`set_padding`).
 
 First a story with fake K/V (exact block ids, refcounts, fills), then the cache-wide operations on padded rows
 (fork, beam reorder, crop into the padding, offload, compaction, publish), then `generate()` on tiny models against

@@ -1,4 +1,4 @@
-"""Issue 16: what a transformers user expects of a cache, checked against `DynamicCache` doing the same.
+"""What a transformers user expects of a cache, checked against `DynamicCache` doing the same.
 
 `copy.deepcopy` (transformers' prompt-reuse recipe), gradients, `del cache`, `torch.inference_mode()` mixed with
 other modes on one pool, and quiet ordinary runs.

@@ -169,7 +169,7 @@ def test_fused_formula_gives_zero_to_a_row_masked_everywhere():
 
 def test_half_precision_queries_read_eagerly_without_a_compile():
     """bf16 and fp16 queries (a half-precision model over a quantized pool): None, before any compile (the formula
-    decodes into fp32; compiling it failed and printed torch's traceback, a fresh user's find), and the reader stays
+    decodes into fp32, and compiling it for half precision fails with torch's traceback), and the reader stays
     on for fp32 reads."""
     read, _, _ = _code_read("int4", "int8", batch=2, offset=0.0)
     reader = CompiledCodeAttention()

@@ -425,7 +425,7 @@ def test_left_padding_set_on_a_quantized_cache(quant, impl, monkeypatch):
     stage, while the unpadded row's first block has one. Each row's sink token is read as its own stage says (full
     precision, or its codes), as the materialized read does: every in-place call, the eager read and the table
     reads of ``"hf_pagedkv_compiled"`` alike, within 1e-5 of sdpa over the materialized K/V of the same cache, and
-    the greedy tokens of `sdpa` (a fresh user found the unpadded row read its sink from the codes: 7.5e-2 apart)."""
+    the greedy tokens of `sdpa` (a sink read from the codes would put the logits 7.5e-2 apart)."""
     calls = []
     real = attention_function.paged_attention
 
@@ -504,8 +504,8 @@ def test_a_placeholder_that_reaches_another_attention_raises():
 @pytest.mark.parametrize("quant,block_size", [(None, 16), (None, 4), ("k8v8", 4), ("k4v4", 4)])
 def test_padding_rows_of_a_short_prompt_read_in_place(impl, name, quant, block_size):
     """A left-padded batch whose 12-token prompt is short enough to be read in place (at most `MAX_QUERY_TOKENS`):
-    the query rows of the padding positions attend to nothing. Every read gives them 0, as `sdpa` does (the C read
-    gave NaN, which reached the row's real tokens through the next layers' K/V: a fresh user's find), so the logits
+    the query rows of the padding positions attend to nothing. Every read gives them 0, as `sdpa` does (NaN there
+    would reach the row's real tokens through the next layers' K/V), so the logits
     stay finite and the tokens are `DynamicCache`'s (full precision: logits within 1e-5) or those of `sdpa` over the
     same quantized cache."""
     model = tiny_model(name)
@@ -543,8 +543,7 @@ def run_padded(model, impl, quant, ids, mask, block_size):
 def test_a_one_layer_model_never_begins_a_step_confirmed():
     """With one layer the claim check would come only at the next step, after the wrong step's output: such a
     cache keeps probing with its first (only) layer, so a copy of the model set to `sdpa` on a cache built with the
-    original's config (which names "hf_pagedkv") still gets real K/V: the logits of `DynamicCache` (a fresh user's
-    find)."""
+    original's config (which names "hf_pagedkv") still gets real K/V: the logits of `DynamicCache`."""
     import copy
 
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -225,7 +225,25 @@ def test_every_committed_long_context_run_rebuilds_its_directory_name_from_its_c
     from eval.long_context_config import LongContextConfig
 
     runs = sorted((Path(__file__).resolve().parents[2] / "eval" / "results").glob("long-*/config.yaml"))
-    assert len(runs) >= 39  # the runs committed by session 26
+    assert runs, "no committed long-context run under eval/results/"
     for path in runs:
         settings = {**yaml.safe_load(path.read_text()), "output_dir": "eval/results"}
         assert LongContextConfig(**settings).run_dir().name == path.parent.name, path
+
+
+def test_the_committed_runs_are_exactly_the_runs_the_docs_cite():
+    """Every run directory named in README.md or docs/*.md is committed under eval/results/, and every committed run
+    is named there: a run no doc cites does not belong in the repository, and a doc must not cite a missing run."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    text = "\n".join(p.read_text() for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))])
+    cited = set(re.findall(r"(?<![\w-])((?:long|perplexity)-[\w.]+(?:-[\w.]+)*-[0-9a-f]{6})\b", text))
+    committed = {p.name for p in (root / "eval" / "results").iterdir() if p.is_dir()}
+    assert cited, "the docs cite no eval run"
+    assert sorted(cited - committed) == [], "cited in the docs but not under eval/results/"
+    assert sorted(committed - cited) == [], "committed under eval/results/ but cited by no doc: cite it or git rm it"
+    for name in committed:  # what a run directory holds
+        files = {p.name for p in (root / "eval" / "results" / name).iterdir()}
+        assert {"config.yaml", "metrics.json", "predictions.jsonl"} <= files, name

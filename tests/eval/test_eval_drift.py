@@ -19,7 +19,6 @@ from eval.config import PAGED_CONFIGS, resolve
 from eval.runner import continue_greedy, decode_teacher_forced, greedy, prefill, teacher_forced_logits
 from tests.eval_helpers import DATA_DIR, REPO, tiny_model, tiny_model_dir
 
-HAS_QUANT = hasattr(hf_pagedkv, "QuantConfig")
 SMALL = dict(num_windows=2, prefill_len=64, score_len=16, gen_len=8, qc_group_size=16, qc_residual_length=16,
              data_dir=str(DATA_DIR))
 
@@ -91,12 +90,10 @@ def test_fp_shows_zero_drift_and_writes_the_run(tmp_path):
     # blocks (80 tokens = 5 blocks of 16)
     assert m["baseline"]["bytes_per_token"] == 2 * 2 * 2 * 16 * 4 and fp["bytes_ratio"] == 1.0
     k8v4, k4v4 = m["configs"]["k8v4"], m["configs"]["k4v4"]
-    if HAS_QUANT:  # fewer key bits: more key error, fewer bytes; some drift but not much at 8/4 bits
-        assert k8v4["status"] == k4v4["status"] == "ok"
-        assert 0 < k8v4["k_err_max"] < k4v4["k_err_mean"] and 0 < k8v4["kl_mean"] < 0.1
-        assert k4v4["bytes_ratio"] < k8v4["bytes_ratio"] < 1.0
-    else:
-        assert k8v4["status"].startswith("not available: this hf_pagedkv has no quantization")
+    # fewer key bits: more key error, fewer bytes; some drift but not much at 8/4 bits
+    assert k8v4["status"] == k4v4["status"] == "ok"
+    assert 0 < k8v4["k_err_max"] < k4v4["k_err_mean"] and 0 < k8v4["kl_mean"] < 0.1
+    assert k4v4["bytes_ratio"] < k8v4["bytes_ratio"] < 1.0
     if _available("quanto-int4", cfg):
         q4, q2 = m["configs"]["quanto-int4"], m["configs"]["quanto-int2"]
         assert 0 < q4["kl_mean"] < q2["kl_mean"] and 0 < q4["k_err_mean"] < q2["k_err_mean"] < 1
@@ -172,16 +169,9 @@ def test_sharded_run_equals_single_process(tmp_path):
     assert (run_dir / "predictions.jsonl").read_text() == (one_dir / "predictions.jsonl").read_text()
 
 
-def test_paged_presets_report_not_available_without_quantization(tmp_path, monkeypatch):
-    """Every PagedCache preset builds here; an hf_pagedkv without `QuantConfig` (as before quantization landed)
-    gets a one-line "not available" reason for each quantized preset instead of a crash, and `fp` still builds."""
+def test_every_paged_preset_builds_here(tmp_path):
     cfg, config = _cfg(tmp_path), tiny_model()[0].config
     assert {name: unavailable_reason(name, cfg, config) for name in PAGED_CONFIGS} == dict.fromkeys(PAGED_CONFIGS)
-    monkeypatch.delattr(hf_pagedkv, "QuantConfig")
-    assert unavailable_reason("fp", cfg, config) is None
-    for name in [n for n in PAGED_CONFIGS if n != "fp"]:
-        reason = unavailable_reason(name, cfg, config)
-        assert reason.startswith("not available: this hf_pagedkv has no quantization"), (name, reason)
 
 
 def test_an_interrupted_run_resumes_after_its_last_finished_window(tmp_path, monkeypatch):

@@ -92,7 +92,7 @@ def test_tp_generation_equals_single_process_dynamic_cache(tp_run, reference):
     assert (top2[..., 0] - top2[..., 1]).min() > 10 * tol  # so a TP rounding difference cannot flip a greedy token
     diff = max((res["greedy_logits"] - ref_logits).abs().max().item() for res in results)
     print(f"TP ranks vs one process: max |logit difference| {diff:.2g} (max |logit| "
-          f"{ref_logits.abs().max().item():.2g}, tolerance {tol:.2g})")  # what README quotes (pytest -s)
+          f"{ref_logits.abs().max().item():.2g}, tolerance {tol:.2g})")  # what docs/results.md quotes (pytest -s)
     for res in results:
         assert res["dynamic_equal"] == {"greedy_sequences": True, "greedy_logits": True, "beam_sequences": True}
         assert torch.equal(res["greedy_sequences"], reference["greedy_sequences"])

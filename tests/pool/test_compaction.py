@@ -1,4 +1,4 @@
-"""`BlockPool.compact` moves live blocks down and `shrink` gives trailing segments back (issue 12): exact while
+"""`BlockPool.compact` moves live blocks down and `shrink` gives trailing segments back: exact while
 sequences are live (forks, beams, prefix-cached and quantized blocks), bounded per call, reported in stats."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The prefix cache keeps what it caches (issue 12): idle cached blocks live within `prefix_cache_memory`, a growable
+"""The prefix cache keeps what it caches: idle cached blocks live within `prefix_cache_memory`, a growable
 pool grows rather than evicting within it, and the least recently used ones go beyond it."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def send_twice(pool: BlockPool, num_prompts: int = 12, length: int = 200) -> tup
 
 
 def test_default_budget_keeps_12_prompts_sent_twice():
-    """The README's scenario: 12 distinct 200-token prompts, each sent twice, on a default growable pool: the
+    """The docs' scenario (docs/sharing.md): 12 distinct 200-token prompts, each sent twice, on a default growable pool: the
     repeats hit (>= 90% of their full blocks; a prompt of k full blocks recomputes at least its last token)."""
     pool = BlockPool(block_size=16, prefix_caching=True)
     hit, asked = send_twice(pool)

@@ -192,8 +192,8 @@ class WidestKeepsAll(KVzip):
 
 
 def test_a_second_compression_is_refused_when_the_widest_tier_kept_everything(llama):
-    # a fresh user's find: the refusal counted evicted tokens, 0 here, so the second pass ran, failed in its scores
-    # and then in its own clean-up, leaving the reconstruction tokens in the cache
+    # the refusal must not count evicted tokens (0 here): a second pass would fail in its scores and then in its
+    # own clean-up, leaving the reconstruction tokens in the cache
     x = ids(1, N, seed=25)
     cache = prefilled(llama, x, WidestKeepsAll(budget=12, sink_tokens=1, recent_tokens=2, layer_budgets="global"))
     compress_context(llama, cache, x, prompt_ids=PROMPT)
@@ -550,8 +550,8 @@ def test_global_layer_budgets_stay_on_the_block_grid_within_the_uniform_total():
 
 
 def test_global_layer_budgets_never_exceed_the_uniform_total_with_large_blocks():
-    # a fresh user's case: blocks large against the layers' spread, so no tier could give a block back; the
-    # rounded-up span kept 22 per layer where the uniform budget is 21 (and 14 + 14 for 11 + 11 below)
+    # blocks large against the layers' spread, so no tier can give a block back: a rounded-up span would keep 22
+    # per layer where the uniform budget is 21 (and 14 + 14 for 11 + 11 below)
     policy = KVzip(budget=11, sink_tokens=3, recent_tokens=0, layer_budgets="global")
     g = torch.Generator().manual_seed(0)
     scores = [[torch.rand(1, 2, 20, generator=g) ** (1 + 3 * t)] for t in range(2)]

@@ -2,7 +2,7 @@
 passkey is prefilled, compressed by the reconstruction pass to half, and only then is the question given --
 `generate` continues from the compressed cache exactly as steps fed by hand do, and half the context's memory is
 given back. (Whether the key survives is the eval's question, `eval.long_context --methods kv_zip`: on this example
-it does not, see the README.)"""
+it does not, see docs/retention.md.)"""
 
 from __future__ import annotations
 

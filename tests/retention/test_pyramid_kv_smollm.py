@@ -1,7 +1,7 @@
 """`PyramidKV` through `generate()` on the real SmolLM2-135M-Instruct (30 layers in 4 tiers): a ~300-token document
 with a passkey and the question at the end of the prompt, a quarter of it evicted on average -- each tier holds
 exactly its own budget's blocks, and the answer is kept. (At this length a ratio of 0.5 leaves the top tier ~60
-tokens: it lost a digit of this passkey, as SnapKV lost one of another at 0.5; README, Long contexts.)"""
+tokens: it lost a digit of this passkey, as SnapKV lost one of another at 0.5; docs/retention.md.)"""
 
 from __future__ import annotations
 

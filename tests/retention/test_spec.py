@@ -24,7 +24,7 @@ def test_specs_parse_to_their_policies():
     glob = KVzip(compression_ratio=0.5, kernel_size=7, layer_budgets="global")  # max-pooled, the eval's default
     assert parse_retention("kv_zip_global:0.5") == parse_retention("kvzip_global:0.5") == glob
     best = KVzip(compression_ratio=0.5, kernel_size=3, layer_budgets="global", pooling="avg", value_weighted=True,
-                 value_power=2.0)  # the passkey eval's best (docs/long_contexts.md, session 27)
+                 value_power=2.0)  # the passkey eval's best (docs/retention.md)
     assert parse_retention("kv_zip_weighted:0.5") == parse_retention("kvzip_weighted:0.5") == best != glob
     assert parse_retention("kv_zip_weighted:512:0.25") == KVzip(budget=512, recent_share=0.25, kernel_size=3,
                                                                 layer_budgets="global", pooling="avg",

@@ -1,6 +1,6 @@
 """What a pool reports is what it holds: `bytes_reserved` is the bytes of its storage tensors (walked one by one),
 `bytes_in_use` the bytes held for the blocks in use, and a pool grown by one long prefill reserves little more
-than it uses (issue 12, "Accounting")."""
+than it uses."""
 
 from __future__ import annotations
 

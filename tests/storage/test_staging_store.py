@@ -47,7 +47,7 @@ def test_stages_are_allocated_as_needed_and_the_lowest_ids_come_first():
     store = make_store()
     assert store.num_stages == 0 and store.num_used == 0 and tensors(store)[0].shape[1] == 0
     assert store.allocate() == 0
-    assert store.num_stages == 1  # one sequence, one stage: no minimum of 8 (issue 12)
+    assert store.num_stages == 1  # one sequence, one stage: no minimum of 8
     assert [store.allocate() for _ in range(2)] == [1, 2]
     assert store.num_stages == 3 and store.num_used == 3
     assert [tuple(t.shape) for t in tensors(store)] == [(2, 12, 3), (1, 12, 2), (2, 12, 5), (1, 12, 2)]

@@ -251,8 +251,10 @@ class Engine:
             if not isinstance(error, Exception):
                 raise
             return 0
+        kv_bytes = self.pool.stats().bytes_in_use  # the step's blocks, before its finished requests free theirs
         with self._lock:
             self._in_flight = set()
+            self._kv_peak = max(self._kv_peak, kv_bytes)
             self._finish_step(batch, logits)
             self._cond.notify_all()
         return batch.num_tokens
@@ -312,7 +314,6 @@ class Engine:
                 req.set_status(RequestStatus.DECODING, now)
         self._num_steps += 1
         self._num_tokens_computed += batch.num_tokens
-        self._kv_peak = max(self._kv_peak, self.pool.stats().bytes_in_use)
 
     def _abort(self, batch: StepBatch, error: BaseException) -> None:
         """The forward raised: free the step's requests' blocks (their caches are mid-step); fail them for an

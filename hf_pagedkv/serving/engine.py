@@ -62,9 +62,15 @@ class Engine:
             `max_new_tokens`; the model's by default.
         max_batch_tokens (`int`, *optional*, defaults to 512): tokens computed per step (decode tokens plus prefill
             chunks).
+        compact_blocks (`int`, *optional*, defaults to 256): after each step, move up to this many blocks per layer
+            group so that each request's blocks lie consecutively (`BlockPool.compact`): its cache then reads its
+            history as a view instead of gathering it, which is most of a decode step's cache work once requests
+            interleave their blocks. Done only while every row in the pool is one of the engine's (no other cache's
+            forward can run meanwhile); 0: never.
 
     Raises:
-        ValueError: `pool` not a `BlockPool`; `max_batch_tokens` not a positive int; a model layer type a
+        ValueError: `pool` not a `BlockPool`; `max_batch_tokens` not a positive int; `compact_blocks` not an int
+            >= 0; a model layer type a
             `PagedCache` does not store, or a pool holding another model's layers.
 
     Example:
@@ -80,7 +86,7 @@ class Engine:
     """
 
     def __init__(self, model, pool: BlockPool | None = None, *, generation_config=None,
-                 max_batch_tokens: int | None = None) -> None:
+                 max_batch_tokens: int | None = None, compact_blocks: int = 256) -> None:
         if pool is None:
             pool = BlockPool()
         if not isinstance(pool, BlockPool):
@@ -89,6 +95,8 @@ class Engine:
         if isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
             raise ValueError(f"Engine: max_batch_tokens must be an int >= 1 (tokens per step), got "
                              f"{max_batch_tokens!r}.")
+        if isinstance(compact_blocks, bool) or not isinstance(compact_blocks, int) or compact_blocks < 0:
+            raise ValueError(f"Engine: compact_blocks must be an int >= 0 (0: never compact), got {compact_blocks!r}.")
         windows = {window for kind, window in layer_plan(model.config) if kind != "dummy"}  # raises ValueError
         PagedCache(pool=pool, config=model.config).release()  # a pool of another model raises here
         groups = sorted({pool.group_for(w) for w in windows})
@@ -96,6 +104,7 @@ class Engine:
         self.pool = pool  # fixed
         self.generation_config = generation_config or model.generation_config  # default stop tokens; fixed
         self.max_batch_tokens = max_batch_tokens  # fixed
+        self.compact_blocks = compact_blocks  # blocks moved per step at most; fixed
         self._device = model.device  # where inputs go; fixed
         self._vocab_size = model.get_input_embeddings().num_embeddings  # valid token ids: 0 .. vocab - 1
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -256,8 +265,15 @@ class Engine:
             self._in_flight = set()
             self._kv_peak = max(self._kv_peak, kv_bytes)
             self._finish_step(batch, logits)
+            self._compact()
             self._cond.notify_all()
         return batch.num_tokens
+
+    def _compact(self) -> None:
+        """Lay requests' blocks out consecutively again (see `compact_blocks`), between steps, when every row in
+        the pool is one of the engine's running requests (each holds one)."""
+        if self.compact_blocks and self.pool.stats().num_sequences <= len(self._scheduler.running):
+            self.pool.compact(self.compact_blocks)
 
     def _forward(self, batch: StepBatch) -> torch.Tensor:
         ids, positions, keep, segments = [], [], [], []

@@ -21,20 +21,18 @@ latter).
 
 from __future__ import annotations
 
-import inspect
 import logging
 import threading
 import time
 
 import torch
 
-from hf_pagedkv._compat import cache_kwargs, layer_plan
+from hf_pagedkv._compat import layer_plan
 from hf_pagedkv.adapter.paged_cache import PagedCache
 from hf_pagedkv.block_pool import BlockPool
 from hf_pagedkv.errors import PoolExhaustedError
 from hf_pagedkv.serving.engine_stats import EngineStats, LatencyLog, LatencySummary
-from hf_pagedkv.serving.packed_attention import packed_attention
-from hf_pagedkv.serving.packed_cache import PackedCache, PackedSegment
+from hf_pagedkv.serving.packed_forward import PackedForward
 from hf_pagedkv.serving.request import Request, RequestOutput, RequestStatus
 from hf_pagedkv.serving.request_checks import check_request
 from hf_pagedkv.serving.sampling import sample
@@ -105,9 +103,9 @@ class Engine:
         self.generation_config = generation_config or model.generation_config  # default stop tokens; fixed
         self.max_batch_tokens = max_batch_tokens  # fixed
         self.compact_blocks = compact_blocks  # blocks moved per step at most; fixed
-        self._device = model.device  # where inputs go; fixed
+        self._device = model.device  # where sampling generators live; fixed
         self._vocab_size = model.get_input_embeddings().num_embeddings  # valid token ids: 0 .. vocab - 1
-        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._forward = PackedForward(model)  # runs a scheduled step through the model; fixed
         self._scheduler = Scheduler(pool, model, groups, [pool.group_for(None)] if None in windows else [],
                                     max_batch_tokens)
         self._lock = threading.RLock()  # guards requests, queues and counters; not held during a forward
@@ -264,7 +262,13 @@ class Engine:
         with self._lock:
             self._in_flight = set()
             self._kv_peak = max(self._kv_peak, kv_bytes)
-            self._finish_step(batch, logits)
+            try:
+                self._finish_step(batch, logits)
+            except BaseException:  # (an interrupt while tokens were applied: recompute, whatever was applied)
+                for c in batch.chunks:
+                    if not c.request.is_terminal:
+                        self._scheduler.requeue(c.request)
+                raise
             self._compact()
             self._cond.notify_all()
         return batch.num_tokens
@@ -274,29 +278,6 @@ class Engine:
         the pool is one of the engine's running requests (each holds one)."""
         if self.compact_blocks and self.pool.stats().num_sequences <= len(self._scheduler.running):
             self.pool.compact(self.compact_blocks)
-
-    def _forward(self, batch: StepBatch) -> torch.Tensor:
-        ids, positions, keep, segments = [], [], [], []
-        for c in batch.chunks:
-            lo = len(ids)
-            ids += _tokens(c.request, c.start, c.start + c.num_tokens)
-            positions += range(c.start, c.start + c.num_tokens)
-            segments.append(PackedSegment(c.request.cache, lo, len(ids), c.start))
-            if c.samples:
-                keep.append(len(ids) - 1)  # the chunk's last token predicts the next one
-        input_ids = torch.tensor([ids], dtype=torch.long, device=self._device)  # [1, num_step_tokens]
-        position_ids = torch.tensor([positions], dtype=torch.long, device=self._device)  # [1, num_step_tokens]
-        kwargs = {}
-        if self._keeps_logits:  # only the sampled positions through the LM head
-            kwargs["logits_to_keep"] = torch.tensor(keep, device=self._device) if keep else 1
-        with torch.no_grad(), packed_attention(self.model) as read_in_place:
-            cache = PackedCache(segments, read_in_place)
-            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True, **cache_kwargs(cache),
-                             **kwargs)
-        logits = out.logits[0]  # [kept positions, vocab]
-        if not keep:
-            return logits[:0]
-        return logits if self._keeps_logits else logits[keep]
 
     def _finish_step(self, batch: StepBatch, logits: torch.Tensor) -> None:
         now = time.perf_counter()
@@ -363,17 +344,10 @@ class Engine:
             self._latencies.record(req.created_time, req.timestamps, req.finished_time)
 
     def _size_pool(self) -> None:
-        """A `max_memory` pool gets its blocks when the first layer registers: do that with a one-token forward
-        before the first schedule, which needs the pool's size (admission, the too-large check)."""
+        """Size a `max_memory` pool before the first schedule, which needs its blocks (`PackedForward.size_pool`)."""
         if self.pool.growable or all(self.pool.groups[g].allocator.num_blocks for g in self._scheduler.groups):
             return
-        cache = PagedCache(pool=self.pool, config=self.model.config)
-        try:
-            with torch.no_grad():
-                self.model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=self._device), use_cache=True,
-                           **cache_kwargs(cache))
-        finally:
-            cache.release()
+        self._forward.size_pool(self.pool)
 
     # -- background thread --------------------------------------------------------------------------------------------
     @property
@@ -454,14 +428,6 @@ class Engine:
             return self._requests[request_id]
         except KeyError:
             raise KeyError(f"no request {request_id!r} in this engine") from None
-
-
-def _tokens(req: Request, lo: int, hi: int) -> list[int]:
-    """Tokens ``lo .. hi - 1`` of prompt + generated, without joining the two lists."""
-    P = len(req.prompt)
-    if lo >= P:
-        return req.generated[lo - P: hi - P]
-    return req.prompt[lo: min(hi, P)] + req.generated[: max(0, hi - P)]
 
 
 __all__ = ["DEFAULT_MAX_BATCH_TOKENS", "Engine"]

@@ -7,7 +7,8 @@ import torch
 
 from hf_pagedkv import BlockPool, Engine, PagedCache, cache_kwargs
 from tests.conftest import tiny_model
-from tests.serving.engine_helpers import BLOCK, boundary_lengths, prompt, run_checked, solo, tiny_single_thread  # noqa: F401
+from tests.serving.engine_helpers import (BLOCK, boundary_lengths, prompt, run_checked, solo,  # noqa: F401
+                                          tiny_single_thread)
 
 NEW = 9  # tokens generated per request: crosses at least two block boundaries while decoding
 

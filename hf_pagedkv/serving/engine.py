@@ -8,8 +8,8 @@ exactly its own blocks (`packed_attention.py`). Why packed rather than rows of a
 equal lengths, so requests of different lengths would need padding (computed, and stored or masked) and a decode
 row could not sit next to a prefill chunk; packed, the linear layers see exactly the step's real tokens (at most
 `max_batch_tokens`), and attention costs each request its own ``new x held`` tokens, nothing for the others.
-Each request keeps its own `PagedCache`, so allocation, copy-on-write, prefix attach and publish, quantized
-storage and sliding windows are the cache's own, unchanged.
+Each request keeps its own `PagedCache`, so allocation, copy-on-write, prefix attach and publish and sliding
+windows are the cache's own, unchanged (quantized pools are refused for now: see `__init__`).
 
 Scheduling (admission, chunked prefill within `max_batch_tokens`, preemption of the latest arrival, recomputation)
 is `scheduler.py`'s. Failures: a forward that raises an `Exception` fails the requests of that step (their outputs
@@ -67,7 +67,7 @@ class Engine:
             forward can run meanwhile); 0: never.
 
     Raises:
-        ValueError: `pool` not a `BlockPool`; `max_batch_tokens` not a positive int; `compact_blocks` not an int
+        ValueError: `pool` not a `BlockPool`, or quantized (not supported yet); `max_batch_tokens` not a positive int; `compact_blocks` not an int
             >= 0; a model layer type a
             `PagedCache` does not store, or a pool holding another model's layers.
 
@@ -93,6 +93,13 @@ class Engine:
         if isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
             raise ValueError(f"Engine: max_batch_tokens must be an int >= 1 (tokens per step), got "
                              f"{max_batch_tokens!r}.")
+        if pool.quant.is_quantized:
+            # NOTE: a quantized store keeps the full-precision stage of a block encoded in a step until the next
+            # step of the pool begins (`QuantizedBlockStates.plan(new_step=True)`); in a packed step every request's
+            # cache begins its step at the first layer, before the others' later layers read their stages.
+            raise ValueError(f"Engine: quantized pools (quant={pool.quant.name}) are not supported yet: the requests "
+                             "of a packed step would release each other's staged blocks. Use a full-precision "
+                             "BlockPool (quant=None).")
         if isinstance(compact_blocks, bool) or not isinstance(compact_blocks, int) or compact_blocks < 0:
             raise ValueError(f"Engine: compact_blocks must be an int >= 0 (0: never compact), got {compact_blocks!r}.")
         windows = {window for kind, window in layer_plan(model.config) if kind != "dummy"}  # raises ValueError

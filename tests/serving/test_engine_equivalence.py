@@ -141,3 +141,26 @@ def test_compaction_between_steps_keeps_tokens_and_is_skipped_for_a_shared_pool(
     assert pool.stats().blocks_moved == 0
     assert_solo("llama", prompts, [engine.output(r) for r in rids], new=12)
     other.release()
+
+
+def test_model_on_the_read_in_place_attention(monkeypatch):
+    # a model configured with "hf_pagedkv": decode segments read their blocks in place (paged attention), the
+    # model gets its attention back after every step, and the greedy tokens are still the solo ones
+    import hf_pagedkv.attention.attention_function as attention_function
+
+    reads = []
+    real = attention_function.paged_attention
+    monkeypatch.setattr(attention_function, "paged_attention", lambda *a, **k: reads.append(1) or real(*a, **k))
+    model = tiny_model("llama")
+    prompts = [prompt(n, seed=300 + n) for n in (3, 9, 17, 26)]
+    refs = [solo("llama", p, NEW) for p in prompts]
+    model.set_attn_implementation("hf_pagedkv")
+    try:
+        pool = BlockPool(block_size=BLOCK, debug=True)
+        engine, outs = serve("llama", prompts, pool, max_batch_tokens=11)
+        assert model.config._attn_implementation == "hf_pagedkv"
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert [o.generated_tokens for o in outs] == refs
+    assert pool.stats().blocks_in_use == 0
+    assert len(reads) > 0

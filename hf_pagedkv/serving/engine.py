@@ -67,9 +67,9 @@ class Engine:
             forward can run meanwhile); 0: never.
 
     Raises:
-        ValueError: `pool` not a `BlockPool`, or quantized (not supported yet); `max_batch_tokens` not a positive int; `compact_blocks` not an int
-            >= 0; a model layer type a
-            `PagedCache` does not store, or a pool holding another model's layers.
+        ValueError: `pool` not a `BlockPool`, or quantized (not supported yet); `max_batch_tokens` not a positive
+            int; `compact_blocks` not an int >= 0; a model layer type a `PagedCache` does not store, or a pool
+            holding another model's layers.
 
     Example:
 
@@ -107,7 +107,8 @@ class Engine:
         groups = sorted({pool.group_for(w) for w in windows})
         self.model = model  # fixed
         self.pool = pool  # fixed
-        self.generation_config = generation_config or model.generation_config  # default stop tokens; fixed
+        # default stop tokens and max_new_tokens; fixed
+        self.generation_config = model.generation_config if generation_config is None else generation_config
         self.max_batch_tokens = max_batch_tokens  # fixed
         self.compact_blocks = compact_blocks  # blocks moved per step at most; fixed
         self._device = model.device  # where sampling generators live; fixed
@@ -283,8 +284,11 @@ class Engine:
     def _compact(self) -> None:
         """Lay requests' blocks out consecutively again (see `compact_blocks`), between steps, when every row in
         the pool is one of the engine's running requests (each holds one)."""
-        if self.compact_blocks and self.pool.stats().num_sequences <= len(self._scheduler.running):
-            self.pool.compact(self.compact_blocks)
+        if not self.compact_blocks:
+            return
+        with self.pool.lock:  # no other cache registers between the check and the moves
+            if self.pool.stats().num_sequences <= len(self._scheduler.running):
+                self.pool.compact(self.compact_blocks)
 
     def _finish_step(self, batch: StepBatch, logits: torch.Tensor) -> None:
         now = time.perf_counter()

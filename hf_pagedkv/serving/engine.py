@@ -423,6 +423,7 @@ class Engine:
                 num_waiting=len(s.waiting), num_running=len(s.running),
                 num_finished=self._counts[RequestStatus.FINISHED], num_failed=self._counts[RequestStatus.FAILED],
                 num_cancelled=self._counts[RequestStatus.CANCELLED], num_preemptions=s.num_preemptions,
+                num_swaps=s.num_swaps,
                 num_allocation_failures=s.num_allocation_failures, num_steps=self._num_steps,
                 num_tokens_computed=self._num_tokens_computed, num_tokens_generated=self._num_tokens_generated,
                 ttft=LatencySummary.of(log.ttft), tpot=LatencySummary.of(log.tpot), e2e=LatencySummary.of(log.e2e),

@@ -12,12 +12,14 @@ from hf_pagedkv.pool.prefix_index import BlockHash
 from hf_pagedkv.retention import (KVzip, KeyDiff, KeyNorm, RetentionPolicy, RetentionStats, SinkWindow, SnapKV,
                                   compress_context)
 from hf_pagedkv.retention import PyramidKV
+from hf_pagedkv.serving import Engine, generate_batch
 
 __all__ = [
     "BlockHash",
     "BlockPool",
     "CacheOffloadedError",
     "CacheReleasedError",
+    "Engine",
     "InvariantError",
     "KVzip",
     "KeyDiff",
@@ -35,5 +37,6 @@ __all__ = [
     "cache_kwargs",
     "compress_context",
     "generate",
+    "generate_batch",
 ]
 __version__ = "0.1.0"

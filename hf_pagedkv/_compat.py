@@ -111,14 +111,17 @@ def quiet_model_loading():
 # padding mask at all), so the name is registered in both.
 
 
-def register_attention(name: str, function) -> None:
+def register_attention(name: str, function, mask: bool = True) -> None:
     """Register `function` as attention implementation `name`, with `sdpa`'s mask function for it (so the masks are
-    built exactly as for ``"sdpa"``: bool, `True` = attend, or None for a plain causal step)."""
+    built exactly as for ``"sdpa"``: bool, `True` = attend, or None for a plain causal step). With `mask=False`, no
+    mask function: the model then passes `attention_mask=None` to `function` and builds no mask at all (the packed
+    steps of `hf_pagedkv.serving`, whose attention masks each request itself)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(name, function)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    if mask:
+        AttentionMaskInterface.register(name, sdpa_mask)
 
 
 def sdpa_attention_function():

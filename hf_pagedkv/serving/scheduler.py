@@ -1,0 +1,294 @@
+"""`Scheduler`: which requests compute which tokens in the next engine step, thinking in blocks as vLLM's does.
+
+Each step has a budget of `max_batch_tokens` tokens. The scheduler fills it in this order:
+
+1. running requests that decode (one token each), oldest first;
+2. running requests still prefilling (a chunk each, as much as the budget left allows), oldest first;
+3. waiting requests, oldest first (a preempted request keeps its arrival, so it comes back before newer ones),
+   each admitted with a first chunk while the budget lasts and its blocks are free; admission stops at the
+   first request that does not fit (no overtaking, so a large request is not starved). Nothing is admitted in a
+   step that preempted.
+
+Blocks: a request computing tokens ``start .. start + n - 1`` needs ``ceil((start + n) / B) - ceil(start / B)`` new
+blocks in each layer group (its cache allocates them in the forward). The scheduler only promises blocks the pool
+can reserve (free or cached-idle: `BlockPool.can_reserve`), summing its promises, so no allocation in the forward
+fails. When a running request cannot get its blocks, the scheduler **preempts the latest-arrived running
+request** (possibly the one asking) and queues it again (it keeps its arrival):
+
+- **swap**, when the pool has a host tier (`BlockPool(host_memory=...)`) with room: its cache moves there
+  (`PagedCache.offload`) and comes back when it is readmitted (`prefetch`), the same K/V bit for bit;
+- else **recompute**: with prefix caching its computed full blocks are published first (so its recomputation may
+  hit them), then its cache is released, and when it is admitted again its tokens so far (prompt + generated) are
+  computed again.
+
+A request whose prompt and new tokens need more blocks than the whole pool holds can never run: it fails at
+admission, with an error naming the sizes.
+
+Invariants: `waiting` and `running` are sorted by arrival and disjoint; a running request holds a cache on the
+device, a waiting one none or an offloaded one (swapped); the blocks promised in a step fit what the pool could
+reserve when they were promised.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from dataclasses import dataclass
+
+from hf_pagedkv.adapter.paged_cache import PagedCache
+from hf_pagedkv.block_pool import BlockPool
+from hf_pagedkv.errors import PoolExhaustedError
+from hf_pagedkv.pool.block_table import num_blocks_for
+from hf_pagedkv.serving.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens ``start .. start + num_tokens - 1`` of one request, computed in a step."""
+
+    request: Request
+    start: int  # tokens its cache holds before the step
+    num_tokens: int  # tokens computed now (1 for a decode step)
+
+    @property
+    def samples(self) -> bool:
+        """Whether the chunk reaches the request's last token, so the step samples its next token."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """What one step does, as scheduled: its chunks (in packed order), and what scheduling changed."""
+
+    chunks: tuple[Chunk, ...]  # oldest request first within decodes, then prefills, then admissions
+    preempted: tuple[Request, ...]  # requests whose blocks were freed to make room
+    rejected: tuple[Request, ...]  # requests too large for the whole pool (to be failed)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    """Admission, chunked prefill within a token budget, and preemption (see the module docstring).
+
+    Args:
+        pool (`BlockPool`): the pool the requests' caches take their blocks from.
+        model (`PreTrainedModel`): the model (its config builds the caches; it keys the prefix index).
+        groups (`list[int]`): the pool's layer groups the model's layers use.
+        full_groups (`list[int]`): those of full-attention layers (whose blocks grow with the request).
+        max_batch_tokens (`int`): tokens per step.
+    """
+
+    def __init__(self, pool: BlockPool, model, groups: list[int], full_groups: list[int],
+                 max_batch_tokens: int) -> None:
+        self.pool = pool  # fixed
+        self.model = model  # fixed
+        self.groups = groups  # layer groups of the model's layers; fixed
+        self.full_groups = full_groups  # the full-attention ones; fixed
+        self.max_batch_tokens = max_batch_tokens  # fixed
+        self.waiting: list[Request] = []  # not holding blocks, by arrival; add / preempt / schedule change it
+        self.running: list[Request] = []  # holding a cache, by arrival; schedule / remove change it
+        self.num_preemptions = 0  # requests preempted, all steps
+        self.num_swaps = 0  # of those, swapped out to the host tier (the others are recomputed)
+        self.num_allocation_failures = 0  # times a request's blocks were not free (preemption or deferral)
+        self.num_lookup_tokens = 0  # prompt tokens looked up in the prefix index at first admissions
+        self.num_hit_tokens = 0  # of those, tokens found cached
+
+    # -- queues ---------------------------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        bisect.insort(self.waiting, req, key=_arrival)
+
+    def remove(self, req: Request) -> None:
+        """Take `req` out of the queues and release its blocks (cancelled, failed or finished)."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        self._release(req, publish=False)
+
+    def finish(self, req: Request) -> None:
+        """`req` finished: publish its computed full blocks (prefix caching), release them."""
+        self.running.remove(req)
+        self._release(req, publish=True)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- capacity ---------------------------------------------------------------------------------------------------
+    def capacity(self, group: int) -> int | None:
+        """Blocks a request may hold at most in `group`: all of a fixed pool's (less its pad block); None for a
+        growable pool."""
+        if self.pool.growable:
+            return None
+        g = self.pool.groups[group]
+        return g.allocator.num_blocks - (g.pad_block is not None)
+
+    def too_large(self, req: Request) -> str | None:
+        """Why `req` can never run in this pool (its prompt and new tokens need more blocks than it holds), or
+        None."""
+        need = num_blocks_for(req.max_stored_tokens, self.pool.block_size)
+        for group in self.full_groups:
+            cap = self.capacity(group)
+            if cap is not None and need > cap:
+                return (f"request {req.request_id!r} needs {need} KV blocks ({len(req.prompt)} prompt tokens + "
+                        f"max_new_tokens={req.max_new_tokens}, block_size={self.pool.block_size}) but the whole "
+                        f"BlockPool holds {cap}: lower max_new_tokens or shorten the prompt, or give the pool more "
+                        "blocks (num_blocks / max_memory, or num_blocks=None to let it grow).")
+        return None
+
+    def _needs(self, start: int, n: int) -> dict[int, int]:
+        """New blocks per layer group for tokens ``start .. start + n - 1``. NOTE: a sliding-window group frees
+        the blocks that leave its window before it allocates; they are not counted, so the promise is an upper
+        bound there."""
+        B = self.pool.block_size
+        new = num_blocks_for(start + n, B) - num_blocks_for(start, B)
+        return {g: new for g in self.groups}
+
+    def _fits(self, promised: Counter, needs: dict[int, int]) -> bool:
+        return all(self.pool.can_reserve(promised[g] + n, g) for g, n in needs.items() if n)
+
+    # -- one step ---------------------------------------------------------------------------------------------------
+    def schedule(self) -> StepBatch:
+        """Choose the next step's chunks (module docstring); admits, preempts and rejects as it goes."""
+        budget = self.max_batch_tokens
+        promised: Counter = Counter()  # group -> blocks promised to this step's chunks
+        chunks: dict[Request, tuple[int, dict[int, int]]] = {}  # request -> (tokens, blocks), in packed order
+        preempted: list[Request] = []
+        order = [r for r in self.running if r.num_pending == 1] + [r for r in self.running if r.num_pending > 1]
+        for req in order:
+            if budget == 0:
+                break
+            if req not in self.running:  # preempted for an older request of this step
+                continue
+            n = min(req.num_pending, budget)
+            needs = self._needs(req.num_computed, n)
+            while not self._fits(promised, needs):
+                self.num_allocation_failures += 1
+                victim = self.running[-1]  # the latest arrival
+                if victim in chunks:  # already scheduled in this step: give its tokens and blocks back
+                    tokens, blocks = chunks.pop(victim)
+                    budget += tokens
+                    promised.subtract(blocks)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                chunks[req] = (n, needs)
+                promised.update(needs)
+                budget -= n
+        rejected: list[Request] = []
+        while self.waiting and budget > 0 and not preempted:
+            req = self.waiting[0]
+            if req.cache is not None:  # swapped out: its blocks come back first
+                n = min(req.num_pending, budget)
+                needs = self._needs(req.num_computed, n)
+                held = num_blocks_for(req.num_computed, self.pool.block_size)  # (a sliding group holds fewer)
+                if not self._fits(promised, {g: held + k for g, k in needs.items()}) or not self._swap_in(req):
+                    self.num_allocation_failures += 1
+                    break
+                self.waiting.pop(0)
+                chunks[req] = (n, needs)
+                promised.update(needs)
+                budget -= n
+                continue
+            reason = self.too_large(req)
+            if reason is not None:
+                self.waiting.pop(0)
+                req.error = reason
+                rejected.append(req)
+                continue
+            cache = self._attach(req)
+            n = min(req.num_tokens - cache.get_seq_length(), budget)
+            needs = self._needs(cache.get_seq_length(), n)
+            if not self._fits(promised, needs):  # (after the attach: reviving cached blocks may use the room up)
+                self.num_allocation_failures += 1
+                cache.release()
+                break
+            self.waiting.pop(0)
+            self._admit(req, cache)
+            chunks[req] = (n, needs)
+            promised.update(needs)
+            budget -= n
+        batch = tuple(Chunk(req, req.num_computed, n) for req, (n, _) in chunks.items())
+        return StepBatch(batch, tuple(preempted), tuple(rejected))
+
+    # -- admission and preemption -----------------------------------------------------------------------------------
+    def _attach(self, req: Request) -> PagedCache:
+        """A cache for `req`: attached to the longest cached prefix of its tokens with prefix caching, else empty."""
+        if self.pool.prefix_caching:
+            return PagedCache.from_prefix(self.pool, req.all_ids, model=self.model)
+        return PagedCache(pool=self.pool, config=self.model.config)
+
+    def _admit(self, req: Request, cache: PagedCache) -> None:
+        req.cache = cache
+        req.busy = self.pool.owner_busy(cache.seq_id)  # not offered for swapping out (hf_pagedkv.generate)
+        req.busy.__enter__()
+        req.num_computed = cache.get_seq_length()
+        req.num_published = req.num_computed // self.pool.block_size
+        if req.num_preemptions == 0 and req.first_admitted < 0:
+            self.num_lookup_tokens += len(req.prompt)
+            self.num_hit_tokens += req.num_computed
+            req.num_hit_tokens = req.num_computed
+        req.set_status(RequestStatus.PREFILLING if req.num_pending > 1 else RequestStatus.DECODING)
+        bisect.insort(self.running, req, key=_arrival)
+
+    def _preempt(self, req: Request) -> None:
+        """Swap `req`'s cache out to the host tier, or free its blocks (publishing its computed full blocks first,
+        with prefix caching) to recompute its tokens when readmitted; queue it again either way."""
+        self.running.remove(req)
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        req.set_status(RequestStatus.PENDING)
+        if self.pool.host is not None:
+            try:
+                req.cache.offload()  # its device blocks are free now; the cache holds host blocks
+                self.num_swaps += 1
+                self.add(req)
+                return
+            except PoolExhaustedError:  # the host tier is full: recompute instead
+                pass
+        self._release(req, publish=True)
+        req.num_computed = 0
+        self.add(req)
+
+    def _swap_in(self, req: Request) -> bool:
+        """Bring a swapped request's cache back (`prefetch`) and run it again; False if its blocks are not free."""
+        try:
+            req.cache.prefetch()
+        except PoolExhaustedError:  # (the promise check counts conservatively; the pool said no: nothing changed)
+            return False
+        req.set_status(RequestStatus.PREFILLING if req.num_pending > 1 else RequestStatus.DECODING)
+        bisect.insort(self.running, req, key=_arrival)
+        return True
+
+    def requeue(self, req: Request) -> None:
+        """`req`'s step was interrupted (its cache is mid-step): free its blocks without publishing and queue it
+        again to recompute, as a preemption does (not counted as one)."""
+        if req in self.running:
+            self.running.remove(req)
+        self._release(req, publish=False)
+        req.num_computed = 0
+        req.set_status(RequestStatus.PENDING)
+        self.add(req)
+
+    def _release(self, req: Request, publish: bool) -> None:
+        cache, busy = req.cache, req.busy
+        req.cache = req.busy = None
+        if cache is None:
+            return
+        try:
+            if publish and self.pool.prefix_caching and req.num_computed >= self.pool.block_size:
+                cache.publish(req.all_ids[: req.num_computed])
+        finally:
+            busy.__exit__(None, None, None)
+            cache.release()
+
+
+def _arrival(req: Request) -> int:
+    return req.arrival
+
+
+__all__ = ["Chunk", "Scheduler", "StepBatch"]

@@ -172,8 +172,8 @@ def _check_text(value, where: str) -> None:
             _check_text(v, f"{where}[{i}]")
 
 
-_FIELDS = {name for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, StreamOptions)
-           for name in model.model_fields}
+# the names pydantic puts in an error's location for the member of a union that failed (not field names)
+_UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "StreamOptions"}
 
 
 def _field_error(error: ValidationError, schema: type[_Sampling]) -> ApiError:
@@ -183,9 +183,11 @@ def _field_error(error: ValidationError, schema: type[_Sampling]) -> ApiError:
     for part in first["loc"]:
         if isinstance(part, int):
             path += f"[{part}]"
-        elif part in _FIELDS:
+        elif "[" not in part and part not in _UNION_TAGS:
             path += f".{part}" if path else part
     if first["type"] == "extra_forbidden":
+        if "." in path or "[" in path:
+            return bad_request(f"Unknown field `{path}`; see the OpenAI API reference for what it holds.", path)
         known = ", ".join(sorted(schema.model_fields))
         return bad_request(f"Unknown field `{path}`; this endpoint takes: {known}.", path)
     if first["type"] == "missing":

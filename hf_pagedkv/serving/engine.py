@@ -8,8 +8,8 @@ exactly its own blocks (`packed_attention.py`). Why packed rather than rows of a
 equal lengths, so requests of different lengths would need padding (computed, and stored or masked) and a decode
 row could not sit next to a prefill chunk; packed, the linear layers see exactly the step's real tokens (at most
 `max_batch_tokens`), and attention costs each request its own ``new x held`` tokens, nothing for the others.
-Each request keeps its own `PagedCache`, so allocation, copy-on-write, prefix attach and publish, quantized
-storage and sliding windows are the cache's own, unchanged.
+Each request keeps its own `PagedCache`, so allocation, copy-on-write, prefix attach and publish and sliding
+windows are the cache's own, unchanged (quantized pools are refused for now: see `__init__`).
 
 Scheduling (admission, chunked prefill within `max_batch_tokens`, preemption of the latest arrival, recomputation)
 is `scheduler.py`'s. Failures: a forward that raises an `Exception` fails the requests of that step (their outputs
@@ -21,20 +21,18 @@ latter).
 
 from __future__ import annotations
 
-import inspect
 import logging
 import threading
 import time
 
 import torch
 
-from hf_pagedkv._compat import cache_kwargs, layer_plan
+from hf_pagedkv._compat import layer_plan
 from hf_pagedkv.adapter.paged_cache import PagedCache
 from hf_pagedkv.block_pool import BlockPool
 from hf_pagedkv.errors import PoolExhaustedError
 from hf_pagedkv.serving.engine_stats import EngineStats, LatencyLog, LatencySummary
-from hf_pagedkv.serving.packed_attention import packed_attention
-from hf_pagedkv.serving.packed_cache import PackedCache, PackedSegment
+from hf_pagedkv.serving.packed_forward import PackedForward
 from hf_pagedkv.serving.request import Request, RequestOutput, RequestStatus
 from hf_pagedkv.serving.request_checks import check_request
 from hf_pagedkv.serving.sampling import sample
@@ -62,9 +60,15 @@ class Engine:
             `max_new_tokens`; the model's by default.
         max_batch_tokens (`int`, *optional*, defaults to 512): tokens computed per step (decode tokens plus prefill
             chunks).
+        compact_blocks (`int`, *optional*, defaults to 256): after each step, move up to this many blocks per layer
+            group so that each request's blocks lie consecutively (`BlockPool.compact`): its cache then reads its
+            history as a view instead of gathering it, which is most of a decode step's cache work once requests
+            interleave their blocks. Done only while every row in the pool is one of the engine's (no other cache's
+            forward can run meanwhile); 0: never.
 
     Raises:
-        ValueError: `pool` not a `BlockPool`; `max_batch_tokens` not a positive int; a model layer type a
+        ValueError: `pool` not a `BlockPool`, or quantized (not supported yet); `max_batch_tokens` not a positive int; `compact_blocks` not an int
+            >= 0; a model layer type a
             `PagedCache` does not store, or a pool holding another model's layers.
 
     Example:
@@ -80,7 +84,7 @@ class Engine:
     """
 
     def __init__(self, model, pool: BlockPool | None = None, *, generation_config=None,
-                 max_batch_tokens: int | None = None) -> None:
+                 max_batch_tokens: int | None = None, compact_blocks: int = 256) -> None:
         if pool is None:
             pool = BlockPool()
         if not isinstance(pool, BlockPool):
@@ -89,6 +93,15 @@ class Engine:
         if isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
             raise ValueError(f"Engine: max_batch_tokens must be an int >= 1 (tokens per step), got "
                              f"{max_batch_tokens!r}.")
+        if pool.quant.is_quantized:
+            # NOTE: a quantized store keeps the full-precision stage of a block encoded in a step until the next
+            # step of the pool begins (`QuantizedBlockStates.plan(new_step=True)`); in a packed step every request's
+            # cache begins its step at the first layer, before the others' later layers read their stages.
+            raise ValueError(f"Engine: quantized pools (quant={pool.quant.name}) are not supported yet: the requests "
+                             "of a packed step would release each other's staged blocks. Use a full-precision "
+                             "BlockPool (quant=None).")
+        if isinstance(compact_blocks, bool) or not isinstance(compact_blocks, int) or compact_blocks < 0:
+            raise ValueError(f"Engine: compact_blocks must be an int >= 0 (0: never compact), got {compact_blocks!r}.")
         windows = {window for kind, window in layer_plan(model.config) if kind != "dummy"}  # raises ValueError
         PagedCache(pool=pool, config=model.config).release()  # a pool of another model raises here
         groups = sorted({pool.group_for(w) for w in windows})
@@ -96,9 +109,10 @@ class Engine:
         self.pool = pool  # fixed
         self.generation_config = generation_config or model.generation_config  # default stop tokens; fixed
         self.max_batch_tokens = max_batch_tokens  # fixed
-        self._device = model.device  # where inputs go; fixed
+        self.compact_blocks = compact_blocks  # blocks moved per step at most; fixed
+        self._device = model.device  # where sampling generators live; fixed
         self._vocab_size = model.get_input_embeddings().num_embeddings  # valid token ids: 0 .. vocab - 1
-        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._forward = PackedForward(model)  # runs a scheduled step through the model; fixed
         self._scheduler = Scheduler(pool, model, groups, [pool.group_for(None)] if None in windows else [],
                                     max_batch_tokens)
         self._lock = threading.RLock()  # guards requests, queues and counters; not held during a forward
@@ -255,32 +269,22 @@ class Engine:
         with self._lock:
             self._in_flight = set()
             self._kv_peak = max(self._kv_peak, kv_bytes)
-            self._finish_step(batch, logits)
+            try:
+                self._finish_step(batch, logits)
+            except BaseException:  # (an interrupt while tokens were applied: recompute, whatever was applied)
+                for c in batch.chunks:
+                    if not c.request.is_terminal:
+                        self._scheduler.requeue(c.request)
+                raise
+            self._compact()
             self._cond.notify_all()
         return batch.num_tokens
 
-    def _forward(self, batch: StepBatch) -> torch.Tensor:
-        ids, positions, keep, segments = [], [], [], []
-        for c in batch.chunks:
-            lo = len(ids)
-            ids += _tokens(c.request, c.start, c.start + c.num_tokens)
-            positions += range(c.start, c.start + c.num_tokens)
-            segments.append(PackedSegment(c.request.cache, lo, len(ids), c.start))
-            if c.samples:
-                keep.append(len(ids) - 1)  # the chunk's last token predicts the next one
-        input_ids = torch.tensor([ids], dtype=torch.long, device=self._device)  # [1, num_step_tokens]
-        position_ids = torch.tensor([positions], dtype=torch.long, device=self._device)  # [1, num_step_tokens]
-        kwargs = {}
-        if self._keeps_logits:  # only the sampled positions through the LM head
-            kwargs["logits_to_keep"] = torch.tensor(keep, device=self._device) if keep else 1
-        with torch.no_grad(), packed_attention(self.model) as read_in_place:
-            cache = PackedCache(segments, read_in_place)
-            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True, **cache_kwargs(cache),
-                             **kwargs)
-        logits = out.logits[0]  # [kept positions, vocab]
-        if not keep:
-            return logits[:0]
-        return logits if self._keeps_logits else logits[keep]
+    def _compact(self) -> None:
+        """Lay requests' blocks out consecutively again (see `compact_blocks`), between steps, when every row in
+        the pool is one of the engine's running requests (each holds one)."""
+        if self.compact_blocks and self.pool.stats().num_sequences <= len(self._scheduler.running):
+            self.pool.compact(self.compact_blocks)
 
     def _finish_step(self, batch: StepBatch, logits: torch.Tensor) -> None:
         now = time.perf_counter()
@@ -347,17 +351,10 @@ class Engine:
             self._latencies.record(req.created_time, req.timestamps, req.finished_time)
 
     def _size_pool(self) -> None:
-        """A `max_memory` pool gets its blocks when the first layer registers: do that with a one-token forward
-        before the first schedule, which needs the pool's size (admission, the too-large check)."""
+        """Size a `max_memory` pool before the first schedule, which needs its blocks (`PackedForward.size_pool`)."""
         if self.pool.growable or all(self.pool.groups[g].allocator.num_blocks for g in self._scheduler.groups):
             return
-        cache = PagedCache(pool=self.pool, config=self.model.config)
-        try:
-            with torch.no_grad():
-                self.model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=self._device), use_cache=True,
-                           **cache_kwargs(cache))
-        finally:
-            cache.release()
+        self._forward.size_pool(self.pool)
 
     # -- background thread --------------------------------------------------------------------------------------------
     @property
@@ -438,14 +435,6 @@ class Engine:
             return self._requests[request_id]
         except KeyError:
             raise KeyError(f"no request {request_id!r} in this engine") from None
-
-
-def _tokens(req: Request, lo: int, hi: int) -> list[int]:
-    """Tokens ``lo .. hi - 1`` of prompt + generated, without joining the two lists."""
-    P = len(req.prompt)
-    if lo >= P:
-        return req.generated[lo - P: hi - P]
-    return req.prompt[lo: min(hi, P)] + req.generated[: max(0, hi - P)]
 
 
 __all__ = ["DEFAULT_MAX_BATCH_TOKENS", "Engine"]

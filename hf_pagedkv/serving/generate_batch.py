@@ -9,7 +9,8 @@ from hf_pagedkv.serving.request_checks import DEFAULT_MAX_NEW_TOKENS
 
 
 def generate_batch(model, inputs: list[list[int]], generation_config=None, *, pool: BlockPool | None = None,
-                   max_batch_tokens: int | None = None, progress_bar: bool = True) -> dict[str, RequestOutput]:
+                   max_batch_tokens: int | None = None, progress_bar: bool = True,
+                   max_new_tokens: int | None = None) -> dict[str, RequestOutput]:
     """Generate for every prompt of `inputs` with continuous batching, in this thread, and return when all ended.
 
     The drop-in for ``model.generate_batch(inputs, generation_config)`` (transformers' continuous batching): the
@@ -26,6 +27,7 @@ def generate_batch(model, inputs: list[list[int]], generation_config=None, *, po
             shares prompt prefixes); a new growable pool by default.
         max_batch_tokens (`int`, *optional*, defaults to 512): tokens per step.
         progress_bar (`bool`, *optional*, defaults to `True`): a tqdm bar of finished requests.
+        max_new_tokens (`int`, *optional*): overrides the generation config's (as transformers' keyword does).
 
     Returns:
         `dict[str, RequestOutput]`: one output per prompt; a request that could not run (too large for a fixed
@@ -47,7 +49,7 @@ def generate_batch(model, inputs: list[list[int]], generation_config=None, *, po
     try:
         ids = []
         for i, prompt in enumerate(inputs):
-            new = config.max_new_tokens
+            new = max_new_tokens if max_new_tokens is not None else config.max_new_tokens
             if new is None:
                 length = config.max_length if config.max_length is not None else DEFAULT_MAX_NEW_TOKENS
                 new = max(1, length - (len(prompt) if hasattr(prompt, "__len__") else 0))

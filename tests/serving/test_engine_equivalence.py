@@ -3,10 +3,12 @@ lengths, prompts at block boundaries, chunk boundaries, preemption in a small fi
 sliding-window models. The pool's invariants hold after every step and no block is in use at the end."""
 
 import pytest
+import torch
 
-from hf_pagedkv import BlockPool, Engine
+from hf_pagedkv import BlockPool, Engine, PagedCache, cache_kwargs
 from tests.conftest import tiny_model
-from tests.serving.engine_helpers import BLOCK, boundary_lengths, prompt, run_checked, solo, tiny_single_thread  # noqa: F401
+from tests.serving.engine_helpers import (BLOCK, boundary_lengths, prompt, run_checked, solo,  # noqa: F401
+                                          tiny_single_thread)
 
 NEW = 9  # tokens generated per request: crosses at least two block boundaries while decoding
 
@@ -115,3 +117,50 @@ def test_other_architectures(name):
         _, outs = serve(name, prompts, pool, max_batch_tokens=11)
         assert_solo(name, prompts, outs)
         assert pool.stats().blocks_in_use == 0
+
+
+def test_compaction_between_steps_keeps_tokens_and_is_skipped_for_a_shared_pool():
+    # requests prefilled together interleave their decode blocks; compaction moves them back into runs
+    prompts = [prompt(n, seed=200 + n) for n in (6, 10, 14, 9)]
+    moved = {}
+    for compact in (0, 256):
+        pool = BlockPool(block_size=BLOCK, debug=True)
+        engine = Engine(tiny_model("llama"), pool, max_batch_tokens=64, compact_blocks=compact)
+        rids = [engine.add_request(p, max_new_tokens=12) for p in prompts]
+        run_checked(engine)
+        assert_solo("llama", prompts, [engine.output(r) for r in rids], new=12)
+        moved[compact] = pool.stats().blocks_moved
+    assert moved[0] == 0 and moved[256] > 0
+    # another cache holds a row in the pool: its owner may be running a forward in another thread, so no moves
+    pool = BlockPool(block_size=BLOCK, debug=True)
+    other = PagedCache(pool=pool, config=tiny_model("llama").config)
+    tiny_model("llama")(input_ids=torch.tensor([[5, 6, 7]]), **cache_kwargs(other))
+    engine = Engine(tiny_model("llama"), pool, max_batch_tokens=64)
+    rids = [engine.add_request(p, max_new_tokens=12) for p in prompts]
+    run_checked(engine)
+    assert pool.stats().blocks_moved == 0
+    assert_solo("llama", prompts, [engine.output(r) for r in rids], new=12)
+    other.release()
+
+
+def test_model_on_the_read_in_place_attention(monkeypatch):
+    # a model configured with "hf_pagedkv": decode segments read their blocks in place (paged attention), the
+    # model gets its attention back after every step, and the greedy tokens are still the solo ones
+    import hf_pagedkv.attention.attention_function as attention_function
+
+    reads = []
+    real = attention_function.paged_attention
+    monkeypatch.setattr(attention_function, "paged_attention", lambda *a, **k: reads.append(1) or real(*a, **k))
+    model = tiny_model("llama")
+    prompts = [prompt(n, seed=300 + n) for n in (3, 9, 17, 26)]
+    refs = [solo("llama", p, NEW) for p in prompts]
+    model.set_attn_implementation("hf_pagedkv")
+    try:
+        pool = BlockPool(block_size=BLOCK, debug=True)
+        engine, outs = serve("llama", prompts, pool, max_batch_tokens=11)
+        assert model.config._attn_implementation == "hf_pagedkv"
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert [o.generated_tokens for o in outs] == refs
+    assert pool.stats().blocks_in_use == 0
+    assert len(reads) > 0

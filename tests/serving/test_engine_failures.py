@@ -185,3 +185,41 @@ def test_bad_inputs_raise_naming_the_request_and_leave_the_pool_alone(kwargs, ma
     engine.add_request([5, 6], request_id="bad-one", max_new_tokens=2)  # the id was not taken
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request([5, 6], request_id="bad-one")
+
+
+def test_keyboard_interrupt_while_tokens_are_applied(monkeypatch):
+    # the interrupt comes after the forward, while the step's tokens are sampled: every unfinished request of the
+    # step is recomputed, and the seeded one still draws what it draws uninterrupted
+    import hf_pagedkv.serving.engine as engine_module
+
+    prompts = [prompt(6, 81), prompt(9, 82)]
+
+    def run(interrupt):
+        pool = BlockPool(block_size=BLOCK, debug=True)
+        engine = Engine(tiny_model("llama"), pool)
+        greedy = engine.add_request(prompts[0], max_new_tokens=NEW)
+        sampled = engine.add_request(prompts[1], max_new_tokens=NEW, do_sample=True, seed=3)
+        for _ in range(3):
+            engine.step()
+        if interrupt:
+            real = engine_module.sample
+
+            def once(*args):
+                monkeypatch.setattr(engine_module, "sample", real)
+                raise KeyboardInterrupt
+
+            monkeypatch.setattr(engine_module, "sample", once)
+            with pytest.raises(KeyboardInterrupt):
+                engine.step()
+            pool.check_invariants()
+            assert pool.stats().blocks_in_use == 0
+        run_checked(engine)
+        return engine.output(greedy).generated_tokens, engine.output(sampled).generated_tokens
+
+    assert run(True) == run(False)
+    assert run(True)[0] == solo("llama", prompts[0], NEW)
+
+
+def test_quantized_pool_is_refused():
+    with pytest.raises(ValueError, match="quantized pools .*k8v8.* not supported"):
+        Engine(tiny_model("llama"), BlockPool(block_size=BLOCK, quant="k8v8"))

@@ -46,8 +46,8 @@ def test_max_memory_pool_is_sized_before_admission():
     per_block = 2 * cfg.num_key_value_heads * head_dim * 4 * BLOCK * cfg.num_hidden_layers  # K+V fp32, all layers
     pool = BlockPool(block_size=BLOCK, max_memory=12 * per_block)
     prompts = [prompt(n, seed=n) for n in (9, 14, 5)]
-    config = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=2)
-    out = hf_pagedkv.generate_batch(model, prompts, config, pool=pool, progress_bar=False)
+    config = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=2)  # the keyword's 8 wins
+    out = hf_pagedkv.generate_batch(model, prompts, config, pool=pool, progress_bar=False, max_new_tokens=8)
     assert pool.num_blocks == 12
     assert [o.generated_tokens for o in out.values()] == [solo("llama", p, 8) for p in prompts]
 

@@ -89,7 +89,7 @@ class ResponseWriter:
 
 def sse(obj) -> str:
     """One server-sent event holding `obj` as JSON."""
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 DONE = "data: [DONE]\n\n"

@@ -3,6 +3,7 @@ never fit a fixed pool gets a 400 while others go on; a client that disconnects 
 request and frees its blocks; past --max-queue a 429 with Retry-After; draining answers 503 while the requests in
 flight finish, then the server exits by itself."""
 
+import signal
 import socket
 import threading
 import time
@@ -177,4 +178,43 @@ def test_drain_answers_503_finishes_the_requests_in_flight_then_exits():
         while not srv.server.should_exit:  # idle and draining: the server stops by itself
             assert time.monotonic() < deadline
             time.sleep(0.01)
+        assert srv.pool.stats().blocks_in_use == 0
+
+
+def test_an_engine_failure_is_a_500_or_an_error_event_and_the_server_goes_on():
+    model, _ = model_and_tokenizer()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected fault")
+
+    with running_server() as srv:
+        model.forward = broken  # the engine's forward raises: the step's requests fail, their blocks are freed
+        try:
+            with pytest.raises(openai.InternalServerError, match="injected fault"):
+                srv.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4)
+            stream = srv.client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, stream=True)
+            with pytest.raises(openai.APIError, match="injected fault"):
+                list(stream)
+        finally:
+            del model.forward
+        srv.wait_idle()
+        assert srv.service.engine.stats().num_failed == 2
+        r = srv.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 4
+        srv.wait_idle()
+
+
+def test_a_second_signal_stops_at_once_and_frees_the_blocks():
+    with running_server() as srv:
+        stream = srv.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2000, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks)
+        srv.server.handle_exit(signal.SIGTERM, None)
+        assert srv.service.draining and not srv.server.should_exit
+        srv.server.handle_exit(signal.SIGTERM, None)
+        rest = [c.choices[0] for c in chunks]
+        assert rest[-1].finish_reason == "abort"
+        assert srv.server.should_exit
         assert srv.pool.stats().blocks_in_use == 0

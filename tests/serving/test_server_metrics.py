@@ -7,7 +7,8 @@ import time
 from prometheus_client.parser import text_string_to_metric_families
 
 from hf_pagedkv import BlockPool
-from tests.serving.server_helpers import BLOCK, MODEL, PROMPTS, get, openai, running_server, tiny_single_thread  # noqa: F401
+from tests.serving.server_helpers import (BLOCK, MODEL, PROMPTS, get, openai, running_server,
+                                          tiny_single_thread)  # noqa: F401
 
 
 def scrape(srv) -> dict:

@@ -135,8 +135,7 @@ def create_app(service: EngineService):
                     status = 500
                     yield error_event(f"The engine failed this request: {update.error}")
                     return
-                for event in writer.chunk(update, gen, usage):
-                    yield event
+                yield writer.chunk(update, gen, usage)
             if usage:
                 yield writer.usage_chunk(gen)
             yield DONE

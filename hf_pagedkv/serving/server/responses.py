@@ -57,9 +57,8 @@ class ResponseWriter:
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
                 "usage": self.usage(gen)}
 
-    def chunk(self, update: ChoiceUpdate, gen: Generation, include_usage: bool) -> list[str]:
-        """The SSE events of one update (a chat choice's first also carries the role)."""
-        events = []
+    def chunk(self, update: ChoiceUpdate, gen: Generation, include_usage: bool) -> str:
+        """The SSE event of one update (a chat choice's first also carries the role)."""
         c = gen.choices[update.index]
         if self.chat:
             delta: dict = {}
@@ -78,8 +77,7 @@ class ResponseWriter:
         obj = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
         if include_usage:
             obj["usage"] = None
-        events.append(sse(obj))
-        return events
+        return sse(obj)
 
     def usage_chunk(self, gen: Generation) -> str:
         obj = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],

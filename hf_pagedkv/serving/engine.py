@@ -9,7 +9,7 @@ equal lengths, so requests of different lengths would need padding (computed, an
 row could not sit next to a prefill chunk; packed, the linear layers see exactly the step's real tokens (at most
 `max_batch_tokens`), and attention costs each request its own ``new x held`` tokens, nothing for the others.
 Each request keeps its own `PagedCache`, so allocation, copy-on-write, prefix attach and publish and sliding
-windows are the cache's own, unchanged (quantized pools are refused for now: see `__init__`).
+windows and quantized storage are the cache's own, unchanged.
 
 Scheduling (admission, chunked prefill within `max_batch_tokens`, preemption of the latest arrival, recomputation)
 is `scheduler.py`'s. Failures: a forward that raises an `Exception` fails the requests of that step (their outputs
@@ -67,9 +67,8 @@ class Engine:
             forward can run meanwhile); 0: never.
 
     Raises:
-        ValueError: `pool` not a `BlockPool`, or quantized (not supported yet); `max_batch_tokens` not a positive int; `compact_blocks` not an int
-            >= 0; a model layer type a
-            `PagedCache` does not store, or a pool holding another model's layers.
+        ValueError: `pool` not a `BlockPool`; `max_batch_tokens` not a positive int; `compact_blocks` not an int >= 0; a model layer type a `PagedCache` does not store, or a pool
+            holding another model's layers.
 
     Example:
 
@@ -93,13 +92,6 @@ class Engine:
         if isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
             raise ValueError(f"Engine: max_batch_tokens must be an int >= 1 (tokens per step), got "
                              f"{max_batch_tokens!r}.")
-        if pool.quant.is_quantized:
-            # NOTE: a quantized store keeps the full-precision stage of a block encoded in a step until the next
-            # step of the pool begins (`QuantizedBlockStates.plan(new_step=True)`); in a packed step every request's
-            # cache begins its step at the first layer, before the others' later layers read their stages.
-            raise ValueError(f"Engine: quantized pools (quant={pool.quant.name}) are not supported yet: the requests "
-                             "of a packed step would release each other's staged blocks. Use a full-precision "
-                             "BlockPool (quant=None).")
         if isinstance(compact_blocks, bool) or not isinstance(compact_blocks, int) or compact_blocks < 0:
             raise ValueError(f"Engine: compact_blocks must be an int >= 0 (0: never compact), got {compact_blocks!r}.")
         windows = {window for kind, window in layer_plan(model.config) if kind != "dummy"}  # raises ValueError
@@ -107,7 +99,8 @@ class Engine:
         groups = sorted({pool.group_for(w) for w in windows})
         self.model = model  # fixed
         self.pool = pool  # fixed
-        self.generation_config = generation_config or model.generation_config  # default stop tokens; fixed
+        # default stop tokens and max_new_tokens; fixed
+        self.generation_config = model.generation_config if generation_config is None else generation_config
         self.max_batch_tokens = max_batch_tokens  # fixed
         self.compact_blocks = compact_blocks  # blocks moved per step at most; fixed
         self._device = model.device  # where sampling generators live; fixed
@@ -283,8 +276,11 @@ class Engine:
     def _compact(self) -> None:
         """Lay requests' blocks out consecutively again (see `compact_blocks`), between steps, when every row in
         the pool is one of the engine's running requests (each holds one)."""
-        if self.compact_blocks and self.pool.stats().num_sequences <= len(self._scheduler.running):
-            self.pool.compact(self.compact_blocks)
+        if not self.compact_blocks:
+            return
+        with self.pool.lock:  # no other cache registers between the check and the moves
+            if self.pool.stats().num_sequences <= len(self._scheduler.running):
+                self.pool.compact(self.compact_blocks)
 
     def _finish_step(self, batch: StepBatch, logits: torch.Tensor) -> None:
         now = time.perf_counter()
@@ -351,10 +347,13 @@ class Engine:
             self._latencies.record(req.created_time, req.timestamps, req.finished_time)
 
     def _size_pool(self) -> None:
-        """Size a `max_memory` pool before the first schedule, which needs its blocks (`PackedForward.size_pool`)."""
-        if self.pool.growable or all(self.pool.groups[g].allocator.num_blocks for g in self._scheduler.groups):
-            return
-        self._forward.size_pool(self.pool)
+        """Before the first schedule, have the pool register the model's layers (`PackedForward.size_pool`): a
+        `max_memory` pool gets its blocks then, which admission needs, and a quantized store knows how many layers
+        write each step (a packed step's caches interleave layer by layer: `QuantizedBlockStates`)."""
+        groups = [self.pool.groups[g] for g in self._scheduler.groups]
+        unsized = not self.pool.growable and not all(g.allocator.num_blocks for g in groups)
+        if unsized or (self.pool.quant.is_quantized and not all(g.store.specs for g in groups)):
+            self._forward.size_pool(self.pool)
 
     # -- background thread --------------------------------------------------------------------------------------------
     @property
@@ -424,6 +423,7 @@ class Engine:
                 num_waiting=len(s.waiting), num_running=len(s.running),
                 num_finished=self._counts[RequestStatus.FINISHED], num_failed=self._counts[RequestStatus.FAILED],
                 num_cancelled=self._counts[RequestStatus.CANCELLED], num_preemptions=s.num_preemptions,
+                num_swaps=s.num_swaps,
                 num_allocation_failures=s.num_allocation_failures, num_steps=self._num_steps,
                 num_tokens_computed=self._num_tokens_computed, num_tokens_generated=self._num_tokens_generated,
                 ttft=LatencySummary.of(log.ttft), tpot=LatencySummary.of(log.tpot), e2e=LatencySummary.of(log.e2e),

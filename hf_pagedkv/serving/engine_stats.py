@@ -38,6 +38,7 @@ class EngineStats:
     num_failed: int  # failed (too large for the pool, or an exception in their step)
     num_cancelled: int
     num_preemptions: int  # times a running request's blocks were freed for another request
+    num_swaps: int  # of those, swapped out to the pool's host tier (the others were recomputed)
     num_allocation_failures: int  # times a request's next blocks were not free (it or a later request waited)
     num_steps: int  # forward steps run
     num_tokens_computed: int  # tokens through the model (prompt chunks, decode tokens, recomputation)

@@ -58,8 +58,8 @@ class PackedForward:
         return logits if self.keeps_logits else logits[keep]
 
     def size_pool(self, pool) -> None:
-        """Give a `max_memory` pool its blocks: they are counted when the first layer registers, so run one token
-        through a throwaway cache (the scheduler needs the pool's size before its first admission)."""
+        """Register the model's layers in `pool` (and so give a `max_memory` pool its blocks, counted when the
+        first layer registers): run one token through a throwaway cache."""
         cache = PagedCache(pool=pool, config=self.model.config)
         try:
             with torch.no_grad():

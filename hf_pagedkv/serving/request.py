@@ -14,7 +14,7 @@ from hf_pagedkv.serving.sampling import SamplingParams
 class RequestStatus(IntEnum):
     """Where a request is in its life; the values up to `FAILED` are transformers' continuous-batching ones."""
 
-    PENDING = 0  # waiting for admission (never run, or preempted: its blocks were freed, it will be recomputed)
+    PENDING = 0  # waiting for admission (never run, or preempted: swapped out, or freed to be recomputed)
     PREFILLING = 1  # admitted; its prompt (or, after a preemption, prompt + generated tokens) is being computed
     DECODING = 2  # admitted; one token per step
     FINISHED = 3  # a stop token or max_new_tokens
@@ -57,9 +57,10 @@ class Request:
                                            the next step computes (a chunk of) the pending tokens; when a step
                                            computes the last of them, its logits give the next token
 
-    Invariants: `cache` is None exactly when the request holds no blocks (pending, or terminal); `num_computed <=
-    len(all_ids) - 1` while it runs (the last token's K/V are computed by the step that samples after it);
-    `generated` only grows; a terminal request never runs again.
+    Invariants: `cache` is None exactly when the request holds no blocks (pending to be (re)computed, or terminal);
+    a pending request with a cache was swapped out (its cache is offloaded to the host tier, `num_computed` kept);
+    `num_computed <= len(all_ids) - 1` while it runs (the last token's K/V are computed by the step that samples
+    after it); `generated` only grows; a terminal request never runs again.
     """
 
     def __init__(self, request_id: str, prompt: list[int], max_new_tokens: int, sampling: SamplingParams,
@@ -78,7 +79,7 @@ class Request:
             self.generator.manual_seed(sampling.seed)
         self.generated: list[int] = []  # sampled tokens; appended by the engine only
         self.timestamps: list[float] = []  # perf_counter of each generated token; appended with `generated`
-        self.cache = None  # its PagedCache while it holds blocks, else None; set by the scheduler only
+        self.cache = None  # its PagedCache while it holds blocks (device, or host when swapped); the scheduler only
         self.busy = None  # the pool's busy mark of `cache` (no swapping it out while it runs); with `cache`
         self.num_computed = 0  # tokens of `all_ids` whose K/V the cache holds; set by the engine after a step
         self.num_published = 0  # full prompt blocks published to the prefix index so far; the engine only

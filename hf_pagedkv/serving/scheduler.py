@@ -13,13 +13,20 @@ Blocks: a request computing tokens ``start .. start + n - 1`` needs ``ceil((star
 blocks in each layer group (its cache allocates them in the forward). The scheduler only promises blocks the pool
 can reserve (free or cached-idle: `BlockPool.can_reserve`), summing its promises, so no allocation in the forward
 fails. When a running request cannot get its blocks, the scheduler **preempts the latest-arrived running
-request** (possibly the one asking): with prefix caching its computed full blocks are published first (so its
-recomputation may hit them), then its cache is released, and it goes back to the waiting queue with its tokens so
-far, to be recomputed (prompt + generated tokens) when it is admitted again. A request whose prompt and new tokens
-need more blocks than the whole pool holds can never run: it fails at admission, with an error naming the sizes.
+request** (possibly the one asking) and queues it again (it keeps its arrival):
 
-Invariants: `waiting` and `running` are sorted by arrival and disjoint; a request holds a cache iff it is in
-`running`; the blocks promised in a step fit what the pool could reserve when they were promised.
+- **swap**, when the pool has a host tier (`BlockPool(host_memory=...)`) with room: its cache moves there
+  (`PagedCache.offload`) and comes back when it is readmitted (`prefetch`), the same K/V bit for bit;
+- else **recompute**: with prefix caching its computed full blocks are published first (so its recomputation may
+  hit them), then its cache is released, and when it is admitted again its tokens so far (prompt + generated) are
+  computed again.
+
+A request whose prompt and new tokens need more blocks than the whole pool holds can never run: it fails at
+admission, with an error naming the sizes.
+
+Invariants: `waiting` and `running` are sorted by arrival and disjoint; a running request holds a cache on the
+device, a waiting one none or an offloaded one (swapped); the blocks promised in a step fit what the pool could
+reserve when they were promised.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from dataclasses import dataclass
 
 from hf_pagedkv.adapter.paged_cache import PagedCache
 from hf_pagedkv.block_pool import BlockPool
+from hf_pagedkv.errors import PoolExhaustedError
 from hf_pagedkv.pool.block_table import num_blocks_for
 from hf_pagedkv.serving.request import Request, RequestStatus
 
@@ -82,6 +90,7 @@ class Scheduler:
         self.waiting: list[Request] = []  # not holding blocks, by arrival; add / preempt / schedule change it
         self.running: list[Request] = []  # holding a cache, by arrival; schedule / remove change it
         self.num_preemptions = 0  # requests preempted, all steps
+        self.num_swaps = 0  # of those, swapped out to the host tier (the others are recomputed)
         self.num_allocation_failures = 0  # times a request's blocks were not free (preemption or deferral)
         self.num_lookup_tokens = 0  # prompt tokens looked up in the prefix index at first admissions
         self.num_hit_tokens = 0  # of those, tokens found cached
@@ -173,6 +182,18 @@ class Scheduler:
         rejected: list[Request] = []
         while self.waiting and budget > 0 and not preempted:
             req = self.waiting[0]
+            if req.cache is not None:  # swapped out: its blocks come back first
+                n = min(req.num_pending, budget)
+                needs = self._needs(req.num_computed, n)
+                held = num_blocks_for(req.num_computed, self.pool.block_size)  # (a sliding group holds fewer)
+                if not self._fits(promised, {g: held + k for g, k in needs.items()}) or not self._swap_in(req):
+                    self.num_allocation_failures += 1
+                    break
+                self.waiting.pop(0)
+                chunks[req] = (n, needs)
+                promised.update(needs)
+                budget -= n
+                continue
             reason = self.too_large(req)
             if reason is not None:
                 self.waiting.pop(0)
@@ -215,15 +236,33 @@ class Scheduler:
         bisect.insort(self.running, req, key=_arrival)
 
     def _preempt(self, req: Request) -> None:
-        """Free `req`'s blocks (publishing its computed full blocks first, with prefix caching) and queue it
-        again, to recompute its tokens so far when readmitted."""
+        """Swap `req`'s cache out to the host tier, or free its blocks (publishing its computed full blocks first,
+        with prefix caching) to recompute its tokens when readmitted; queue it again either way."""
         self.running.remove(req)
-        self._release(req, publish=True)
-        req.num_computed = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.set_status(RequestStatus.PENDING)
+        if self.pool.host is not None:
+            try:
+                req.cache.offload()  # its device blocks are free now; the cache holds host blocks
+                self.num_swaps += 1
+                self.add(req)
+                return
+            except PoolExhaustedError:  # the host tier is full: recompute instead
+                pass
+        self._release(req, publish=True)
+        req.num_computed = 0
         self.add(req)
+
+    def _swap_in(self, req: Request) -> bool:
+        """Bring a swapped request's cache back (`prefetch`) and run it again; False if its blocks are not free."""
+        try:
+            req.cache.prefetch()
+        except PoolExhaustedError:  # (the promise check counts conservatively; the pool said no: nothing changed)
+            return False
+        req.set_status(RequestStatus.PREFILLING if req.num_pending > 1 else RequestStatus.DECODING)
+        bisect.insort(self.running, req, key=_arrival)
+        return True
 
     def requeue(self, req: Request) -> None:
         """`req`'s step was interrupted (its cache is mid-step): free its blocks without publishing and queue it

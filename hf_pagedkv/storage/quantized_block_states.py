@@ -15,8 +15,11 @@ class QuantizedBlockStates:
     - *fresh*: just allocated (or free), no stage, not encoded;
     - *open*: ``stage_of[b]`` names its stage; the partial last block of a sequence, written token by token;
     - *encoded*: its codes hold it. A block is encoded once, by the write that fills its last slot, and then read
-      by decoding. A block encoded in the current step keeps its stage until the next step starts (`pending`),
-      because a mid-step unshare may still need its first tokens.
+      by decoding. A block encoded in the current step keeps its stage until a later step starts after every layer
+      of the store wrote it (`pending`, `layers_written`): the step's later layers encode it from that stage, and a
+      mid-step unshare may still need its first tokens. NOTE: "after every layer wrote it", not "at the next step":
+      caches sharing the pool may interleave their steps layer by layer (a packed serving step writes request after
+      request in each layer), so another cache's step may start while this one's later layers still read the stage.
 
     A step's tokens go like this for block size 4, a row holding 6 tokens that gets 3 more::
 
@@ -45,6 +48,9 @@ class QuantizedBlockStates:
         # blocks encoded by the current step: a second plan of the step (another device, or after an unshare)
         # encodes them for the remaining layers, not again
         self.encoded_in_step: set[int] = set()
+        # block of `encoded_in_step` -> the layers whose write encoded it so far (`note_encoded`); its step is over,
+        # for this block, once every layer of the store is in it
+        self.layers_written: dict[int, set[int]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -65,20 +71,23 @@ class QuantizedBlockStates:
         del self.encoded[num_blocks:], self.num_encodes[num_blocks:]
 
     def plan(self, slots: torch.Tensor, device: torch.device, new_step: bool = True, start: int = 0,
-             num_new: int | None = None,
-             positions: torch.Tensor | None = None) -> tuple[WritePlan, list[tuple[int, int, int]]]:
+             num_new: int | None = None, positions: torch.Tensor | None = None,
+             num_layers: int | None = None) -> tuple[WritePlan, list[tuple[int, int, int]]]:
         """Route a step's new tokens: to stages, or into the blocks they complete, updating the block states once
         per step (call again with ``new_step=False`` for another device or after the step's rows changed).
 
         Args:
             slots (`torch.LongTensor` of shape `[rows * num_new_tokens]`, CPU): the slot mapping, row-major.
             device (`torch.device`): where the plan's index tensors go.
-            new_step (`bool`): the first plan of a forward step (releases the stages of last step's encoded blocks).
+            new_step (`bool`): the first plan of a forward step (releases the stages of earlier steps' encoded
+                blocks that every layer has written).
             start (`int`): position of each row's first new token (tokens the rows held before the step).
             num_new (`int`, *optional*): new tokens per row (defaults to all of `slots`: one row).
             positions (`torch.LongTensor` of shape `[len(slots)]`, *optional*, CPU): each token's position in its
                 row, when the step stores only some of its tokens (a row's whole blocks of padding name the pad
                 block and are not written); by default ``start + i % num_new`` for token `i`.
+            num_layers (`int`, *optional*): layers of the store; an earlier step's encoded block is done once this
+                many layers wrote it (`note_encoded`). None: at the next step, whatever wrote it.
 
         Returns:
             The `WritePlan`, and the encoded blocks this write reopens (a crop cut into them): `(block, stage,
@@ -87,8 +96,7 @@ class QuantizedBlockStates:
         num_new = num_new or len(slots)
         B = self.block_size
         if new_step:
-            self._release_pending()
-            self.encoded_in_step.clear()
+            self._end_steps(num_layers)
         blk, off = slots // B, slots % B  # [n] each
         ublk, inv = torch.unique(blk, return_inverse=True)  # touched blocks, and each token's index among them
         first_off = torch.full((len(ublk),), B, dtype=torch.long).scatter_reduce_(0, inv, off, "amin")
@@ -142,7 +150,7 @@ class QuantizedBlockStates:
             done_blocks=dev(done), done_src=None if direct else dev(done_src), done_dst=dev(done_dst),
             prefix_rank=dev([r for r, _ in prefix]), prefix_stage=dev([s for _, s in prefix]),
             recode_rank=dev([r for r, _ in recode]), recode_blocks=dev([b for _, b in recode]),
-            sink_src=dev(sink_src), sink_dst=dev(sink_dst))
+            sink_src=dev(sink_src), sink_dst=dev(sink_dst), done_ids=tuple(done))
         return plan, opens
 
     def _plan_sinks(self, slots: torch.Tensor, start: int, q: int,
@@ -181,6 +189,7 @@ class QuantizedBlockStates:
             self.encoded[b] = self.num_encodes[b] = 0
             self.pending.discard(b)
             self.encoded_in_step.discard(b)
+            self.layers_written.pop(b, None)
 
     def copy(self, src: list[int], dst: list[int]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """Blocks `dst[i]` (fresh) take the state of `src[i]` (copy-on-write), with new stages of their own.
@@ -190,6 +199,7 @@ class QuantizedBlockStates:
             self.encoded[d], self.num_encodes[d] = self.encoded[s], self.num_encodes[s]
             if s in self.encoded_in_step:  # a mid-step copy (unshare): the step's re-plan encodes it, once
                 self.encoded_in_step.add(d)
+                self.layers_written[d] = set(self.layers_written.get(s, ()))
             if s in self.stage_of:
                 self.stage_of[d] = self.staging.allocate()
                 stages.append((self.stage_of[s], self.stage_of[d]))
@@ -225,12 +235,24 @@ class QuantizedBlockStates:
                 problems.append((6, f"{len(owner)} blocks own {distinct} distinct {name}s, {area.num_used} in use"))
         return problems
 
-    def _release_pending(self) -> None:
-        for b in self.pending:
+    def note_encoded(self, blocks, layer_idx: int) -> None:
+        """Layer `layer_idx` wrote (encoded) `blocks`, the completed blocks of its step's `WritePlan`."""
+        for b in blocks:
+            self.layers_written.setdefault(b, set()).add(layer_idx)
+
+    def _end_steps(self, num_layers: int | None) -> None:
+        """A step begins: the blocks encoded by earlier steps that every layer wrote are done (their stages
+        return); blocks some layer has still to write stay in their step (another cache's step interleaved)."""
+        done = {b for b in self.encoded_in_step
+                if num_layers is None or len(self.layers_written.get(b, ())) >= num_layers}
+        for b in [b for b in self.pending if b in done or b not in self.encoded_in_step]:
             stage = self.stage_of.pop(b, None)
             if stage is not None:
                 self.staging.free(stage)
-        self.pending.clear()
+            self.pending.discard(b)
+        self.encoded_in_step -= done
+        for b in done:
+            self.layers_written.pop(b, None)
 
 
 __all__ = ["QuantizedBlockStates"]

@@ -269,7 +269,7 @@ class QuantizedPageStore:
                                  "KV storage needs finite keys/values (check the model's dtype for overflow, or use "
                                  "quant=None); release this cache.")
         plan, opens = self.states.plan(slots, device, new_step=new_step, start=start, num_new=num_new,
-                                       positions=positions)
+                                       positions=positions, num_layers=len(self.specs))
         if opens:
             self._reopen(opens)
         return plan
@@ -324,6 +324,8 @@ class QuantizedPageStore:
             if sunk:  # the sink tokens, also in full precision
                 sink = (self.sinks.keys, self.sinks.values)[half][layer_idx]
                 sink.index_copy_(1, plan.sink_dst, flat.index_select(1, plan.sink_src).to(sink.dtype))
+        if c:
+            self.states.note_encoded(plan.done_ids, layer_idx)
 
     # -- read ------------------------------------------------------------------------------------------------------
     def _decode_blocks(self, layer_idx: int, half: int, blocks: torch.Tensor, out: torch.Tensor,

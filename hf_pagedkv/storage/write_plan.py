@@ -24,6 +24,7 @@ class WritePlan:
     recode_blocks: torch.Tensor  # [r] those blocks
     sink_src: torch.Tensor  # [k] new tokens at positions < sink_tokens (the sink, also kept in full precision)
     sink_dst: torch.Tensor  # [k] their sink slots (sink stage * sink_tokens + position)
+    done_ids: tuple[int, ...] = ()  # `done_blocks` as ints (the store notes which layers encoded them)
 
 
 __all__ = ["WritePlan"]

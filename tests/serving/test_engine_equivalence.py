@@ -164,3 +164,35 @@ def test_model_on_the_read_in_place_attention(monkeypatch):
     assert [o.generated_tokens for o in outs] == refs
     assert pool.stats().blocks_in_use == 0
     assert len(reads) > 0
+
+
+@pytest.mark.parametrize("quant", ["k8v8", "k4v4"])
+def test_quantized_pool_equals_solo_paged_generate(quant):
+    # each request's blocks are encoded on their own (per block, when full), so a request served in packed steps
+    # gets the tokens it gets alone in a PagedCache of the same storage; the steps interleave the caches layer by
+    # layer, and a block encoded by one request's first layer keeps its stage until its last layer wrote it
+    from hf_pagedkv import PagedCache
+
+    model = tiny_model("llama")
+    prompts = [prompt(n, seed=400 + n) for n in (3, 9, 17, 26, 8)]
+    refs = []
+    for p in prompts:
+        with PagedCache(pool=BlockPool(block_size=BLOCK, quant=quant), config=model.config) as cache:
+            ids = torch.tensor([p])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
+                                 **cache_kwargs(cache))
+            refs.append(out[0, len(p):].tolist())
+    # every prompt in one chunk (a chunk attends to the earlier chunks' tokens de-quantized, a one-shot prefill to
+    # them in full precision): the solo tokens
+    pool = BlockPool(block_size=BLOCK, quant=quant, debug=True)
+    engine, outs = serve("llama", prompts, pool, max_batch_tokens=64)
+    assert [o.generated_tokens for o in outs] == refs
+    assert pool.stats().blocks_in_use == 0
+    # chunked prefill and preemption (recomputed tokens attend to each other in full precision): the tokens may
+    # drift within the codec's error, so here the invariants (checked after every step: encode once, every stage
+    # owned by a live block, no poisoned read), completion and no leak
+    pool = BlockPool(block_size=BLOCK, quant=quant, num_blocks=12, debug=True)
+    engine, outs = serve("llama", prompts, pool, max_batch_tokens=11)
+    assert engine.stats().num_preemptions > 0 and engine.stats().num_finished == len(prompts)
+    assert all(len(o.generated_tokens) == NEW for o in outs)
+    assert pool.stats().blocks_in_use == 0

@@ -219,7 +219,3 @@ def test_keyboard_interrupt_while_tokens_are_applied(monkeypatch):
     assert run(True) == run(False)
     assert run(True)[0] == solo("llama", prompts[0], NEW)
 
-
-def test_quantized_pool_is_refused():
-    with pytest.raises(ValueError, match="quantized pools .*k8v8.* not supported"):
-        Engine(tiny_model("llama"), BlockPool(block_size=BLOCK, quant="k8v8"))

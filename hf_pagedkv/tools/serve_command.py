@@ -27,13 +27,13 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, loopback only)")
     s.add_argument("--port", type=int, default=8000, help="TCP port, 0 for a free one (default: %(default)s)")
     s.add_argument("--quant", default="fp", choices=list(PRESETS),
-                   help="KV storage format; the engine serves fp only for now (default: %(default)s)")
+                   help="KV storage format, e.g. k8v4: 8-bit keys, 4-bit values (default: %(default)s)")
     s.add_argument("--block-size", type=int, default=None,
                    help="tokens per KV block (default: 16, or 32 with --quant)")
     s.add_argument("--max-memory", help="a fixed KV budget, e.g. 2GiB: requests beyond it wait, or are preempted "
                                         "and recomputed (default: a pool that grows on demand)")
-    s.add_argument("--host-memory", help="a host-memory tier, e.g. 8GiB, for prefix blocks evicted from the device "
-                                         "(and a prefix-cache file's overflow)")
+    s.add_argument("--host-memory", help="a host-memory tier, e.g. 8GiB: preempted requests are swapped there "
+                                         "instead of recomputed, and prefix blocks evicted from the device kept")
     s.add_argument("--prefix-cache-file", help="a prefix-cache file (safetensors): loaded at start if it exists, "
                                                "saved atomically at shutdown")
     s.add_argument("--retention", metavar="SPEC", help="not supported by the serving engine (refused)")
@@ -82,12 +82,9 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     pool_kwargs = dict(block_size=args.block_size, quant=args.quant, max_memory=args.max_memory,
                        host_memory=args.host_memory, prefix_caching=True)
     try:
-        probe = BlockPool(**pool_kwargs)  # the flags checked before the model loads (a pool holds no storage yet)
+        BlockPool(**pool_kwargs)  # the flags checked before the model loads (a pool holds no storage yet)
     except ValueError as e:
         parser.error(f"--quant/--block-size/--max-memory/--host-memory: {e}")
-    if probe.quant.is_quantized:  # the engine refuses quantized pools (hf_pagedkv.serving.Engine)
-        parser.error(f"--quant {args.quant}: the serving engine does not serve quantized KV pools yet; serve with "
-                     "--quant fp (the default)")
     if args.prefix_cache_file is not None:
         folder = os.path.dirname(os.path.abspath(args.prefix_cache_file))
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):

@@ -126,3 +126,13 @@ def test_default_max_tokens_is_16_and_models_and_health(srv):
         srv.client.models.retrieve("gpt-4o")
     assert get(srv.port, "/health") == (200, '{"status":"ok"}')
     srv.wait_idle()
+
+
+def test_a_quantized_pool_serves():
+    from hf_pagedkv import BlockPool
+
+    pool = BlockPool(block_size=16, quant="k8v4", prefix_caching=True)
+    with running_server(pool) as q:
+        r = complete(q, PROMPTS[0], max_tokens=40, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == len(r.choices[0].token_ids) == 40
+        q.wait_idle()

@@ -88,7 +88,7 @@ def test_sigterm_drains_saves_the_prefix_cache_and_a_restart_loads_it(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--retention", "sink_window:4:64"], "no retention policies"),
     (["--max-memory", "lots"], "--max-memory"),
-    (["--quant", "k8v4"], "does not serve quantized KV pools yet"),
+    (["--block-size", "0"], "--quant/--block-size"),
     (["--max-queue", "0"], "--max-queue must be >= 1"),
     (["--port", "70000"], "--port must be <= 65535"),
     (["--prefix-cache-file", "/no/such/folder/p.safetensors"], "not a writable directory"),

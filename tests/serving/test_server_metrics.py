@@ -78,3 +78,5 @@ def test_allocation_failures_show_in_a_full_pool():
     assert value(m, "hf_pagedkv_service_allocation_failures_total") == engine.num_allocation_failures
     assert value(m, "hf_pagedkv_service_allocation_failure_rate") > 0
     assert value(m, "hf_pagedkv_service_kv_memory_ratio") == 0.0
+    assert value(m, "hf_pagedkv_service_preemptions_total") == engine.num_preemptions
+    assert value(m, "hf_pagedkv_service_swaps_total") == engine.num_swaps == 0  # no host tier: recomputed

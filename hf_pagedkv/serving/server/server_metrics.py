@@ -20,7 +20,7 @@ The four service signals (gauges read at scrape time)::
                                                                     the last 60 s
 
 and the engine's state: ``hf_pagedkv_service_requests{state="running"|"waiting"}``, ``hf_pagedkv_service_draining``,
-counters of preemptions, allocation failures, generated tokens; plus the pool's own series (`PoolCollector`,
+counters of preemptions, swaps, allocation failures, generated tokens; plus the pool's own series (`PoolCollector`,
 label ``pool="engine"``).
 """
 
@@ -154,6 +154,7 @@ class _ServiceCollector:
                                 value=float(service.draining))
         for name, doc, value in (
                 ("preemptions", "Running requests whose blocks were freed for others.", st.num_preemptions),
+                ("swaps", "Preempted requests swapped to the host tier (not recomputed).", st.num_swaps),
                 ("allocation_failures", "Times a request's next blocks were not free.", st.num_allocation_failures),
                 ("generated_tokens", "Tokens sampled by the engine.", st.num_tokens_generated),
                 ("cancelled_requests", "Engine requests cancelled (client gone, stop string, shutdown).",

@@ -28,7 +28,7 @@ MAX_N = 64  # choices per prompt at most
 # OpenAI fields this server does not implement, and the values that mean "not used" (accepted and ignored)
 UNSUPPORTED: dict[str, tuple] = {
     "best_of": (None, 1), "echo": (None, False), "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "logprobs": (None, False),
+    "presence_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "logprobs": (None, False, 0),
     "top_logprobs": (None, 0), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "parallel_tool_calls": (None, False, True),
     "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]), "audio": (None,),

@@ -218,3 +218,13 @@ def test_a_second_signal_stops_at_once_and_frees_the_blocks():
         assert rest[-1].finish_reason == "abort"
         assert srv.server.should_exit
         assert srv.pool.stats().blocks_in_use == 0
+
+
+def test_a_body_over_the_limit_is_a_413_before_it_is_read(srv):
+    from hf_pagedkv.serving.server.protocol import MAX_BODY_BYTES
+
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % (MAX_BODY_BYTES + 1))
+        head = sock.recv(4096).decode()
+    assert head.startswith("HTTP/1.1 413") and "at most" in head

@@ -67,8 +67,8 @@ class Engine:
             forward can run meanwhile); 0: never.
 
     Raises:
-        ValueError: `pool` not a `BlockPool`; `max_batch_tokens` not a positive int; `compact_blocks` not an int >= 0; a model layer type a `PagedCache` does not store, or a pool
-            holding another model's layers.
+        ValueError: `pool` not a `BlockPool`; `max_batch_tokens` not a positive int; `compact_blocks` not an int
+            >= 0; a model layer type a `PagedCache` does not store, or a pool holding another model's layers.
 
     Example:
 

@@ -1,7 +1,7 @@
 """A hypothesis test of the engine: random arrivals, cancellations, token budgets, prompt lengths and pool sizes
-(with and without prefix caching, and a host tier to swap to). After every step the pool's invariants hold; every finished request has its
-solo greedy tokens, a cancelled one a prefix of them, a request too large for the pool an error; at the end no
-block is in use."""
+(with and without prefix caching, and a host tier to swap to). After every step the pool's invariants hold; every
+finished request has its solo greedy tokens, a cancelled one a prefix of them, a request too large for the pool an
+error; at the end no block is in use, on the device or in the host tier."""
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -164,7 +164,7 @@ def test_drain_answers_503_finishes_the_requests_in_flight_then_exits():
     _, tokenizer = model_and_tokenizer()
     ids = tokenizer(PROMPTS[0]).input_ids
     with running_server() as srv:
-        stream = srv.client.completions.create(model=MODEL, prompt=ids, max_tokens=300, temperature=0, stream=True,
+        stream = srv.client.completions.create(model=MODEL, prompt=ids, max_tokens=600, temperature=0, stream=True,
                                                extra_body={"ignore_eos": True, "return_token_ids": True})
         chunks = iter(stream)
         next(chunks)
@@ -173,7 +173,7 @@ def test_drain_answers_503_finishes_the_requests_in_flight_then_exits():
         assert status == 503 and headers["retry-after"] == "1", answer
         assert get(srv.port, "/health")[0] == 503
         rest = [c.choices[0] for c in chunks]
-        assert rest[-1].finish_reason == "length" and len(rest[-1].token_ids) == 300
+        assert rest[-1].finish_reason == "length" and len(rest[-1].token_ids) == 600
         deadline = time.monotonic() + 10
         while not srv.server.should_exit:  # idle and draining: the server stops by itself
             assert time.monotonic() < deadline

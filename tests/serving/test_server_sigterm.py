@@ -52,7 +52,7 @@ def test_sigterm_drains_saves_the_prefix_cache_and_a_restart_loads_it(tmp_path):
     path = str(tmp_path / "prefix.safetensors")
     server = ServeProcess("--prefix-cache-file", path)
     try:
-        stream = server.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=400, temperature=0,
+        stream = server.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1000, temperature=0,
                                                   stream=True, extra_body={"ignore_eos": True})
         chunks = iter(stream)
         next(chunks)

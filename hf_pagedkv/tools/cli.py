@@ -14,6 +14,7 @@ from transformers import set_seed
 from hf_pagedkv import BlockPool, PagedCache
 from hf_pagedkv._compat import cache_kwargs
 from hf_pagedkv.tools.cli_tools import add_tool_commands, run_tool
+from hf_pagedkv.tools.serve_command import add_serve_command
 from hf_pagedkv.config import PRESETS, QuantConfig
 from hf_pagedkv.errors import EMPTY_PROMPT
 from hf_pagedkv.tools.models import DEFAULT_MODEL, chat_prompt, default_document, load_model
@@ -246,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                    "--quant, differences are reported, not an error)")
     g.add_argument("-v", "--verbose", action="store_true")
     add_tool_commands(sub)  # plan, tune-block-size, trace
+    add_serve_command(sub)
     args = parser.parse_args(argv)
     if args.command != "generate":
         return run_tool(args, parser)

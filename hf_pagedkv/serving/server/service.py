@@ -1,0 +1,239 @@
+"""`EngineService`: what the HTTP endpoints ask of the engine: prompts tokenized and checked, generations started,
+admission (429 past the queue limit, 503 while draining), drain and shutdown (the prefix-cache file saved).
+
+Checks that keep a request out of the engine (a 4xx, the pool untouched): another model's name; a prompt that is
+empty or holds token ids outside the vocabulary; `max_tokens` < 1; a prompt plus `max_tokens` past the model's
+context (`max_position_embeddings`) or, in a fixed pool, needing more KV blocks than the whole pool holds (the
+engine's own admission rule: such a request could never run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import torch
+
+from hf_pagedkv._compat import cache_kwargs
+from hf_pagedkv.adapter.paged_cache import PagedCache
+from hf_pagedkv.pool.block_table import num_blocks_for
+from hf_pagedkv.serving.engine import Engine
+from hf_pagedkv.serving.server.engine_runner import EngineRunner, QueueFull
+from hf_pagedkv.serving.server.errors import ApiError, bad_request
+from hf_pagedkv.serving.server.generation import ChoiceSettings, Generation
+from hf_pagedkv.serving.server.protocol import ChatCompletionRequest, CompletionRequest
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's default)
+RETRY_AFTER_S = 1  # the Retry-After of a 429 or a 503
+
+
+class EngineService:
+    """The engine behind the HTTP endpoints (module docstring). Endpoints call it from the event loop's thread.
+
+    Args:
+        engine (`Engine`): the engine (not started; its pool should have ``prefix_caching=True`` for `n` > 1
+            to share prompts and for `prefix_cache_file`).
+        tokenizer (`PreTrainedTokenizerBase`): the model's tokenizer (its chat template serves the chat endpoint).
+        model_name (`str`): the name clients give as ``model``; any other is a 404.
+        max_queue (`int`, *optional*): requests waiting for the engine at most (past it: 429); None: no limit.
+        prefix_cache_file (`str`, *optional*): where `close()` saves the pool's prefix cache (atomically).
+    """
+
+    def __init__(self, engine: Engine, tokenizer, model_name: str, *, max_queue: int | None = None,
+                 prefix_cache_file: str | None = None) -> None:
+        self.engine = engine  # fixed
+        self.pool = engine.pool  # fixed
+        self.tokenizer = tokenizer  # fixed
+        self.model_name = model_name  # fixed
+        self.runner = EngineRunner(engine, max_queue)  # fixed
+        self.prefix_cache_file = prefix_cache_file  # fixed
+        self.created = int(time.time())  # the model's "created" in /v1/models; fixed
+        config = engine.model.config
+        self.context_length: int | None = getattr(config, "max_position_embeddings", None)  # fixed
+        self.eos_ids = _eos_ids(engine.generation_config.eos_token_id)  # stop tokens unless ignore_eos; fixed
+        self.vocab_size = engine.model.get_input_embeddings().num_embeddings  # fixed
+        self.draining = False  # new requests get 503; set by `begin_drain` only
+        self.num_open_generations = 0  # API requests being answered; the endpoints only
+
+    # -- lifecycle ----------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Size a fixed pool (a one-token forward, as the engine's first step would) and start stepping."""
+        if not self.pool.growable and 0 in self._capacities():
+            cache = PagedCache(pool=self.pool, config=self.engine.model.config)
+            try:
+                with torch.no_grad():
+                    self.engine.model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=self.engine.model.device),
+                                      use_cache=True, **cache_kwargs(cache))
+            finally:
+                cache.release()
+        self.runner.start()
+
+    def begin_drain(self) -> None:
+        """From now on new requests get 503; those in flight go on."""
+        if not self.draining:
+            logger.info("hf_pagedkv server: draining (%d requests in flight)", self.runner.num_tracked)
+        self.draining = True
+
+    @property
+    def is_idle(self) -> bool:
+        """No request in the engine and no answer being written."""
+        return self.runner.num_tracked == 0 and self.num_open_generations == 0
+
+    async def drain(self, poll: float = 0.02) -> None:
+        """`begin_drain`, then wait until every request in flight has been answered."""
+        self.begin_drain()
+        while not self.is_idle:
+            await asyncio.sleep(poll)
+
+    def close(self) -> None:
+        """Stop the engine (unfinished requests are cancelled, their blocks freed) and save the prefix cache to
+        `prefix_cache_file`, atomically (a failed save leaves the previous file)."""
+        self.runner.close()
+        if self.prefix_cache_file is not None and self.pool.prefix_caching:
+            try:
+                n = self.pool.save_prefix_cache(self.prefix_cache_file, model=self.engine.model)
+                logger.info("hf_pagedkv server: saved %d prefix blocks to %s", n, self.prefix_cache_file)
+            except (OSError, ValueError) as e:
+                logger.error("hf_pagedkv server: could not save the prefix cache to %s: %s",
+                             self.prefix_cache_file, e)
+
+    # -- requests -----------------------------------------------------------------------------------------------
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise ApiError(404, f"The model `{name}` does not exist on this server; it serves `{self.model_name}` "
+                                "(GET /v1/models).", "model", "model_not_found")
+
+    def admit(self, num_requests: int) -> None:
+        """503 while draining, 429 past the queue limit."""
+        retry = {"Retry-After": str(RETRY_AFTER_S)}
+        if self.draining:
+            raise ApiError(503, "The server is shutting down and takes no new requests.", headers=retry)
+        try:
+            self.runner.check_room(num_requests)
+        except QueueFull as e:
+            raise ApiError(429, f"Too many requests are waiting: {e}", code="queue_full", headers=retry) from None
+
+    def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+        """The prompts of a completion request as token ids."""
+        p = body.prompt
+        if isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(x, str) for x in p)):
+            texts = [p] if isinstance(p, str) else p
+            prompts = [self.tokenizer(t).input_ids for t in texts]
+            where = ["prompt"] if isinstance(p, str) else [f"prompt[{i}]" for i in range(len(texts))]
+        elif isinstance(p, list) and p and all(isinstance(x, int) for x in p):
+            prompts, where = [list(p)], ["prompt"]
+        else:
+            prompts, where = [list(x) for x in p], [f"prompt[{i}]" for i in range(len(p))]
+        if not prompts:
+            raise bad_request("`prompt` is an empty list; give a string or token ids.", "prompt")
+        for ids, name in zip(prompts, where):
+            self._check_ids(ids, name)
+        return prompts
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        """The chat messages through the tokenizer's chat template, as token ids (ending with the assistant's
+        turn)."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise bad_request(f"The tokenizer of `{self.model_name}` has no chat template; use /v1/completions "
+                              "with a prompt you format yourself.", "messages")
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(f"messages[{i}]")}
+                    for i, m in enumerate(body.messages)]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # the template's own checks (roles in order, ...)
+            raise bad_request(f"The chat template refused these messages: {e}", "messages") from None
+        ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        self._check_ids(ids, "messages")
+        return ids
+
+    def settings(self, body, prompts: list[list[int]], default_max_tokens: int | None) -> ChoiceSettings:
+        """The choices' settings; `max_tokens` checked against the context and the pool for every prompt."""
+        max_tokens, name = body.max_tokens, "max_tokens"
+        if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+            if max_tokens is not None:
+                raise bad_request("Give `max_tokens` or `max_completion_tokens`, not both.", "max_completion_tokens")
+            max_tokens, name = body.max_completion_tokens, "max_completion_tokens"
+        longest = max(len(p) for p in prompts)
+        limit = self._token_limit(longest)
+        if limit < 1:
+            where = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+            raise bad_request(f"The prompt is {longest} tokens, which leaves no room for a new token: "
+                              f"{self._limit_reason()}.", where, "context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = limit if default_max_tokens is None else min(default_max_tokens, limit)
+        if max_tokens < 1:
+            raise bad_request(f"`{name}` must be >= 1, got {max_tokens}.", name)
+        if max_tokens > limit:
+            raise bad_request(f"`{name}` is {max_tokens}, but with the prompt's {longest} tokens at most {limit} "
+                              f"fit: {self._limit_reason()}. Lower `{name}` or shorten the prompt.", name,
+                              "context_length_exceeded")
+        stop_ids = frozenset(body.stop_token_ids or ())
+        bad = sorted(t for t in stop_ids if not 0 <= t < self.vocab_size)
+        if bad:
+            raise bad_request(f"`stop_token_ids` holds {bad[0]}, outside the vocabulary [0, {self.vocab_size}).",
+                              "stop_token_ids")
+        return ChoiceSettings(
+            max_new_tokens=max_tokens, do_sample=body.temperature > 0, temperature=body.temperature,
+            top_p=body.top_p, seed=body.seed, stop=tuple(body.stop_strings()),
+            stop_token_ids=stop_ids | (frozenset() if body.ignore_eos else self.eos_ids),
+            hidden_ids=stop_ids - self.eos_ids)
+
+    def generate(self, prompts: list[list[int]], n: int, settings: ChoiceSettings) -> Generation:
+        """Start the choices (admission checked first: 503 / 429)."""
+        self.admit(len(prompts) * n)
+        generation = Generation(self.runner, prompts, n, settings, self.tokenizer)
+        try:
+            generation.start()
+        except ValueError as e:  # the engine's own checks of a request
+            raise bad_request(str(e)) from None
+        return generation
+
+    # -- limits -------------------------------------------------------------------------------------------------
+    def _check_ids(self, ids: list[int], where: str) -> None:
+        if not ids:
+            raise bad_request(f"`{where}` is empty (no tokens); give some text.", where)
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"`{where}` holds token id {bad}, outside the vocabulary [0, {self.vocab_size}).",
+                              where)
+
+    def _capacities(self) -> list[int]:
+        """Blocks a request may hold in each full-attention layer group of a fixed pool (its blocks less the pad
+        block): the engine's admission limit."""
+        stats = self.pool.stats()
+        return [g.num_blocks - (self.pool.pad_block(i) is not None)
+                for i, g in enumerate(stats.groups) if g.window is None]
+
+    def _token_limit(self, prompt_len: int) -> int:
+        """New tokens a prompt of `prompt_len` tokens may ask for at most."""
+        limits = []
+        if self.context_length:
+            limits.append(self.context_length - prompt_len)
+        if not self.pool.growable:
+            caps = [c for c in self._capacities() if c > 0]
+            if caps:  # the engine stores prompt + new - 1 tokens: they must fit in cap blocks
+                limits.append(min(caps) * self.pool.block_size - prompt_len + 1)
+        return min(limits) if limits else 2**31
+
+    def _limit_reason(self) -> str:
+        parts = []
+        if self.context_length:
+            parts.append(f"the model's context is {self.context_length} tokens")
+        if not self.pool.growable:
+            caps = [c for c in self._capacities() if c > 0]
+            if caps:
+                parts.append(f"the KV pool holds {min(caps)} blocks of {self.pool.block_size} tokens for one request "
+                             "(raise --max-memory)")
+        return " and ".join(parts)
+
+
+def _eos_ids(eos) -> frozenset[int]:
+    if eos is None:
+        return frozenset()
+    return frozenset(t for t in ([eos] if isinstance(eos, int) else eos) if t >= 0)
+
+
+__all__ = ["EngineService"]

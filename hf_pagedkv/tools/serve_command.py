@@ -1,0 +1,128 @@
+"""``hf-pagedkv serve``: the OpenAI-compatible HTTP server (`hf_pagedkv.serving.server`) on a model.
+
+Everything a flag names is checked before the model loads (storage format, sizes, the port, the prefix-cache
+file's folder); the port is bound before loading too, so a taken port fails at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from hf_pagedkv.config import PRESETS
+from hf_pagedkv.tools.models import DEFAULT_MODEL
+
+logger = logging.getLogger(__name__)
+
+_INSTALL = "pip install 'hf_pagedkv[serve]'"
+
+
+def add_serve_command(sub: argparse._SubParsersAction) -> None:
+    """Add ``serve`` to the `hf-pagedkv` subcommands."""
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching on a BlockPool)")
+    s.add_argument("--model", default=DEFAULT_MODEL, help="transformers id, local path or .gguf (default: %(default)s)")
+    s.add_argument("--served-model-name", help="the name clients pass as `model` (default: --model as given)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, loopback only)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port, 0 for a free one (default: %(default)s)")
+    s.add_argument("--quant", default="fp", choices=list(PRESETS),
+                   help="KV storage format, e.g. k8v4: 8-bit keys, 4-bit values (default: %(default)s)")
+    s.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block (default: 16, or 32 with --quant)")
+    s.add_argument("--max-memory", help="a fixed KV budget, e.g. 2GiB: requests beyond it wait, or are preempted "
+                                        "and recomputed (default: a pool that grows on demand)")
+    s.add_argument("--host-memory", help="a host-memory tier, e.g. 8GiB: preempted requests are swapped there "
+                                         "instead of recomputed, and prefix blocks evicted from the device kept")
+    s.add_argument("--prefix-cache-file", help="a prefix-cache file (safetensors): loaded at start if it exists, "
+                                               "saved atomically at shutdown")
+    s.add_argument("--retention", metavar="SPEC", help="not supported by the serving engine (refused)")
+    s.add_argument("--max-batch-tokens", type=int, default=None,
+                   help="tokens computed per engine step: decode tokens plus prefill chunks (default: 512)")
+    s.add_argument("--max-queue", type=int, default=256,
+                   help="requests waiting for the engine at most; past it new requests get 429 with Retry-After "
+                        "(default: %(default)s)")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="model and KV dtype (default: %(default)s)")
+    s.add_argument("--device", default=None, help="device of the model and the pool, e.g. cuda:0 (default: where "
+                                                  "from_pretrained puts it, the CPU)")
+    s.add_argument("--num-threads", type=int, default=0, help="torch CPU threads, 0 for torch's default")
+    s.add_argument("-v", "--verbose", action="store_true", help="log requests and engine events")
+    s.set_defaults(run=run_serve)
+
+
+def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Check the flags, bind the port, load the model, serve until SIGTERM (then drain and save)."""
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        print(f"hf-pagedkv serve needs fastapi and uvicorn ({e}); install them with `{_INSTALL}`.", file=sys.stderr)
+        return 2
+    import torch
+
+    from hf_pagedkv import BlockPool
+    from hf_pagedkv.serving import Engine
+    from hf_pagedkv.serving.server import EngineService, create_app
+    from hf_pagedkv.serving.server.http_server import bind, serve
+    from hf_pagedkv.tools.models import load_model
+
+    if args.retention is not None:
+        parser.error(f"--retention {args.retention}: the serving engine keeps every token of its requests (it has no "
+                     "retention policies yet); serve without --retention, or use `hf-pagedkv generate --retention` "
+                     "for one request")
+    for flag, value, low in (("--port", args.port, 0), ("--max-queue", args.max_queue, 1),
+                             ("--num-threads", args.num_threads, 0)):
+        if value < low:
+            parser.error(f"{flag} must be >= {low}, got {value}")
+    if args.port > 65535:
+        parser.error(f"--port must be <= 65535, got {args.port}")
+    if args.max_batch_tokens is not None and args.max_batch_tokens < 1:
+        parser.error(f"--max-batch-tokens must be >= 1, got {args.max_batch_tokens}")
+    pool_kwargs = dict(block_size=args.block_size, quant=args.quant, max_memory=args.max_memory,
+                       host_memory=args.host_memory, prefix_caching=True)
+    try:
+        BlockPool(**pool_kwargs)  # the flags checked before the model loads (a pool holds no storage yet)
+    except ValueError as e:
+        parser.error(f"--quant/--block-size/--max-memory/--host-memory: {e}")
+    if args.prefix_cache_file is not None:
+        folder = os.path.dirname(os.path.abspath(args.prefix_cache_file))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            parser.error(f"--prefix-cache-file {args.prefix_cache_file!r}: its folder {folder!r} is not a writable "
+                         "directory (the file is saved there at shutdown)")
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as e:
+        print(f"hf-pagedkv serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 2
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    try:
+        model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+    except ValueError as e:
+        sock.close()
+        print(f"hf-pagedkv serve: --model: {e}", file=sys.stderr)
+        return 2
+    pool = BlockPool(**pool_kwargs)
+    if args.prefix_cache_file is not None and os.path.exists(args.prefix_cache_file):
+        try:
+            pool.load_prefix_cache(args.prefix_cache_file, model=model)
+        except (ValueError, OSError) as e:
+            sock.close()
+            print(f"hf-pagedkv serve: --prefix-cache-file: {e}", file=sys.stderr)
+            return 2
+        print(f"hf-pagedkv serve: loaded {pool.last_loaded_blocks} prefix blocks from {args.prefix_cache_file}",
+              file=sys.stderr)
+    engine = Engine(model, pool, max_batch_tokens=args.max_batch_tokens)
+    service = EngineService(engine, tokenizer, args.served_model_name or args.model, max_queue=args.max_queue,
+                            prefix_cache_file=args.prefix_cache_file)
+    host, port = sock.getsockname()[:2]
+    url_host = f"[{host}]" if ":" in host else host
+    print(f"hf-pagedkv serve: {service.model_name} at http://{url_host}:{port}/v1 (SIGTERM or Ctrl+C drains and "
+          "stops)", file=sys.stderr, flush=True)
+    serve(create_app(service), service, sock, log_level="info" if args.verbose else "warning")
+    logger.info("hf-pagedkv serve: stopped")
+    return 0
+
+
+__all__ = ["add_serve_command", "run_serve"]

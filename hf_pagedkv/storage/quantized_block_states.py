@@ -170,17 +170,23 @@ class QuantizedBlockStates:
             self.encoded[b] = self.num_encodes[b] = 1
 
     def release(self, blocks: list[int]) -> None:
-        """Blocks whose refcount reached 0 become fresh; their stages and sink stages are freed."""
+        """Blocks whose refcount reached 0 become fresh; their stages and sink stages are freed (all the bookkeeping
+        first, then the debug-mode poisoning: an error in the latter leaves every state right)."""
+        stages, sinks = [], []
         for b in blocks:
             stage = self.stage_of.pop(b, None)
             if stage is not None:
-                self.staging.free(stage)
+                self.staging.free(stage, poison=False)
+                stages.append(stage)
             sink = self.sink_of.pop(b, None)
             if sink is not None:
-                self.sinks.free(sink)
+                self.sinks.free(sink, poison=False)
+                sinks.append(sink)
             self.encoded[b] = self.num_encodes[b] = 0
             self.pending.discard(b)
             self.encoded_in_step.discard(b)
+        self.staging.poison(stages)
+        self.sinks.poison(sinks)
 
     def copy(self, src: list[int], dst: list[int]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """Blocks `dst[i]` (fresh) take the state of `src[i]` (copy-on-write), with new stages of their own.
@@ -226,11 +232,11 @@ class QuantizedBlockStates:
         return problems
 
     def _release_pending(self) -> None:
-        for b in self.pending:
-            stage = self.stage_of.pop(b, None)
-            if stage is not None:
-                self.staging.free(stage)
+        stages = [stage for b in self.pending if (stage := self.stage_of.pop(b, None)) is not None]
+        for stage in stages:
+            self.staging.free(stage, poison=False)
         self.pending.clear()
+        self.staging.poison(stages)
 
 
 __all__ = ["QuantizedBlockStates"]

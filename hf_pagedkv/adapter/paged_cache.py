@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 
@@ -19,7 +20,7 @@ from hf_pagedkv.adapter.paged_layer import PagedLayer
 from hf_pagedkv.storage.page_store import LayerSpec
 from hf_pagedkv.adapter import prefix_cache
 from hf_pagedkv.adapter.grad import attach_step_grad, needs_grad
-from hf_pagedkv.adapter.offload import offload_cache, prefetch_cache
+from hf_pagedkv.adapter.offload import drop_device_blocks, offload_cache, prefetch_cache
 from hf_pagedkv.adapter.row_tables import RowTables
 from hf_pagedkv.adapter.step_plan import StepPlan
 from hf_pagedkv.adapter.step_planner import StepPlanner
@@ -362,14 +363,8 @@ class PagedCache(Cache):
         self._maybe_dups = True
 
     def reset(self) -> None:
-        """Free every block this cache holds; the cache stays usable (empty)."""
-        with self.pool.lock:
-            if self._offloaded is not None:  # its blocks are in the host tier
-                self.pool.host.release(self._owner)
-                self._offloaded = None
-            for rt in self._groups:
-                self.pool.free([b for row in rt.rows for b in row.blocks], rt.group)
-                rt.reset()
+        """Free every block this cache holds; the cache stays usable (empty). Every table and reference is dropped
+        before the first call that may fail (releasing the freed blocks' storage), which then raises after it."""
         self._num_tokens = 0
         self._padding = None
         self._end_step()
@@ -378,6 +373,14 @@ class PagedCache(Cache):
             layer.num_tokens = layer.num_evicted = 0
         if self._evictor is not None:
             self._evictor.reset()
+        with self.pool.lock:
+            if self._offloaded is not None:  # its blocks are in the host tier
+                self.pool.host.release(self._owner)
+                self._offloaded = None
+            held = {rt.group: [b for row in rt.rows for b in row.blocks] for rt in self._groups}
+            for rt in self._groups:
+                rt.reset()  # plain Python
+            self.pool.free_groups(held)
 
     # -- hf_pagedkv API -----------------------------------------------------------------------------------------
     def fork(self) -> PagedCache:
@@ -457,17 +460,27 @@ class PagedCache(Cache):
                              "one (hf_pagedkv.generate does).")
         ids = rows[0]
         cache = cls(pool=pool, **kwargs)
-        cache._prefix_key = prefix_cache.prefix_key(pool, model, kwargs["config"])
-        hashes = prefix_cache.hash_blocks(ids[: len(ids) - 1], pool.block_size, cache._prefix_key)  # >= 1 left
-        with pool.lock:  # references and the table that names them appear together (invariant 2)
-            if pool.host is not None:  # prefix blocks in the host tier are copied back before any read
-                pool.host.promote(hashes, [rt.group for rt in cache._groups])
-            hit = prefix_cache.hit_length(pool, cache._groups, hashes)
-            held = {}
-            for k, rt in enumerate(cache._groups):  # the first group counts the lookup (one per request)
-                lo = rt.droppable(hit * pool.block_size)
-                held[rt.group] = (lo, pool.acquire_prefix(hashes[lo:hit], len(ids), group=rt.group, count=k == 0))
-            cache._attach(hit, held)
+        try:  # all or nothing: on an error or interrupt the cache is released and every reference dropped
+            cache._prefix_key = prefix_cache.prefix_key(pool, model, kwargs["config"])
+            hashes = prefix_cache.hash_blocks(ids[: len(ids) - 1], pool.block_size, cache._prefix_key)  # >= 1 left
+            with pool.lock:  # references and the table that names them appear together (invariant 2)
+                if pool.host is not None:  # prefix blocks in the host tier are copied back before any read
+                    pool.host.promote(hashes, [rt.group for rt in cache._groups])
+                hit = prefix_cache.hit_length(pool, cache._groups, hashes)
+                held = {}
+                try:
+                    for k, rt in enumerate(cache._groups):  # the first group counts the lookup (one per request)
+                        lo = rt.droppable(hit * pool.block_size)
+                        held[rt.group] = (lo, pool.acquire_prefix(hashes[lo:hit], len(ids), group=rt.group,
+                                                                  count=k == 0))
+                    cache._attach(hit, held)  # all or nothing
+                except BaseException:  # the references taken, in no table
+                    pool.free_groups({group: blocks for group, (_, blocks) in held.items()})
+                    raise
+        except BaseException:
+            cache.release()
+            raise
+        cache._after_change()
         if any(rt.window is not None for rt in cache._groups):
             # NOTE: a sliding group frees the prompt's early blocks as soon as decoding starts, long before a
             # caller publishes; so the prompt is published when the step after the prompt begins (`_begin_step`).
@@ -539,10 +552,12 @@ class PagedCache(Cache):
         """Return every block to the pool. Idempotent; the cache cannot be used afterwards."""
         if self._released:
             return
-        self.reset()
-        self._finalizer.detach()
-        self.pool.unregister_owner(self._owner)  # the rows are empty now
-        self._released = True
+        try:
+            self.reset()  # raises, if at all, after the rows are empty and their references dropped
+        finally:
+            self._finalizer.detach()
+            self.pool.unregister_owner(self._owner)  # the rows are empty now
+            self._released = True
 
     def __enter__(self) -> PagedCache:
         return self
@@ -593,21 +608,32 @@ class PagedCache(Cache):
         server can preempt a long request instead of losing it; `prefetch()` brings it back and generation continues
         exactly. Blocks other caches share stay on the device for them (refcounts decide; see `adapter/offload.py`).
         Until `prefetch()`, the cache cannot run a step (`CacheOffloadedError`); `release()` frees its host blocks.
+        All or nothing (an error or interrupt included), and one decision with any other offload of this cache
+        (another thread's `generate(swap_on_exhaustion=True)` may swap an idle cache out): the second one raises.
 
         Raises:
             ValueError: a `layer_idx` (only whole caches move); the pool has no host tier.
             PoolExhaustedError: the host tier is full (nothing changed).
-            CacheReleasedError, CacheOffloadedError: the cache was released, or is offloaded already.
+            CacheReleasedError, CacheOffloadedError: the cache was released, or is offloaded already (by this
+                thread or another; nothing changed).
         """
         if layer_idx is not None:
             raise ValueError(f"offload(layer_idx={layer_idx}): a PagedCache moves whole, with all its layers "
                              "(call cache.offload()).")
-        self.check_usable()
-        self._offloaded = offload_cache(self.pool, self._owner, self._groups)
-        self._end_step()
+        with self.pool.lock:  # the check and the move are one step for every thread (swaps run under this lock)
+            if self._offloaded is not None and not self._released:
+                raise CacheOffloadedError("offload(): this PagedCache is offloaded already (another thread's "
+                                          "generate(swap_on_exhaustion=True) may have swapped it out while idle); "
+                                          "cache.prefetch() brings it back.")
+            self.check_usable()
+            self._offloaded = offload_cache(self.pool, self._owner, self._groups)  # copied; device blocks held
+            self._end_step()
+            drop_device_blocks(self.pool, self._groups)  # bookkeeping first: an error after it leaves it done
 
     def prefetch(self, layer_idx: int | None = None, only_non_sliding: bool = True) -> None:
         """Bring an offloaded cache back to the device (new block ids, the same K/V); a no-op when not offloaded.
+
+        All or nothing, an error or interrupt included (the cache stays offloaded then).
 
         Raises:
             ValueError: a `layer_idx` (only whole caches move).
@@ -616,13 +642,14 @@ class PagedCache(Cache):
 
         if layer_idx is not None:
             raise ValueError(f"prefetch(layer_idx={layer_idx}): a PagedCache moves whole (call cache.prefetch()).")
-        if self._released:
-            raise CacheReleasedError("This PagedCache was released; create a new one.")
-        if self._offloaded is None:
-            return
-        prefetch_cache(self.pool, self._owner, self._groups, self._offloaded)
-        self._offloaded = None
-        self.pool.touch_owner(self._owner)
+        with self.pool.lock:  # one decision with any other offload or prefetch of this cache
+            if self._released:
+                raise CacheReleasedError("This PagedCache was released; create a new one.")
+            if self._offloaded is None:
+                return
+            prefetch_cache(self.pool, self._owner, self._groups, self._offloaded)
+            self._offloaded = None
+            self.pool.touch_owner(self._owner)
         self._after_change()
 
     # -- internals: layers ----------------------------------------------------------------------------------------
@@ -662,11 +689,18 @@ class PagedCache(Cache):
             self._by_group[group] = rt
         return rt
 
-    def _blocks_moved(self, group: int, mapping: dict[int, int]) -> None:
-        """`BlockPool.compact` moved blocks of `group` (`{old id: new id}`): rename them in this cache's tables and
-        their mirror; the current step's view base and slot tensors are stale, so the next read recomputes them."""
-        self._by_group[group].rename_blocks(mapping)
-        self._end_step()
+    def _blocks_moved(self, group: int, mapping: dict[int, int]) -> Callable[[], None]:
+        """`BlockPool.compact` moves blocks of `group` (`{old id: new id}`): build the renamed mirror of this cache's
+        tables (may fail; nothing changed then) and return the function (plain Python) that renames the tables and
+        swaps the mirror in. The current step's view base and slot tensors are stale then, so the next read
+        recomputes them."""
+        rename = self._by_group[group].renamed(mapping)
+
+        def commit() -> None:
+            rename()
+            self._end_step()
+
+        return commit
 
     @staticmethod
     def _clone_layer(layer: PagedLayer, owner: PagedCache) -> PagedLayer:
@@ -929,18 +963,24 @@ class PagedCache(Cache):
 
     def _attach(self, hit: int, held: dict[int, tuple[int, list[int]]]) -> None:
         """Start this (empty) cache as one row of `hit` full blocks: per group, `(dropped positions, blocks)`
-        (already referenced for this row)."""
+        (already referenced for this row). All or nothing: every group's table and mirror is made before any is
+        installed."""
         n = hit * self.block_size
         for group in held:  # a cache built without config starts its (full-attention) group here
             if group not in self._by_group:
                 self._tables_for(self.pool.groups[group].window, self.pool.groups[group].tier)
+        tables = []
         for rt in self._groups:
             lo, blocks = held[rt.group]
-            rt.attach_row(lo, blocks, n)
+            row = BlockTable(num_dropped=lo)
+            row.append(blocks)
+            row.num_tokens = n
+            tables.append((rt, [row], RowTables.mirror_of([row])))
+        for rt, rows, table in tables:
+            rt.restore(rows, table)
         self._num_tokens = n
         for layer in self._paged_layers():
             layer.num_tokens = n
-        self._after_change()
 
     # -- internals: rows ------------------------------------------------------------------------------------------
     def _select(self, idx: list[int], common: bool = False) -> None:

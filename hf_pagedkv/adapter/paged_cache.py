@@ -13,7 +13,7 @@ from hf_pagedkv._compat import Cache, DummyLayer, layer_plan
 from hf_pagedkv.block_pool import BlockPool
 from hf_pagedkv.pool.block_table import BlockTable, num_blocks_for
 from hf_pagedkv.config import QuantConfig, check_positive_int
-from hf_pagedkv.errors import CacheOffloadedError, CacheReleasedError, InvariantError
+from hf_pagedkv.errors import CacheOffloadedError, CacheReleasedError, InvariantError, PoolExhaustedError
 from hf_pagedkv.adapter.in_place_reads import InPlaceReads
 from hf_pagedkv.adapter.left_padding import LeftPadding
 from hf_pagedkv.adapter.paged_layer import PagedLayer
@@ -50,9 +50,10 @@ class PagedCache(Cache):
 
     A forward step: the first layer to see tokens past the cache's length asks the `StepPlanner` to extend every
     row's table in every layer group (the only part that can fail, all or nothing); the planner returns an
-    immutable `StepPlan`. Every layer of the step then writes its K/V through its group's store
-    (`prepare_write` / `write`) and reads its rows back (`read` with a `ReadRequest`). Under grad mode the rows
-    read back are differentiable with respect to the step's own K/V (`grad.py`).
+    immutable `StepPlan`. When a fixed pool has too few blocks for it, `on_exhausted` (if set) may make room and the
+    step is planned again, so the request goes on where it was. Every layer of the step then writes its K/V
+    through its group's store (`prepare_write` / `write`) and reads its rows back (`read` with a `ReadRequest`).
+    Under grad mode the rows read back are differentiable with respect to the step's own K/V (`grad.py`).
 
     Args:
         block_size (`int`, *optional*, defaults to 16 (32 when quantized), or the pool's): tokens per block.
@@ -152,6 +153,10 @@ class PagedCache(Cache):
         self._evictor = None if retention is None else Evictor(retention)  # retention policy state, or None
         self._released = False
         self._offloaded: list | None = None  # while offloaded: its blocks in the host tier (adapter/offload.py)
+        # called with the `PoolExhaustedError` when a step's blocks do not fit; returns True when it made room (say,
+        # by offloading idle caches: then the step is planned again), False to raise the error; None: raise it. Set
+        # by the cache's user (`hf_pagedkv.generate(swap_on_exhaustion=True)` does)
+        self.on_exhausted: Callable[[PoolExhaustedError], bool] | None = None
         self._owner = pool.register_owner()  # this cache's token in the pool's table registry
         self.seq_id = self._owner  # names this cache in the block event log
         self._finalizer = weakref.finalize(self, pool.release_owner, self._owner)  # frees blocks if never released
@@ -930,9 +935,9 @@ class PagedCache(Cache):
             if self._evictor is not None:  # retention (hf_pagedkv/retention): evict before this step is planned
                 self._evictor.before_step(self, key_states.shape[2])
             try:
-                plan = self._planner.begin(self._groups, key_states, value_states, self._num_tokens,
-                                           maybe_dups=self._maybe_dups, grad_history=self._grad_history,
-                                           padding=padding)
+                plan = self._making_room(lambda: self._planner.begin(
+                    self._groups, key_states, value_states, self._num_tokens, maybe_dups=self._maybe_dups,
+                    grad_history=self._grad_history, padding=padding))
             except BaseException:  # a full pool: undo the row expansion too, so the pool is exactly as it was
                 if self.num_rows != num_rows and self._num_tokens:
                     self._select(list(range(0, self.num_rows, self.num_rows // num_rows)))
@@ -949,10 +954,20 @@ class PagedCache(Cache):
         self.pool.metrics.on_step(self, plan.num_new, plan.num_cow_copies)
         self._after_change()
 
+    def _making_room(self, plan_step: Callable[[], StepPlan]) -> StepPlan:
+        """`plan_step()` (all or nothing), planned again each time it finds the pool exhausted and `on_exhausted`
+        makes room (returns True)."""
+        while True:
+            try:
+                return plan_step()
+            except PoolExhaustedError as error:
+                if self.on_exhausted is None or not self.on_exhausted(error):
+                    raise
+
     def _unshare(self, r: int) -> None:
         """Duplicate row `r` differs in this layer: it gets its own blocks for the rest of the step."""
         with self.pool.lock:
-            plan = self._planner.unshare(self._groups, self._plan, r)
+            plan = self._making_room(lambda: self._planner.unshare(self._groups, self._plan, r))
         # the stores already prepared for this step stay prepared (`new_step=False` for the rest)
         self._plan, self._step_tensors = plan, StepTensors(plan, self._step_tensors.prepared)
         self._after_change()

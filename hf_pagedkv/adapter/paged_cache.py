@@ -152,7 +152,9 @@ class PagedCache(Cache):
         self._padding: LeftPadding | None = None
         self._evictor = None if retention is None else Evictor(retention)  # retention policy state, or None
         self._released = False
-        self._offloaded: list | None = None  # while offloaded: its blocks in the host tier (adapter/offload.py)
+        # while offloaded: its blocks in the host tier (adapter/offload.py); read to decide and changed only under the
+        # pool's lock, so the cache is offloaded once however many threads try
+        self._offloaded: list | None = None
         # called with the `PoolExhaustedError` when a step's blocks do not fit; returns True when it made room (say,
         # by offloading idle caches: then the step is planned again), False to raise the error; None: raise it. Set
         # by the cache's user (`hf_pagedkv.generate(swap_on_exhaustion=True)` does)

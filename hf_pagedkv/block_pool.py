@@ -729,18 +729,21 @@ class BlockPool:
             return out
 
     def _drain(self) -> None:
-        """Free the blocks of owners queued by `release_owner`. Called with `lock` held."""
+        """Free the blocks of owners queued by `release_owner`. Called with `lock` held. Each owner's tables and
+        references are all dropped before the first call that may fail (releasing the freed blocks' storage)."""
         while self._pending_release:
             token = self._pending_release.popleft()
             self.owners.forget(token)
+            if self.host is not None:  # an offloaded cache holds host blocks instead
+                self.host.release(token)
+            held = {}
             for group in self.groups:
                 rows = group.tables.pop(token, None)
                 group.movers.pop(token, None)
                 if rows:
-                    self.free([b for row in rows for b in row.blocks], group.index)
+                    held[group.index] = [b for row in rows for b in row.blocks]
                     rows.clear()
-            if self.host is not None:  # an offloaded cache holds host blocks instead
-                self.host.release(token)
+            self.free_groups(held)
 
     # -- observation -------------------------------------------------------------------------------------------------
     def stats(self) -> PoolStats:

@@ -226,3 +226,22 @@ def test_a_swapping_generate_is_all_or_nothing(kind):
         assert torch.equal(next_logits(model, state["caches"][0]), ref)
 
     assert run_with_faults(setup, swap, check) > 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_freeing_the_blocks_of_collected_caches_is_all_or_nothing(kind):
+    arch, quant = KINDS[kind]
+    model = two_layer_model(arch)
+
+    def setup():
+        pool = new_pool(quant, num_blocks=12)
+        caches = [prefilled(model, pool, ids(1, 10, seed=10)), prefilled(model, pool, ids(1, 6, seed=11))]
+        caches[1].offload()  # its blocks in the host tier
+        del caches  # dropped without release(): their blocks are freed at the next pool operation
+        assert len(pool._pending_release) == 2
+        return {"pool": pool, "caches": []}
+
+    def check(state):
+        pass  # no cache is left: run_with_faults checks that every block is free, device and host
+
+    assert run_with_faults(setup, lambda state: state["pool"].stats(), check) > 0

@@ -1,7 +1,7 @@
 """Exception safety of the operations that move blocks: an error (a `RuntimeError`, as a failed allocation or copy
 raises) or a `KeyboardInterrupt` injected at the n-th torch call inside `offload()`, `prefetch()`, `compact()`, a
-prefix hit that promotes blocks from the host tier, and a swapping `hf_pagedkv.generate`, for every n until the
-operation completes before reaching n. After each: the invariants hold, every cache still continues exactly as
+prefix hit that promotes blocks from the host tier, a swapping `hf_pagedkv.generate`, `release()` and the freeing of
+collected caches, for every n until the operation completes before reaching n. After each: the invariants hold, every cache still continues exactly as
 without the fault (nothing lost, nothing corrupted), and releasing everything leaves no block held, device or host.
 On plain, hybrid (a sliding-window layer group) and quantized (k8v4) pools of two-layer models."""
 
@@ -229,19 +229,26 @@ def test_a_swapping_generate_is_all_or_nothing(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_freeing_the_blocks_of_collected_caches_is_all_or_nothing(kind):
+def test_release_and_freeing_collected_caches_are_all_or_nothing(kind):
     arch, quant = KINDS[kind]
     model = two_layer_model(arch)
 
-    def setup():
+    def setup(collected=False):
         pool = new_pool(quant, num_blocks=12)
         caches = [prefilled(model, pool, ids(1, 10, seed=10)), prefilled(model, pool, ids(1, 6, seed=11))]
         caches[1].offload()  # its blocks in the host tier
-        del caches  # dropped without release(): their blocks are freed at the next pool operation
-        assert len(pool._pending_release) == 2
-        return {"pool": pool, "caches": []}
+        if collected:
+            del caches  # dropped without release(): their blocks are freed at the next pool operation
+            assert len(pool._pending_release) == 2
+            return {"pool": pool, "caches": []}
+        return {"pool": pool, "caches": caches}
+
+    def release(state):
+        for cache in state["caches"]:
+            cache.release()
 
     def check(state):
-        pass  # no cache is left: run_with_faults checks that every block is free, device and host
+        pass  # run_with_faults checks that, once every cache is released, every block is free, device and host
 
-    assert run_with_faults(setup, lambda state: state["pool"].stats(), check) > 0
+    assert run_with_faults(setup, release, check) > 0
+    assert run_with_faults(lambda: setup(collected=True), lambda state: state["pool"].stats(), check) > 0

@@ -1,9 +1,10 @@
 """Exception safety of the operations that move blocks: an error (a `RuntimeError`, as a failed allocation or copy
 raises) or a `KeyboardInterrupt` injected at the n-th torch call inside `offload()`, `prefetch()`, `compact()`, a
-prefix hit that promotes blocks from the host tier, a swapping `hf_pagedkv.generate`, `release()` and the freeing of
-collected caches, for every n until the operation completes before reaching n. After each: the invariants hold, every cache still continues exactly as
-without the fault (nothing lost, nothing corrupted), and releasing everything leaves no block held, device or host.
-On plain, hybrid (a sliding-window layer group) and quantized (k8v4) pools of two-layer models."""
+prefix hit that promotes blocks from the host tier, a swapping `hf_pagedkv.generate`, `release()` and the freeing
+of collected caches, for every n until the operation completes before reaching n. After each: the invariants hold,
+every cache still continues exactly as without the fault (nothing lost, nothing corrupted), and releasing
+everything leaves no block held, device or host. On plain, hybrid (a sliding-window layer group) and quantized
+(k8v4) pools of two-layer models."""
 
 from __future__ import annotations
 

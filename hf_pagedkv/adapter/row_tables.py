@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import torch
-
 from collections.abc import Callable
+
+import torch
 
 from hf_pagedkv.pool.block_table import BlockTable, num_blocks_for
 

@@ -615,8 +615,10 @@ class PagedCache(Cache):
         server can preempt a long request instead of losing it; `prefetch()` brings it back and generation continues
         exactly. Blocks other caches share stay on the device for them (refcounts decide; see `adapter/offload.py`).
         Until `prefetch()`, the cache cannot run a step (`CacheOffloadedError`); `release()` frees its host blocks.
-        All or nothing (an error or interrupt included), and one decision with any other offload of this cache
-        (another thread's `generate(swap_on_exhaustion=True)` may swap an idle cache out): the second one raises.
+        All or nothing, an error or interrupt included: one raised before the move changed nothing, one raised while
+        the freed device blocks' storage is released comes after the move is whole. One decision with any other
+        offload of this cache (another thread's `generate(swap_on_exhaustion=True)` may swap an idle cache out): the
+        second one raises.
 
         Raises:
             ValueError: a `layer_idx` (only whole caches move); the pool has no host tier.

@@ -105,6 +105,12 @@ class BlockPool:
     Thread safety: every bookkeeping change happens under `lock` (an `RLock`), so several threads may each run
     their own caches on one pool. A cache itself is used by one thread at a time.
 
+    Exception safety: an operation that fails, by an error (a failed allocation or copy) or an interrupt
+    (`KeyboardInterrupt`), leaves every invariant holding and loses nothing: it makes the torch calls that may fail
+    before it changes the bookkeeping (plain Python), or undoes what they did; only releasing freed blocks'
+    storage (debug poisoning) and trimming the prefix cache come after, and they leave the bookkeeping done
+    (`tests/property/test_fault_injection.py` injects a failure at every torch call of each operation).
+
     Determinism (tensor parallel ranks must stay in step): which block ids are handed out, when the pool grows and
     which cached-idle blocks are evicted depend only on the sequence of calls and on K/V values, never on time,
     thread timing, `hash()` of a str or set iteration order: free ids come from a min-heap (the lowest, or

@@ -23,9 +23,9 @@ class StagingStore:
 
     Stage `s` holds slots ``s * block_size .. (s + 1) * block_size - 1``. Invariant: a stage id is either free
     (in `_free`) or owned by exactly one block of the pool (the owner, `QuantizedPageStore`, keeps that map).
-    Capacity grows by a quarter of itself (at least one stage) when full, so it follows the number of live
-    sequences (`tests/storage/test_staging_store.py`); it never shrinks. New stages are zero, and new and freed stages are
-    NaN in debug mode only.
+    Capacity grows by a quarter of itself (at least one stage) when full, in every layer or (an allocation failing)
+    in none, so it follows the number of live sequences (`tests/storage/test_staging_store.py`); it never shrinks.
+    New stages are zero, and new and freed stages are NaN in debug mode only.
     """
 
     def __init__(self, block_size: int, debug: bool = False) -> None:

@@ -45,8 +45,9 @@ class BlockGroup:
                       else PageStore(block_size, debug=debug))  # the tensors of this group's layers
         self.prefix_index = PrefixIndex() if prefix_caching else None  # full-block hashes -> blocks, or None
         self.tables: dict[int, list[BlockTable]] = {}  # owner token -> that cache's rows in this group
-        # owner token -> callback(group, {old: new}) renaming moved blocks in its tables (a weak method), if any
-        self.movers: dict[int, Callable[[], Callable[[int, dict[int, int]], None] | None]] = {}
+        # owner token -> callback(group, {old: new}) that prepares the renaming of moved blocks in its tables and
+        # returns the function doing it (a weak method, see `BlockPool.add_rows`), if any
+        self.movers: dict[int, Callable[[], Callable[[int, dict[int, int]], Callable[[], None]] | None]] = {}
         self.num_cow_copies = 0  # blocks copied before a write; changed by `BlockPool.copy_on_write` only
         # the pad block (zeros, never written or freed), or None until first needed; set by
         # `BlockPool.ensure_pad_block`, renamed by `BlockPool.compact` only

@@ -105,6 +105,12 @@ class BlockPool:
     Thread safety: every bookkeeping change happens under `lock` (an `RLock`), so several threads may each run
     their own caches on one pool. A cache itself is used by one thread at a time.
 
+    Exception safety: an operation that fails, by an error (a failed allocation or copy) or an interrupt
+    (`KeyboardInterrupt`), leaves every invariant holding and loses nothing: it makes the torch calls that may fail
+    before it changes the bookkeeping (plain Python), or undoes what they did; only releasing freed blocks'
+    storage (debug poisoning) and trimming the prefix cache come after, and they leave the bookkeeping done
+    (`tests/property/test_fault_injection.py` injects a failure at every torch call of each operation).
+
     Determinism (tensor parallel ranks must stay in step): which block ids are handed out, when the pool grows and
     which cached-idle blocks are evicted depend only on the sequence of calls and on K/V values, never on time,
     thread timing, `hash()` of a str or set iteration order: free ids come from a min-heap (the lowest, or
@@ -450,7 +456,9 @@ class BlockPool:
 
     def free(self, blocks: list[int], group: int = 0) -> None:
         """Drop one reference from each block of `group`; blocks that reach refcount 0 return to the free set (and
-        are poisoned in debug mode), or, when published in the prefix index, become cached-idle."""
+        are poisoned in debug mode), or, when published in the prefix index, become cached-idle. The references are
+        dropped first, in plain Python: an error raised later (releasing the freed blocks' storage, trimming the
+        prefix cache) leaves them dropped and every invariant holding."""
         with self.lock:
             g = self.groups[group]
             self.events.emit("free", blocks, **_group_field(group))
@@ -463,6 +471,13 @@ class BlockPool:
                 self._trim_prefix_cache(g)
             if freed and self.idle_shrink is not None:
                 self.idle_shrink.arm()
+
+    def free_groups(self, blocks: dict[int, list[int]]) -> None:
+        """`free(blocks[g], g)` for every group `g`, every group's references dropped even when releasing one
+        group's storage (the last part of `free`, which may raise) fails: then that error is raised after all."""
+        with self.lock, contextlib.ExitStack() as frees:
+            for group, ids in reversed(blocks.items()):  # run first in, so in group order
+                frees.callback(self.free, ids, group)
 
     def max_idle_blocks(self, group: int = 0) -> int | None:
         """Cached-idle blocks `group` keeps at most (`prefix_cache_memory`); None without prefix caching, or before
@@ -558,7 +573,9 @@ class BlockPool:
         refcount, fill, prefix hash and LRU place move with it, and every block table naming it is renamed (a
         `PagedCache` renames its tables and their mirror through the hook it registered), so outputs are unchanged
         for live caches, forks, beams, prefix-cached and quantized blocks. Call it between forward steps: never
-        while a forward pass runs on a cache of this pool (say, from another thread).
+        while a forward pass runs on a cache of this pool (say, from another thread). Each layer group's moves are
+        all or nothing: an error or interrupt while a group is compacted leaves that group as it was (the groups
+        before it stay compacted, which changes no output either).
 
         Raises:
             ValueError: `max_blocks` not a positive int.
@@ -577,26 +594,42 @@ class BlockPool:
                 if not moves:
                     continue
                 src, dst = list(moves), list(moves.values())
-                g.store.copy_blocks(src, dst)  # storage first: dst are free, src stay valid until renamed
+                # NOTE: all or nothing per group: what may fail (torch calls: the storage copy, the caches' new
+                # mirrors) comes first and changes no bookkeeping; then plain Python renames everything at once
+                try:
+                    g.store.copy_blocks(src, dst)  # storage first: dst are free, src stay valid until renamed
+                    renames = [self._renamer(g, token, rows, moves) for token, rows in g.tables.items()]
+                except BaseException:
+                    g.store.release(dst)  # still free: drop what the copy gave them (a quantized block's stages)
+                    raise
                 for s, d in moves.items():
                     g.allocator.move(s, d)
                 if g.prefix_index is not None:
                     g.prefix_index.rename(moves)
                 if g.pad_block in moves:  # its zeros were copied with it
                     g.pad_block = moves[g.pad_block]
-                for token, rows in g.tables.items():
-                    mover = g.movers.get(token)
-                    rename = mover() if mover is not None else None
-                    if rename is not None:
-                        rename(g.index, moves)  # the cache renames its rows and their mirror
-                    else:  # an owner without a hook (or collected, not yet drained): its rows only
-                        for row in rows:
-                            row.rename(moves)
-                g.store.release(src)  # now free: stages returned, state dropped, poisoned in debug mode
+                for rename in renames:
+                    rename()
                 moved += len(moves)
+                self.num_moved_blocks += len(moves)
+                g.store.release(src)  # now free: stages returned, state dropped, poisoned in debug mode
                 logger.debug("BlockPool compacted %d blocks of its %s group", len(moves), g.name)
-            self.num_moved_blocks += moved
             return moved
+
+    @staticmethod
+    def _renamer(g: BlockGroup, token: int, rows: list[BlockTable], moves: dict[int, int]):
+        """For `compact`: the function (plain Python) that renames owner `token`'s tables in group `g`; the cache
+        builds its new mirror here, through its hook (which may fail)."""
+        mover = g.movers.get(token)
+        rename = mover() if mover is not None else None
+        if rename is not None:
+            return rename(g.index, moves)  # the cache renames its rows and their mirror
+
+        def rename_rows() -> None:  # an owner without a hook (or collected, not yet drained): its rows only
+            for row in rows:
+                row.rename(moves)
+
+        return rename_rows
 
     def shrink(self) -> int:
         """Give back the storage segments at the end of each layer group whose blocks are all free (a growable
@@ -633,7 +666,8 @@ class BlockPool:
 
     def add_rows(self, token: int, group: int, rows: list[BlockTable], mover=None) -> None:
         """Register an owner's tables in another layer group; `mover` (a `weakref.WeakMethod`, optional) is called
-        as ``mover()(group, {old: new})`` when `compact` moves blocks they name (it renames them and any mirror)."""
+        as ``mover()(group, {old: new})`` when `compact` moves blocks they name: it prepares what may fail (a new
+        mirror) and returns a function, plain Python, that renames the tables and swaps the mirror in."""
         with self.lock:
             assert token in self.owners.live and token not in self.groups[group].tables
             self.groups[group].tables[token] = rows
@@ -701,18 +735,21 @@ class BlockPool:
             return out
 
     def _drain(self) -> None:
-        """Free the blocks of owners queued by `release_owner`. Called with `lock` held."""
+        """Free the blocks of owners queued by `release_owner`. Called with `lock` held. Each owner's tables and
+        references are all dropped before the first call that may fail (releasing the freed blocks' storage)."""
         while self._pending_release:
             token = self._pending_release.popleft()
             self.owners.forget(token)
+            if self.host is not None:  # an offloaded cache holds host blocks instead
+                self.host.release(token)
+            held = {}
             for group in self.groups:
                 rows = group.tables.pop(token, None)
                 group.movers.pop(token, None)
                 if rows:
-                    self.free([b for row in rows for b in row.blocks], group.index)
+                    held[group.index] = [b for row in rows for b in row.blocks]
                     rows.clear()
-            if self.host is not None:  # an offloaded cache holds host blocks instead
-                self.host.release(token)
+            self.free_groups(held)
 
     # -- observation -------------------------------------------------------------------------------------------------
     def stats(self) -> PoolStats:

@@ -47,7 +47,12 @@ class HostTiers:
     group)`` blocks each, as `max_memory` sizes the device tier. Every method is called with `pool.lock` held.
 
     Invariants (`check`, from `BlockPool.check_invariants`): each group's host ids are free or held, free + held
-    equals the capacity, and a cache holding host blocks holds no device block (its K/V are in one tier).
+    equals the capacity, a cache holding host blocks holds no device block (its K/V are in one tier), and each
+    host store's layout is whole (`HostStore.check`).
+
+    Every operation is all or nothing: `offload` copies a cache's blocks of every group or holds none of them,
+    `demote` and `load` cache every block they took a host id for or give the ids back, and `promote` copies a
+    group's blocks back or leaves them cached on the host (an error or interrupt included).
     """
 
     def __init__(self, pool, host_memory: int) -> None:
@@ -84,29 +89,36 @@ class HostTiers:
         effects (beyond sizing the tier)."""
         return all(self._tier(g)[0].can_allocate(n) for g, n in needs.items() if n)
 
-    def offload(self, owner: int, group: int, blocks: list[int]) -> list[int]:
-        """Copy device blocks `blocks` of `group` into new host blocks held by `owner`; return their host ids, in
-        order. The device blocks are not freed here (the caller drops its references).
+    def offload(self, owner: int, blocks: dict[int, list[int]]) -> dict[int, list[int]]:
+        """Copy device blocks `blocks[g]` of each group `g` into new host blocks held by `owner` (which holds none
+        yet); return their host ids, per group, in order. All or nothing: on any error `owner` holds no host block.
+        The device blocks are not freed here (the caller drops its references).
 
         Raises:
             PoolExhaustedError: too few free host blocks (nothing changed).
         """
-        tier, store = self._tier(group)
-        host = tier.allocate(owner, len(blocks))
-        if host is None:
-            raise PoolExhaustedError(
-                f"the host tier is full: {len(blocks)} blocks needed, {tier.num_free_blocks} free of "
-                f"{tier.num_blocks} (host_memory={self.host_memory}); raise host_memory or prefetch/release "
-                "offloaded caches.")
+        assert not self.holds(owner), "an offload of a cache that holds host blocks already"
+        hosts: dict[int, list[int]] = {}
+        copied = nbytes = 0
         try:
-            export = self.pool.groups[group].store.export_blocks(blocks)
-            store.write(host, export)
+            for group, todo in blocks.items():
+                tier, store = self._tier(group)
+                host = tier.allocate(owner, len(todo))
+                if host is None:
+                    raise PoolExhaustedError(
+                        f"the host tier is full: {len(todo)} blocks needed, {tier.num_free_blocks} free of "
+                        f"{tier.num_blocks} (host_memory={self.host_memory}); raise host_memory or prefetch/release "
+                        "offloaded caches.")
+                hosts[group] = host
+                export = self.pool.groups[group].store.export_blocks(todo)
+                store.write(host, export)
+                copied, nbytes = copied + len(todo), nbytes + _nbytes(export)
         except BaseException:
-            tier.free(owner, host)
+            self.release(owner)  # the host blocks of the groups copied so far, and of the one that failed
             raise
-        self.num_offloaded += len(blocks)
-        self.num_bytes_to_host += _nbytes(export)
-        return host
+        self.num_offloaded += copied
+        self.num_bytes_to_host += nbytes
+        return hosts
 
     def read(self, group: int, host_blocks: list[int]) -> dict:
         """The export of host blocks `host_blocks` of `group`, for the device store's `import_blocks`: on the
@@ -132,8 +144,12 @@ class HostTiers:
         host = tier.cache([h for _, h in todo])
         if not host:
             return
-        export = self.pool.groups[group].store.export_blocks([b for b, _ in todo[: len(host)]])
-        store.write(host, export)
+        try:
+            export = self.pool.groups[group].store.export_blocks([b for b, _ in todo[: len(host)]])
+            store.write(host, export)
+        except BaseException:  # the ids go back; the eviction that called this does not happen
+            self.unload(group, host)
+            raise
         tier.park(host)
         self.num_demoted += len(host)
         self.num_bytes_to_host += _nbytes(export)
@@ -178,7 +194,8 @@ class HostTiers:
         return host
 
     def unload(self, group: int, host: list[int]) -> None:
-        """Forget host blocks `load` filled (a later step of the load failed)."""
+        """Give back host blocks `load` or `demote` took for cached blocks (a later step failed): filled or not,
+        parked or not, they are free again and their hashes forgotten."""
         tier, _ = self._tier(group)
         cached = set(tier.prefixes.idle_blocks())
         tier.park([b for b in host if b not in cached])
@@ -287,8 +304,8 @@ class HostTiers:
 
     def check(self) -> None:
         """Raise `InvariantError` naming the broken host-tier invariant (numbered 9 after `pool/invariants.py`)."""
-        for group, (tier, _) in self.tiers.items():
-            problems = tier.check()
+        for group, (tier, store) in self.tiers.items():
+            problems = tier.check() + store.check(self.pool.groups[group].store.export_blocks([]))
             both = [o for o, held in tier.held.items() if held and any(
                 row.blocks for row in self.pool.groups[group].tables.get(o, ()))]
             if both:

@@ -4,6 +4,7 @@ publish, release), and optionally swapping idle caches out to the host tier when
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 
 import torch
@@ -36,13 +37,14 @@ def generate(model, input_ids: torch.LongTensor, pool: BlockPool, attention_mask
             (`prefix_caching=True` to share prompt prefixes between requests).
         attention_mask (`torch.Tensor` of shape `[batch, seq_len]`, *optional*): 1 for real tokens, 0 for left
             padding.
-        swap_on_exhaustion (`bool`, *optional*, defaults to `False`): when a fixed pool runs out of blocks
-            (`PoolExhaustedError`), swap the least recently used idle caches of `pool` (other `PagedCache`s on it
-            that no running request holds, see `BlockPool.idle_owners`) out to its host tier with
-            `PagedCache.offload()` and run the row again, until it fits; when no idle cache is left to swap (or
-            the host tier is full), raise the original error, with a note of what was swapped. A swapped cache
-            stays offloaded until its owner calls `cache.prefetch()`, and then continues exactly. Needs
-            `BlockPool(host_memory=...)`.
+        swap_on_exhaustion (`bool`, *optional*, defaults to `False`): when a step of a row finds a fixed pool out
+            of blocks (`PoolExhaustedError`), swap the least recently used idle caches of `pool` (other
+            `PagedCache`s on it that no running request holds, see `BlockPool.idle_owners`) out to its host tier
+            with `PagedCache.offload()`, and go on with that step: the row is not run again, so a `streamer` sees
+            each token once and a sampling row draws from the random generator as it would without the swap (the
+            same output). When no idle cache is left to swap (or the host tier is full), raise the error, with a
+            note of what was swapped. A swapped cache stays offloaded until its owner calls `cache.prefetch()`, and
+            then continues exactly. Needs `BlockPool(host_memory=...)`.
         generate_kwargs: passed to `model.generate` (`max_new_tokens`, `do_sample`, `num_beams`,
             `return_dict_in_generate`, ...); not the cache (`past_key_values`, or `cache` from 5.24).
 
@@ -120,7 +122,9 @@ def _unpadded_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None)
     return [input_ids[r, mask[r]][None] for r in range(input_ids.shape[0])]
 
 
-def _generate_row(model, ids: torch.Tensor, pool: BlockPool, kwargs: dict):
+def _generate_row(model, ids: torch.Tensor, pool: BlockPool, kwargs: dict, make_room=None):
+    """One row's `model.generate` on a cache of `pool`, released afterwards. `make_room(cache, error)`, if given,
+    becomes the cache's `on_exhausted` (bound to it)."""
     with contextlib.ExitStack() as stack:  # on the way out: unmark, then release the cache
         # NOTE: created and marked busy under the pool lock, so another thread's swap_on_exhaustion never sees it
         # idle (and swaps it out) before it runs
@@ -131,6 +135,8 @@ def _generate_row(model, ids: torch.Tensor, pool: BlockPool, kwargs: dict):
                 cache = PagedCache(pool=pool, config=model.config)
             stack.callback(cache.release)
             stack.enter_context(pool.owner_busy(cache.seq_id))  # not offered for swapping out while it runs
+            if make_room is not None:
+                cache.on_exhausted = functools.partial(make_room, cache)
         return _run_and_publish(model, ids, cache, pool, kwargs)
 
 
@@ -151,35 +157,31 @@ def _run_and_publish(model, ids: torch.Tensor, cache: PagedCache, pool: BlockPoo
     return out
 
 
-_MAX_RETRIES = 8  # tries of a row without a swap of its own (when other threads freed room), before it gives up
-
-
 def _generate_row_swapping(model, ids: torch.Tensor, pool: BlockPool, kwargs: dict):
-    """`_generate_row`, swapping the least recently used idle caches out to the host tier and running the row
-    again while the pool is exhausted (`generate(swap_on_exhaustion=True)`)."""
-    first: PoolExhaustedError | None = None
+    """`_generate_row` whose steps, when they find the pool exhausted, swap the least recently used idle caches out
+    to the host tier and are planned again (`generate(swap_on_exhaustion=True)`).
+
+    NOTE: the row goes on where it stopped rather than running again from its start: a rerun would repeat what
+    generate did before (a streamer would see the prompt and the first tokens twice) and sample from a random
+    generator the first run advanced (another output than the same seeded request without the swap)."""
     swapped: list[int] = []
-    retries = 0  # tries again without a swap of its own, because other threads made room meanwhile
-    while True:
-        try:
-            return _generate_row(model, ids, pool, kwargs)  # a failed row released its cache: the pool is as before
-        except PoolExhaustedError as error:
-            first = first or error
-            need = _request_blocks(model, ids, pool, kwargs)
-            more = _swap_out(pool, need)
-            if not more and retries < _MAX_RETRIES and pool.can_reserve(need):
-                retries += 1  # another thread swapped the idle caches out (or finished) after this row failed
-                continue
-            if not more:
-                if swapped:
-                    first.add_note(f"swap_on_exhaustion: swapped {len(swapped)} idle caches (seq_id {swapped}) out "
-                                   "to the host tier; no idle cache is left to swap (or the host tier is full).")
-                else:
-                    first.add_note("swap_on_exhaustion: no idle cache could be swapped out: none is idle, or the "
-                                   "host tier has no room for one (raise host_memory).")
-                raise first from None
-            swapped += more
+
+    def make_room(cache: PagedCache, error: PoolExhaustedError) -> bool:
+        held = len({b for row in cache.block_tables() for b in row})  # of the full-attention group
+        more = _swap_out(pool, max(1, _request_blocks(model, ids, pool, kwargs) - held))
+        if more:
+            swapped.extend(more)
             logger.info("hf_pagedkv.generate: pool exhausted; swapped idle caches %s out to the host tier", more)
+            return True
+        if swapped:
+            error.add_note(f"swap_on_exhaustion: swapped {len(swapped)} idle caches (seq_id {swapped}) out to the "
+                           "host tier; no idle cache is left to swap (or the host tier is full).")
+        else:
+            error.add_note("swap_on_exhaustion: no idle cache could be swapped out: none is idle, or the host tier "
+                           "has no room for one (raise host_memory).")
+        return False
+
+    return _generate_row(model, ids, pool, kwargs, make_room)
 
 
 def _swap_out(pool: BlockPool, need: int) -> list[int]:

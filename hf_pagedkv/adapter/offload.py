@@ -11,13 +11,18 @@ other requests). On `prefetch` the cache gets new device blocks holding the copi
 own copies afterwards (the device tier holds them twice while the other holders live). The pad block (whole blocks
 of left padding, `BlockPool.ensure_pad_block`) never moves: an offloaded row records its positions as `PAD` and
 names the device's pad block again on `prefetch`.
+
+Both moves are all or nothing, an error or interrupt included: `offload_cache` copies every group or holds no host
+block, and changes no device block or table; `drop_device_blocks` then only does bookkeeping before its first call
+that may fail (the storage of freed blocks is released last). `prefetch_cache` makes every copy and every new table
+before it changes any, and frees the device blocks it took when a step fails. The caller (`PagedCache`) runs each
+under the pool's lock, with its own check of whether the cache is offloaded, so that two threads offloading one
+cache (its owner and another request's swap) make one decision.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
 
 from hf_pagedkv.errors import PoolExhaustedError
 from hf_pagedkv.adapter.row_tables import RowTables
@@ -39,8 +44,8 @@ class OffloadedGroup:
 
 def offload_cache(pool, owner: int, groups: list[RowTables]) -> list[OffloadedGroup]:
     """Copy every block of a cache (its `owner` token in `pool`, its tables `groups`, one per layer group) to the
-    host tier and drop the cache's device references (see the module docstring). Returns what `prefetch_cache`
-    needs.
+    host tier; return what `prefetch_cache` needs. The cache still holds its device blocks: the caller records the
+    result, then calls `drop_device_blocks`. Call with `pool.lock` held.
 
     Raises:
         ValueError: the pool has no host tier.
@@ -48,86 +53,94 @@ def offload_cache(pool, owner: int, groups: list[RowTables]) -> list[OffloadedGr
     """
     if pool.host is None:
         raise ValueError("offload() needs a pool with a host tier: BlockPool(..., host_memory=\"8GiB\").")
-    with pool.lock:
-        plans = []
-        for rt in groups:
-            pad = pool.pad_block(rt.group)  # stays on the device
-            unique = list(dict.fromkeys(b for row in rt.rows for b in row.blocks if b != pad))  # each once, in order
-            plans.append((rt, unique))
-        if not pool.host.can_hold({rt.group: len(unique) for rt, unique in plans}):
-            need = {rt.group: len(unique) for rt, unique in plans}
-            raise PoolExhaustedError(f"offload(): the host tier has too few free blocks for this cache ({need} "
-                                     f"needed per layer group; {pool.host.stats()}); raise host_memory.")
-        out = []
-        for rt, unique in plans:
-            alloc = pool.groups[rt.group].allocator
-            host = pool.host.offload(owner, rt.group, unique) if unique else []
-            to_host = dict(zip(unique, host))
-            if pool.pad_block(rt.group) is not None:
-                to_host[pool.pad_block(rt.group)] = PAD
-            out.append(OffloadedGroup(
-                group=rt.group, num_dropped=rt.num_dropped, num_tokens=rt.rows[0].num_tokens if rt.rows else 0,
-                rows=tuple(tuple(to_host[b] for b in row.blocks) for row in rt.rows),
-                fills={to_host[b]: alloc.fill(b) for b in unique}))
-        for rt in groups:  # every copy succeeded: drop the device references
-            pool.free([b for row in rt.rows for b in row.blocks], rt.group)
-            rt.reset(0)
-        return out
+    plans = []
+    for rt in groups:
+        pad = pool.pad_block(rt.group)  # stays on the device
+        unique = list(dict.fromkeys(b for row in rt.rows for b in row.blocks if b != pad))  # each once, in order
+        plans.append((rt, unique))
+    need = {rt.group: len(unique) for rt, unique in plans}
+    if not pool.host.can_hold(need):
+        raise PoolExhaustedError(f"offload(): the host tier has too few free blocks for this cache ({need} "
+                                 f"needed per layer group; {pool.host.stats()}); raise host_memory.")
+    hosts = pool.host.offload(owner, {rt.group: unique for rt, unique in plans if unique})  # all or nothing
+    out = []
+    for rt, unique in plans:
+        alloc = pool.groups[rt.group].allocator
+        to_host = dict(zip(unique, hosts.get(rt.group, [])))
+        if pool.pad_block(rt.group) is not None:
+            to_host[pool.pad_block(rt.group)] = PAD
+        out.append(OffloadedGroup(
+            group=rt.group, num_dropped=rt.num_dropped, num_tokens=rt.rows[0].num_tokens if rt.rows else 0,
+            rows=tuple(tuple(to_host[b] for b in row.blocks) for row in rt.rows),
+            fills={to_host[b]: alloc.fill(b) for b in unique}))
+    return out
+
+
+def drop_device_blocks(pool, groups: list[RowTables]) -> None:
+    """Empty a cache's tables `groups` and drop the device references they held (after `offload_cache`). Every
+    table and reference is dropped before the first call that may fail (releasing freed blocks' storage). Call with
+    `pool.lock` held."""
+    held = {rt.group: [b for row in rt.rows for b in row.blocks] for rt in groups}
+    for rt in groups:
+        rt.reset(0)  # plain Python
+    pool.free_groups(held)
 
 
 def prefetch_cache(pool, owner: int, groups: list[RowTables], offloaded: list[OffloadedGroup]) -> None:
     """Give a cache (`owner`, `groups` as for `offload_cache`) new device blocks holding its host copies, rebuild
-    its block tables, free the host blocks.
+    its block tables, free the host blocks. All or nothing. Call with `pool.lock` held.
 
     Raises:
         PoolExhaustedError: the device tier has too few free plus cached-idle blocks (nothing changed: the cache
             stays offloaded).
     """
     by_group = {rt.group: rt for rt in groups}
-    with pool.lock:
-        needs = {og.group: len(og.fills) + (pool.pad_block(og.group) is None and any(PAD in r for r in og.rows))
-                 for og in offloaded}
-        short = [g for g, n in needs.items() if not pool.can_reserve(n, g)]
-        if short:
-            g = short[0]
-            raise PoolExhaustedError(f"prefetch(): {needs[g]} device blocks needed in layer group {g}, the pool has "
-                                     "too few free plus cached-idle blocks; release or offload other caches first "
-                                     "(this cache stays offloaded).")
-        held: list[tuple[int, list[int]]] = []
-        try:
-            for og in offloaded:
-                host = list(og.fills)
-                if not host:
-                    held.append((og.group, []))
-                    continue
-                dev = pool.allocate(len(host), group=og.group)
-                held.append((og.group, dev))
-                pool.groups[og.group].store.import_blocks(dev, pool.host.read(og.group, host))
-                pool.mark_written(dev, [og.fills[h] for h in host], group=og.group)
-        except BaseException:
-            for g, dev in held:
-                pool.free(dev, g)
-            raise
-        for og, (_, dev) in zip(offloaded, held):
-            rt = by_group[og.group]
-            to_dev, pad = dict(zip(og.fills, dev)), None
-            if any(PAD in hosts for hosts in og.rows):  # one reference per entry naming the pad block
-                to_dev[PAD] = pad = pool.ensure_pad_block(og.group)
-                pool.incref([pad] * sum(hosts.count(PAD) for hosts in og.rows), og.group)
-            rows = [[to_dev[h] for h in hosts] for hosts in og.rows]
-            seen: set[int] = set()
-            for blocks in rows:  # the allocation holds one reference per block; a block named again gets one more
-                again = [b for b in blocks if b in seen and b != pad]
-                seen.update(blocks)
-                if again:
-                    pool.incref(again, og.group)
-            rt.reset(0)
-            for blocks in rows:
-                row = BlockTable(num_dropped=og.num_dropped)
-                row.append(blocks)
-                row.num_tokens = og.num_tokens
-                rt.rows.append(row)
-            rt.table = torch.zeros((len(rows), 0), dtype=torch.long)
-            for r in range(len(rows)):
-                rt.set_row(r, og.num_dropped)
-        pool.host.release(owner)
+    needs = {og.group: len(og.fills) + (pool.pad_block(og.group) is None and any(PAD in r for r in og.rows))
+             for og in offloaded}
+    short = [g for g, n in needs.items() if not pool.can_reserve(n, g)]
+    if short:
+        g = short[0]
+        raise PoolExhaustedError(f"prefetch(): {needs[g]} device blocks needed in layer group {g}, the pool has "
+                                 "too few free plus cached-idle blocks; release or offload other caches first "
+                                 "(this cache stays offloaded).")
+    dev: dict[int, list[int]] = {}  # group -> the device blocks taken for its copies, in the order of `og.fills`
+    tables = []  # (group's offload, its new rows, their mirror, the pad block or None), for every group
+    try:
+        for og in offloaded:
+            host = list(og.fills)
+            if host:
+                dev[og.group] = pool.allocate(len(host), group=og.group)
+                pool.groups[og.group].store.import_blocks(dev[og.group], pool.host.read(og.group, host))
+                pool.mark_written(dev[og.group], [og.fills[h] for h in host], group=og.group)
+            pad = pool.ensure_pad_block(og.group) if any(PAD in hosts for hosts in og.rows) else None
+            rows = _rows_on_device(og, dict(zip(host, dev.get(og.group, []))), pad)
+            tables.append((og, rows, RowTables.mirror_of(rows), pad))
+    except BaseException:
+        pool.free_groups(dev)
+        raise
+    # every copy and every table is made: plain Python from here on, nothing can fail half-way
+    for og, rows, table, pad in tables:
+        num_pad = sum(hosts.count(PAD) for hosts in og.rows)
+        if num_pad:  # one reference per entry naming the pad block
+            pool.incref([pad] * num_pad, og.group)
+        seen: set[int] = set()
+        for row in rows:  # the allocation holds one reference per block; a block named again gets one more
+            again = [b for b in row.blocks if b in seen and b != pad]
+            seen.update(row.blocks)
+            if again:
+                pool.incref(again, og.group)
+        by_group[og.group].restore(rows, table)
+    pool.host.release(owner)
+
+
+def _rows_on_device(og: OffloadedGroup, to_dev: dict[int, int], pad: int | None) -> list[BlockTable]:
+    """The block tables of `og`'s rows naming device blocks: `to_dev[h]` for host block `h`, `pad` for `PAD`."""
+    if pad is not None:
+        to_dev = {**to_dev, PAD: pad}
+    rows = []
+    for hosts in og.rows:
+        row = BlockTable(num_dropped=og.num_dropped)
+        row.append([to_dev[h] for h in hosts])
+        row.num_tokens = og.num_tokens
+        rows.append(row)
+    return rows

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 
@@ -12,14 +13,14 @@ from hf_pagedkv._compat import Cache, DummyLayer, layer_plan
 from hf_pagedkv.block_pool import BlockPool
 from hf_pagedkv.pool.block_table import BlockTable, num_blocks_for
 from hf_pagedkv.config import QuantConfig, check_positive_int
-from hf_pagedkv.errors import CacheOffloadedError, CacheReleasedError, InvariantError
+from hf_pagedkv.errors import CacheOffloadedError, CacheReleasedError, InvariantError, PoolExhaustedError
 from hf_pagedkv.adapter.in_place_reads import InPlaceReads
 from hf_pagedkv.adapter.left_padding import LeftPadding
 from hf_pagedkv.adapter.paged_layer import PagedLayer
 from hf_pagedkv.storage.page_store import LayerSpec
 from hf_pagedkv.adapter import prefix_cache
 from hf_pagedkv.adapter.grad import attach_step_grad, needs_grad
-from hf_pagedkv.adapter.offload import offload_cache, prefetch_cache
+from hf_pagedkv.adapter.offload import drop_device_blocks, offload_cache, prefetch_cache
 from hf_pagedkv.adapter.row_tables import RowTables
 from hf_pagedkv.adapter.step_plan import StepPlan
 from hf_pagedkv.adapter.step_planner import StepPlanner
@@ -49,9 +50,10 @@ class PagedCache(Cache):
 
     A forward step: the first layer to see tokens past the cache's length asks the `StepPlanner` to extend every
     row's table in every layer group (the only part that can fail, all or nothing); the planner returns an
-    immutable `StepPlan`. Every layer of the step then writes its K/V through its group's store
-    (`prepare_write` / `write`) and reads its rows back (`read` with a `ReadRequest`). Under grad mode the rows
-    read back are differentiable with respect to the step's own K/V (`grad.py`).
+    immutable `StepPlan`. When a fixed pool has too few blocks for it, `on_exhausted` (if set) may make room and the
+    step is planned again, so the request goes on where it was. Every layer of the step then writes its K/V
+    through its group's store (`prepare_write` / `write`) and reads its rows back (`read` with a `ReadRequest`).
+    Under grad mode the rows read back are differentiable with respect to the step's own K/V (`grad.py`).
 
     Args:
         block_size (`int`, *optional*, defaults to 16 (32 when quantized), or the pool's): tokens per block.
@@ -150,7 +152,13 @@ class PagedCache(Cache):
         self._padding: LeftPadding | None = None
         self._evictor = None if retention is None else Evictor(retention)  # retention policy state, or None
         self._released = False
-        self._offloaded: list | None = None  # while offloaded: its blocks in the host tier (adapter/offload.py)
+        # while offloaded: its blocks in the host tier (adapter/offload.py); read to decide and changed only under the
+        # pool's lock, so the cache is offloaded once however many threads try
+        self._offloaded: list | None = None
+        # called with the `PoolExhaustedError` when a step's blocks do not fit; returns True when it made room (say,
+        # by offloading idle caches: then the step is planned again), False to raise the error; None: raise it. Set
+        # by the cache's user (`hf_pagedkv.generate(swap_on_exhaustion=True)` does)
+        self.on_exhausted: Callable[[PoolExhaustedError], bool] | None = None
         self._owner = pool.register_owner()  # this cache's token in the pool's table registry
         self.seq_id = self._owner  # names this cache in the block event log
         self._finalizer = weakref.finalize(self, pool.release_owner, self._owner)  # frees blocks if never released
@@ -366,14 +374,8 @@ class PagedCache(Cache):
 
     def reset(self) -> None:
         """Free every block this cache holds; the cache stays usable (empty). On a released cache, a no-op (it holds
-        nothing, and stays released)."""
-        with self.pool.lock:
-            if self._offloaded is not None:  # its blocks are in the host tier
-                self.pool.host.release(self._owner)
-                self._offloaded = None
-            for rt in self._groups:
-                self.pool.free([b for row in rt.rows for b in row.blocks], rt.group)
-                rt.reset()
+        nothing, and stays released). Every table and reference is dropped before the first call that may fail
+        (releasing the freed blocks' storage), which then raises after it."""
         self._num_tokens = 0
         self._padding = None
         self._end_step()
@@ -382,6 +384,14 @@ class PagedCache(Cache):
             layer.num_tokens = layer.num_evicted = 0
         if self._evictor is not None:
             self._evictor.reset()
+        with self.pool.lock:
+            if self._offloaded is not None:  # its blocks are in the host tier
+                self.pool.host.release(self._owner)
+                self._offloaded = None
+            held = {rt.group: [b for row in rt.rows for b in row.blocks] for rt in self._groups}
+            for rt in self._groups:
+                rt.reset()  # plain Python
+            self.pool.free_groups(held)
 
     # -- hf_pagedkv API -----------------------------------------------------------------------------------------
     def fork(self) -> PagedCache:
@@ -461,17 +471,27 @@ class PagedCache(Cache):
                              "one (hf_pagedkv.generate does).")
         ids = rows[0]
         cache = cls(pool=pool, **kwargs)
-        cache._prefix_key = prefix_cache.prefix_key(pool, model, kwargs["config"])
-        hashes = prefix_cache.hash_blocks(ids[: len(ids) - 1], pool.block_size, cache._prefix_key)  # >= 1 left
-        with pool.lock:  # references and the table that names them appear together (invariant 2)
-            if pool.host is not None:  # prefix blocks in the host tier are copied back before any read
-                pool.host.promote(hashes, [rt.group for rt in cache._groups])
-            hit = prefix_cache.hit_length(pool, cache._groups, hashes)
-            held = {}
-            for k, rt in enumerate(cache._groups):  # the first group counts the lookup (one per request)
-                lo = rt.droppable(hit * pool.block_size)
-                held[rt.group] = (lo, pool.acquire_prefix(hashes[lo:hit], len(ids), group=rt.group, count=k == 0))
-            cache._attach(hit, held)
+        try:  # all or nothing: on an error or interrupt the cache is released and every reference dropped
+            cache._prefix_key = prefix_cache.prefix_key(pool, model, kwargs["config"])
+            hashes = prefix_cache.hash_blocks(ids[: len(ids) - 1], pool.block_size, cache._prefix_key)  # >= 1 left
+            with pool.lock:  # references and the table that names them appear together (invariant 2)
+                if pool.host is not None:  # prefix blocks in the host tier are copied back before any read
+                    pool.host.promote(hashes, [rt.group for rt in cache._groups])
+                hit = prefix_cache.hit_length(pool, cache._groups, hashes)
+                held = {}
+                try:
+                    for k, rt in enumerate(cache._groups):  # the first group counts the lookup (one per request)
+                        lo = rt.droppable(hit * pool.block_size)
+                        held[rt.group] = (lo, pool.acquire_prefix(hashes[lo:hit], len(ids), group=rt.group,
+                                                                  count=k == 0))
+                    cache._attach(hit, held)  # all or nothing
+                except BaseException:  # the references taken, in no table
+                    pool.free_groups({group: blocks for group, (_, blocks) in held.items()})
+                    raise
+        except BaseException:
+            cache.release()
+            raise
+        cache._after_change()
         if any(rt.window is not None for rt in cache._groups):
             # NOTE: a sliding group frees the prompt's early blocks as soon as decoding starts, long before a
             # caller publishes; so the prompt is published when the step after the prompt begins (`_begin_step`).
@@ -543,10 +563,12 @@ class PagedCache(Cache):
         """Return every block to the pool. Idempotent; the cache cannot be used afterwards."""
         if self._released:
             return
-        self.reset()
-        self._finalizer.detach()
-        self.pool.unregister_owner(self._owner)  # the rows are empty now
-        self._released = True
+        try:
+            self.reset()  # raises, if at all, after the rows are empty and their references dropped
+        finally:
+            self._finalizer.detach()
+            self.pool.unregister_owner(self._owner)  # the rows are empty now
+            self._released = True
 
     def __enter__(self) -> PagedCache:
         return self
@@ -597,21 +619,34 @@ class PagedCache(Cache):
         server can preempt a long request instead of losing it; `prefetch()` brings it back and generation continues
         exactly. Blocks other caches share stay on the device for them (refcounts decide; see `adapter/offload.py`).
         Until `prefetch()`, the cache cannot run a step (`CacheOffloadedError`); `release()` frees its host blocks.
+        All or nothing, an error or interrupt included: one raised before the move changed nothing, one raised while
+        the freed device blocks' storage is released comes after the move is whole. One decision with any other
+        offload of this cache (another thread's `generate(swap_on_exhaustion=True)` may swap an idle cache out): the
+        second one raises.
 
         Raises:
             ValueError: a `layer_idx` (only whole caches move); the pool has no host tier.
             PoolExhaustedError: the host tier is full (nothing changed).
-            CacheReleasedError, CacheOffloadedError: the cache was released, or is offloaded already.
+            CacheReleasedError, CacheOffloadedError: the cache was released, or is offloaded already (by this
+                thread or another; nothing changed).
         """
         if layer_idx is not None:
             raise ValueError(f"offload(layer_idx={layer_idx}): a PagedCache moves whole, with all its layers "
                              "(call cache.offload()).")
-        self.check_usable()
-        self._offloaded = offload_cache(self.pool, self._owner, self._groups)
-        self._end_step()
+        with self.pool.lock:  # the check and the move are one step for every thread (swaps run under this lock)
+            if self._offloaded is not None and not self._released:
+                raise CacheOffloadedError("offload(): this PagedCache is offloaded already (another thread's "
+                                          "generate(swap_on_exhaustion=True) may have swapped it out while idle); "
+                                          "cache.prefetch() brings it back.")
+            self.check_usable()
+            self._offloaded = offload_cache(self.pool, self._owner, self._groups)  # copied; device blocks held
+            self._end_step()
+            drop_device_blocks(self.pool, self._groups)  # bookkeeping first: an error after it leaves it done
 
     def prefetch(self, layer_idx: int | None = None, only_non_sliding: bool = True) -> None:
         """Bring an offloaded cache back to the device (new block ids, the same K/V); a no-op when not offloaded.
+
+        All or nothing, an error or interrupt included (the cache stays offloaded then).
 
         Raises:
             ValueError: a `layer_idx` (only whole caches move).
@@ -620,13 +655,14 @@ class PagedCache(Cache):
 
         if layer_idx is not None:
             raise ValueError(f"prefetch(layer_idx={layer_idx}): a PagedCache moves whole (call cache.prefetch()).")
-        if self._released:
-            raise CacheReleasedError("This PagedCache was released; create a new one.")
-        if self._offloaded is None:
-            return
-        prefetch_cache(self.pool, self._owner, self._groups, self._offloaded)
-        self._offloaded = None
-        self.pool.touch_owner(self._owner)
+        with self.pool.lock:  # one decision with any other offload or prefetch of this cache
+            if self._released:
+                raise CacheReleasedError("This PagedCache was released; create a new one.")
+            if self._offloaded is None:
+                return
+            prefetch_cache(self.pool, self._owner, self._groups, self._offloaded)
+            self._offloaded = None
+            self.pool.touch_owner(self._owner)
         self._after_change()
 
     # -- internals: layers ----------------------------------------------------------------------------------------
@@ -669,11 +705,18 @@ class PagedCache(Cache):
             self._by_group[group] = rt
         return rt
 
-    def _blocks_moved(self, group: int, mapping: dict[int, int]) -> None:
-        """`BlockPool.compact` moved blocks of `group` (`{old id: new id}`): rename them in this cache's tables and
-        their mirror; the current step's view base and slot tensors are stale, so the next read recomputes them."""
-        self._by_group[group].rename_blocks(mapping)
-        self._end_step()
+    def _blocks_moved(self, group: int, mapping: dict[int, int]) -> Callable[[], None]:
+        """`BlockPool.compact` moves blocks of `group` (`{old id: new id}`): build the renamed mirror of this cache's
+        tables (may fail; nothing changed then) and return the function (plain Python) that renames the tables and
+        swaps the mirror in. The current step's view base and slot tensors are stale then, so the next read
+        recomputes them."""
+        rename = self._by_group[group].renamed(mapping)
+
+        def commit() -> None:
+            rename()
+            self._end_step()
+
+        return commit
 
     @staticmethod
     def _clone_layer(layer: PagedLayer, owner: PagedCache) -> PagedLayer:
@@ -903,9 +946,9 @@ class PagedCache(Cache):
             if self._evictor is not None:  # retention (hf_pagedkv/retention): evict before this step is planned
                 self._evictor.before_step(self, key_states.shape[2])
             try:
-                plan = self._planner.begin(self._groups, key_states, value_states, self._num_tokens,
-                                           maybe_dups=self._maybe_dups, grad_history=self._grad_history,
-                                           padding=padding)
+                plan = self._making_room(lambda: self._planner.begin(
+                    self._groups, key_states, value_states, self._num_tokens, maybe_dups=self._maybe_dups,
+                    grad_history=self._grad_history, padding=padding))
             except BaseException:  # a full pool: undo the row expansion too, so the pool is exactly as it was
                 if self.num_rows != num_rows and self._num_tokens:
                     self._select(list(range(0, self.num_rows, self.num_rows // num_rows)))
@@ -922,10 +965,20 @@ class PagedCache(Cache):
         self.pool.metrics.on_step(self, plan.num_new, plan.num_cow_copies)
         self._after_change()
 
+    def _making_room(self, plan_step: Callable[[], StepPlan]) -> StepPlan:
+        """`plan_step()` (all or nothing), planned again each time it finds the pool exhausted and `on_exhausted`
+        makes room (returns True)."""
+        while True:
+            try:
+                return plan_step()
+            except PoolExhaustedError as error:
+                if self.on_exhausted is None or not self.on_exhausted(error):
+                    raise
+
     def _unshare(self, r: int) -> None:
         """Duplicate row `r` differs in this layer: it gets its own blocks for the rest of the step."""
         with self.pool.lock:
-            plan = self._planner.unshare(self._groups, self._plan, r)
+            plan = self._making_room(lambda: self._planner.unshare(self._groups, self._plan, r))
         # the stores already prepared for this step stay prepared (`new_step=False` for the rest)
         self._plan, self._step_tensors = plan, StepTensors(plan, self._step_tensors.prepared)
         self._after_change()
@@ -936,18 +989,24 @@ class PagedCache(Cache):
 
     def _attach(self, hit: int, held: dict[int, tuple[int, list[int]]]) -> None:
         """Start this (empty) cache as one row of `hit` full blocks: per group, `(dropped positions, blocks)`
-        (already referenced for this row)."""
+        (already referenced for this row). All or nothing: every group's table and mirror is made before any is
+        installed."""
         n = hit * self.block_size
         for group in held:  # a cache built without config starts its (full-attention) group here
             if group not in self._by_group:
                 self._tables_for(self.pool.groups[group].window, self.pool.groups[group].tier)
+        tables = []
         for rt in self._groups:
             lo, blocks = held[rt.group]
-            rt.attach_row(lo, blocks, n)
+            row = BlockTable(num_dropped=lo)
+            row.append(blocks)
+            row.num_tokens = n
+            tables.append((rt, [row], RowTables.mirror_of([row])))
+        for rt, rows, table in tables:
+            rt.restore(rows, table)
         self._num_tokens = n
         for layer in self._paged_layers():
             layer.num_tokens = n
-        self._after_change()
 
     # -- internals: rows ------------------------------------------------------------------------------------------
     def _select(self, idx: list[int], common: bool = False) -> None:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from hf_pagedkv.pool.block_table import BlockTable, num_blocks_for
+
+# the mirror of no rows, shared: it has no element, so nothing is ever written into it (a growth replaces it)
+_NO_ROWS = torch.zeros((0, 0), dtype=torch.long)
 
 
 class RowTables:
@@ -23,6 +28,10 @@ class RowTables:
     number of tokens and has dropped the same number of leading positions (rows of a batch move together);
     ``table[r, j] == rows[r].blocks[j - num_dropped]`` for every held position `j`; entries before `num_dropped`
     are stale and never read (a sliding layer reads only its window).
+
+    Exception safety: a change that can fail (a torch call: a new mirror) builds what it needs first and then swaps
+    it in with plain Python, so an error or interrupt leaves the rows and the mirror as they were, never out of
+    step (`reset(0)`, `restore`, `renamed`: what an offload, a prefetch and a compaction rely on).
     """
 
     def __init__(self, group: int, window: int | None, block_size: int, tier: int = 0) -> None:
@@ -31,7 +40,7 @@ class RowTables:
         self.block_size = block_size  # tokens per block; fixed
         self.tier = tier  # retention tier (0 but for the upper tiers of a `PyramidKV` cache); fixed
         self.rows: list[BlockTable] = []  # one table per batch row; this list object is registered with the pool
-        self.table = torch.zeros((0, 0), dtype=torch.long)  # mirror [batch, capacity]; changed with `rows` only
+        self.table = _NO_ROWS  # mirror [batch, capacity]; changed with `rows` only
 
     @property
     def num_dropped(self) -> int:
@@ -51,21 +60,27 @@ class RowTables:
         return self.window_start(num_tokens) // self.block_size
 
     def reset(self, batch: int = 0) -> None:
-        """Forget every row (the caller freed their blocks) and start `batch` empty ones."""
+        """Forget every row (the caller freed their blocks) and start `batch` empty ones. With `batch` 0 it makes
+        no torch call, so it cannot fail."""
+        table = _NO_ROWS if batch == 0 else torch.zeros((batch, 0), dtype=torch.long)
         self.rows.clear()
         self.rows.extend(BlockTable() for _ in range(batch))
-        self.table = torch.zeros((batch, 0), dtype=torch.long)
+        self.table = table
 
-    def attach_row(self, num_dropped: int, blocks: list[int], num_tokens: int) -> None:
-        """Become one row of `num_tokens` tokens whose held positions from `num_dropped` on are `blocks` (a
-        prefix hit; the caller referenced the blocks)."""
-        row = BlockTable(num_dropped=num_dropped)
-        row.append(blocks)
-        row.num_tokens = num_tokens
-        self.reset(0)
-        self.rows.append(row)
-        self.table = torch.zeros((1, 0), dtype=torch.long)
-        self.set_row(0, num_dropped)  # [1, positions]
+    @staticmethod
+    def mirror_of(rows: list[BlockTable]) -> torch.Tensor:
+        """A new mirror `[len(rows), positions]` of `rows` (for `restore`)."""
+        table = torch.zeros((len(rows), max((row.num_positions for row in rows), default=0)), dtype=torch.long)
+        for r, row in enumerate(rows):
+            if row.blocks:
+                table[r, row.num_dropped: row.num_positions] = torch.tensor(row.blocks, dtype=torch.long)
+        return table
+
+    def restore(self, rows: list[BlockTable], table: torch.Tensor) -> None:
+        """Become `rows` (the caller referenced their blocks) with their mirror `table` (`mirror_of(rows)`). Plain
+        Python: cannot fail."""
+        self.rows[:] = rows
+        self.table = table
 
     def set_row(self, r: int, start_position: int) -> None:
         """Copy row `r`'s block ids from block position `start_position` on into the mirror, growing it if needed."""
@@ -83,11 +98,25 @@ class RowTables:
         if end > start:
             self.table[r, start:end] = torch.tensor(row.blocks[start - row.num_dropped:], dtype=torch.long)
 
-    def rename_blocks(self, mapping: dict[int, int]) -> None:
-        """The pool moved blocks (`BlockPool.compact`): every row and the mirror name `mapping[b]` in place of `b`."""
+    def renamed(self, mapping: dict[int, int]) -> Callable[[], None]:
+        """The pool moves blocks (`BlockPool.compact`): build the mirror naming `mapping[b]` in place of `b` (the
+        torch part, which may fail: nothing changes then) and return the function that renames the rows and swaps
+        that mirror in (plain Python: cannot fail). The pool builds every cache's mirror before it changes any."""
+        table = None
         for r, row in enumerate(self.rows):
-            if row.rename(mapping):
-                self.set_row(r, 0)
+            if any(b in mapping for b in row.blocks):
+                if table is None:
+                    table = self.table.clone()
+                renamed = [mapping.get(b, b) for b in row.blocks]
+                table[r, row.num_dropped: row.num_positions] = torch.tensor(renamed, dtype=torch.long)
+
+        def commit() -> None:
+            for row in self.rows:
+                row.rename(mapping)
+            if table is not None:
+                self.table = table
+
+        return commit
 
     def select(self, idx: list[int]) -> None:
         """The mirror follows a row selection (`rows` already replaced by the caller)."""

@@ -102,14 +102,6 @@ class HostTier:
         """A cached block was copied back to the device: free its host id."""
         self.prefixes.forget(block, self.allocator)
 
-    def free(self, owner: int, blocks: list[int]) -> None:
-        """Give back some of `owner`'s host ids (a copy into them failed)."""
-        drop = set(blocks)
-        self.held[owner] = [b for b in self.held.get(owner, []) if b not in drop]
-        if not self.held[owner]:
-            del self.held[owner]
-        self.allocator.decref(blocks)
-
     def release(self, owner: int) -> list[int]:
         """Free every host id `owner` holds; return them."""
         blocks = self.held.pop(owner, [])

@@ -16,7 +16,7 @@ step; a `debug=True` cache after every change). Each error names its number:
 7. a cache's block tables equal their tensor mirror (checked by `PagedCache.check_invariants`);
 8. the written-slot counter agrees with the tables;
 9. the host tier (checked by `HostTiers.check`): each host id in one state, free + held + cached equals its size,
-   a cache's K/V in one tier;
+   a cache's K/V in one tier, each host store's layout whole (none, or every tensor of a block export);
 10. the pad block (`BlockGroup.pad_block`, once reserved): in use (held by the pool), never published or free,
    holding no token (fill 0), and never written: its storage still holds the zeros it was reserved with, in every
    layer (`store.check_zero_blocks`; a quantized store keeps it encoded, without stage or sink stage).

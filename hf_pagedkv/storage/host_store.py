@@ -21,6 +21,11 @@ class HostStore:
     stage of an open block, and sink tokens; see `_PARTS`) are kept per host block in `_sparse`: there are about
     one of each per sequence. Holds no bookkeeping: which ids are free is `HostTier`'s.
 
+    Invariant (`check`): the layout is all or nothing: before the first write no tensor and no part; after it, one
+    tensor per dense name of that export, each `[dim0, num_blocks, ...]`, and every part it has (the first
+    allocation builds it aside and keeps it only once every tensor is allocated, so a failed allocation leaves none,
+    and the next write tries again).
+
     Copies back to a CUDA device (`read(..., device="cuda:i")`) run on a copy stream of their own (`copy_stream`),
     from pinned memory, without blocking the host; the device's current stream then waits on an event recorded
     after them (`last_copy_event`), so no kernel queued later on it (the import into the page store, attention)
@@ -45,16 +50,43 @@ class HostStore:
 
     @torch.inference_mode(False)  # storage outlives the call (see PageStore._new)
     def _allocate(self, tensors: dict[str, torch.Tensor]) -> None:
+        """The storage for exports like `tensors`, all of it or (an allocation fails) none."""
+        dense, parts = {}, {}
         for name, t in tensors.items():
             part = _part_of(name)
             if part is not None:
                 if not name.endswith("_rows"):
-                    self.parts.setdefault(part, {})[name] = (t.shape[0], tuple(t.shape[2:]), t.dtype)
+                    parts.setdefault(part, {})[name] = (t.shape[0], tuple(t.shape[2:]), t.dtype)
                 else:
-                    self.parts.setdefault(part, {})
+                    parts.setdefault(part, {})
                 continue
-            self.tensors[name] = torch.empty((t.shape[0], self.num_blocks, *t.shape[2:]), dtype=t.dtype,
-                                             pin_memory=self.pin_memory)
+            dense[name] = torch.empty((t.shape[0], self.num_blocks, *t.shape[2:]), dtype=t.dtype,
+                                      pin_memory=self.pin_memory)
+        self.tensors, self.parts = dense, parts
+
+    def mismatch(self, tensors: dict[str, torch.Tensor], n: int) -> str | None:
+        """What keeps an export of `n` blocks, `tensors`, from this store's layout (None: it fits). No side
+        effects."""
+        names = set(self.tensors) | {f"{p}_rows" for p in self.parts} | {k for p in self.parts.values() for k in p}
+        if set(tensors) != names:
+            return (f"the export names {sorted(set(tensors) - names)[:4]} are not in the layout, its "
+                    f"{sorted(names - set(tensors))[:4]} are not in the export")
+        for k, t in tensors.items():
+            if _part_of(k) is None:
+                held = self.tensors[k]
+                if tuple(t.shape[:1] + t.shape[2:]) != tuple(held.shape[:1] + held.shape[2:]) or t.shape[1] != n \
+                        or held.shape[1] != self.num_blocks or t.dtype != held.dtype:
+                    return (f"{k!r} is {t.dtype} {tuple(t.shape)} for {n} blocks, the layout holds {held.dtype} "
+                            f"{tuple(held.shape)}")
+        return None
+
+    def check(self, export: dict[str, torch.Tensor]) -> list[str]:
+        """Problems (empty when fine): a layout allocated (by the first write) that does not fit `export`, an
+        export of no block of the device store (a partial or stale layout)."""
+        if not self.tensors and not self.parts:
+            return []
+        problem = self.mismatch(export, 0)
+        return [f"the host store's layout is broken: {problem}"] if problem else []
 
     def write(self, host_blocks: list[int], tensors: dict[str, torch.Tensor]) -> None:
         """Copy an export of `len(host_blocks)` device blocks into host blocks `host_blocks`, synchronously (the
@@ -65,12 +97,9 @@ class HostStore:
         """
         if not self.tensors:
             self._allocate(tensors)
-        dense = {k: t for k, t in tensors.items() if _part_of(k) is None}
-        names = set(self.tensors) | {f"{p}_rows" for p in self.parts} | {k for p in self.parts.values() for k in p}
-        if set(tensors) != names or any(
-                tuple(t.shape[:1] + t.shape[2:]) != tuple(self.tensors[k].shape[:1] + self.tensors[k].shape[2:])
-                or t.shape[1] != len(host_blocks) for k, t in dense.items()):
-            raise ValueError("HostStore.write: the export does not match this host store's layout.")
+        problem = self.mismatch(tensors, len(host_blocks))
+        if problem is not None:
+            raise ValueError(f"HostStore.write: the export does not match this host store's layout: {problem}.")
         idx = torch.tensor(host_blocks, dtype=torch.long)
         for name, t in self.tensors.items():
             t.index_copy_(1, idx, tensors[name].to("cpu"))  # [dim0, n, ...] into [dim0, num_blocks, ...]

@@ -51,6 +51,9 @@ class PageStore:
     new storage are filled with NaN (poisoned), so that a read of a slot no sequence owns shows up at once in the
     logits instead of as silent drift; outside debug mode new storage is left uninitialized (never read before
     written), so it costs no page until used.
+
+    Invariant: every layer's keys and values have the segments `segment_blocks`, ``num_blocks`` blocks in all (a
+    growth adds a segment to every one of them or, an allocation failing, to none).
     """
 
     is_quantized = False
@@ -135,15 +138,23 @@ class PageStore:
         return self._memo((id(blocks), offset, length, t.d0), blocks, build)
 
     def grow(self, num_blocks: int) -> None:
-        """Extend every layer to `num_blocks` blocks by one new segment; existing blocks are not touched (no copy)."""
+        """Extend every layer to `num_blocks` blocks by one new segment; existing blocks are not touched (no copy).
+        All or nothing: when an allocation fails, the segments added to the other layers are dropped again."""
         assert num_blocks >= self.num_blocks
         self._splits.clear()
         if num_blocks == self.num_blocks:
             return
         n = num_blocks - self.num_blocks
-        for idx, spec in self.specs.items():
-            self.keys[idx].append_segment(n * self.block_size, self._fill(spec))
-            self.values[idx].append_segment(n * self.block_size, self._fill(spec))
+        grown: list[SegmentedTensor] = []
+        try:
+            for idx, spec in self.specs.items():
+                for t in (self.keys[idx], self.values[idx]):
+                    t.append_segment(n * self.block_size, self._fill(spec))
+                    grown.append(t)
+        except BaseException:
+            for t in grown:
+                t.pop_segment()
+            raise
         self.segment_blocks.append(n)
         self.num_blocks = num_blocks
 

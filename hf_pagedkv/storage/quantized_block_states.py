@@ -174,18 +174,24 @@ class QuantizedBlockStates:
             self.encoded[b] = self.num_encodes[b] = 1
 
     def release(self, blocks: list[int]) -> None:
-        """Blocks whose refcount reached 0 become fresh; their stages and sink stages are freed."""
+        """Blocks whose refcount reached 0 become fresh; their stages and sink stages are freed (all the bookkeeping
+        first, then the debug-mode poisoning: an error in the latter leaves every state right)."""
+        stages, sinks = [], []
         for b in blocks:
             stage = self.stage_of.pop(b, None)
             if stage is not None:
-                self.staging.free(stage)
+                self.staging.free(stage, poison=False)
+                stages.append(stage)
             sink = self.sink_of.pop(b, None)
             if sink is not None:
-                self.sinks.free(sink)
+                self.sinks.free(sink, poison=False)
+                sinks.append(sink)
             self.encoded[b] = self.num_encodes[b] = 0
             self.pending.discard(b)
             self.encoded_in_step.discard(b)
             self.layers_written.pop(b, None)
+        self.staging.poison(stages)
+        self.sinks.poison(sinks)
 
     def copy(self, src: list[int], dst: list[int]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """Blocks `dst[i]` (fresh) take the state of `src[i]` (copy-on-write), with new stages of their own.
@@ -238,17 +244,21 @@ class QuantizedBlockStates:
 
     def _end_steps(self, num_layers: int | None) -> None:
         """A step begins: the blocks encoded by earlier steps that every layer wrote are done (their stages
-        return); blocks some layer has still to write stay in their step (another cache's step interleaved)."""
+        return); blocks some layer has still to write stay in their step (another cache's step interleaved).
+        The bookkeeping comes first, then the debug-mode poisoning of the freed stages."""
         done = {b for b in self.encoded_in_step
                 if num_layers is None or len(self.layers_written.get(b, ())) >= num_layers}
+        stages = []
         for b in [b for b in self.pending if b in done or b not in self.encoded_in_step]:
             stage = self.stage_of.pop(b, None)
             if stage is not None:
-                self.staging.free(stage)
+                self.staging.free(stage, poison=False)
+                stages.append(stage)
             self.pending.discard(b)
         self.encoded_in_step -= done
         for b in done:
             self.layers_written.pop(b, None)
+        self.staging.poison(stages)
 
 
 __all__ = ["QuantizedBlockStates"]

@@ -125,12 +125,17 @@ class QuantizedPageStore:
         own = [seg for idx in self.specs for t in self.codes[idx] + self.scales[idx] for seg in t.segments]
         return own + self.staging.tensors() + self.sinks.tensors()
 
-    def _append_segment(self, layer_idx: int, n: int) -> None:
-        """A segment of `n` blocks at the end of one layer's codes and scales: zero, or poisoned in debug mode."""
+    def _append_segment(self, layer_idx: int, n: int, grown: list[SegmentedTensor] | None = None) -> None:
+        """A segment of `n` blocks at the end of one layer's codes and scales: zero, or poisoned in debug mode.
+        Each tensor given a segment is added to `grown` (for an undo)."""
         for layout, codes, scales in zip(self.layouts[layer_idx], self.codes[layer_idx], self.scales[layer_idx]):
             fill = (float("nan") if layout.code_dtype.is_floating_point else _CODE_SENTINEL) if self.debug else 0
             codes.append_segment(n, fill)
+            if grown is not None:
+                grown.append(codes)
             scales.append_segment(n, float("nan") if self.debug else 0.0)
+            if grown is not None:
+                grown.append(scales)
 
     def add_layer(self, layer_idx: int, spec: LayerSpec) -> None:
         """Storage for a new layer, with the same segments as the other layers."""
@@ -151,8 +156,14 @@ class QuantizedPageStore:
         if num_blocks == self.num_blocks:
             return
         n = num_blocks - self.num_blocks
-        for idx in self.specs:
-            self._append_segment(idx, n)
+        grown: list[SegmentedTensor] = []  # all or nothing: a failed allocation drops the segments added so far
+        try:
+            for idx in self.specs:
+                self._append_segment(idx, n, grown)
+        except BaseException:
+            for t in grown:
+                t.pop_segment()
+            raise
         self.segment_blocks.append(n)
         self.states.grow(num_blocks)
         self.num_blocks = num_blocks

@@ -23,9 +23,9 @@ class StagingStore:
 
     Stage `s` holds slots ``s * block_size .. (s + 1) * block_size - 1``. Invariant: a stage id is either free
     (in `_free`) or owned by exactly one block of the pool (the owner, `QuantizedPageStore`, keeps that map).
-    Capacity grows by a quarter of itself (at least one stage) when full, so it follows the number of live
-    sequences (`tests/storage/test_staging_store.py`); it never shrinks. New stages are zero, and new and freed stages are
-    NaN in debug mode only.
+    Capacity grows by a quarter of itself (at least one stage) when full, in every layer or (an allocation failing)
+    in none, so it follows the number of live sequences (`tests/storage/test_staging_store.py`); it never shrinks.
+    New stages are zero, and new and freed stages are NaN in debug mode only.
     """
 
     def __init__(self, block_size: int, debug: bool = False) -> None:
@@ -73,11 +73,14 @@ class StagingStore:
 
     def _grow(self) -> None:
         new_num = self.num_stages + max(1, self.num_stages // _GROWTH_FRACTION)
+        grown = []  # every layer's new tensors first: a failed allocation leaves the store as it was
         for idx, spec in self.specs.items():
             for store, dim in ((self.keys, spec.key_dim), (self.values, spec.value_dim)):
                 new = self._new(spec, dim, new_num)
                 new[:, : store[idx].shape[1]] = store[idx]
-                store[idx] = new
+                grown.append((store, idx, new))
+        for store, idx, new in grown:
+            store[idx] = new
         self._free = list(range(new_num - 1, self.num_stages - 1, -1)) + self._free
         self.num_stages = new_num
 
@@ -87,15 +90,23 @@ class StagingStore:
             self._grow()
         return self._free.pop()
 
-    def free(self, stage: int) -> None:
-        """Return `stage`; NaN-fill it in debug mode. Freeing a free stage, or an id past the tensors, is a
-        bookkeeping bug of the owner: it would hand one stage to two blocks later, so it raises here instead."""
+    def free(self, stage: int, poison: bool = True) -> None:
+        """Return `stage`; NaN-fill it in debug mode (unless `poison` is False: the caller calls `poison` once its
+        bookkeeping is done). Freeing a free stage, or an id past the tensors, is a bookkeeping bug of the owner: it
+        would hand one stage to two blocks later, so it raises here instead."""
         assert 0 <= stage < self.num_stages, (  # the message is built only on failure
             f"free of unknown stage {stage} (the store has "
             f"{f'stages 0..{self.num_stages - 1}' if self.num_stages else 'no stages'})")
         assert stage not in self._free, f"double free of stage {stage}"
         self._free.append(stage)
-        if self.debug:
+        if poison:
+            self.poison([stage])
+
+    def poison(self, stages: list[int]) -> None:
+        """NaN-fill free `stages` in debug mode (a read of a freed stage then shows at once)."""
+        if not self.debug:
+            return
+        for stage in stages:
             for store in (self.keys, self.values):
                 for t in store.values():
                     if t.dtype.is_floating_point:

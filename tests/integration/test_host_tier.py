@@ -2,6 +2,8 @@
 device keeps, and every failure leaves both tiers as they were."""
 
 import gc
+import threading
+import time
 
 import pytest
 import torch
@@ -9,8 +11,10 @@ from transformers import DynamicCache
 
 import hf_pagedkv
 from hf_pagedkv import BlockPool, CacheOffloadedError, InvariantError, PagedCache, PoolExhaustedError, cache_kwargs
+from hf_pagedkv.storage.host_store import HostStore
 from tests.conftest import ids, tiny_model
 from tests.prefix_utils import GEN, run_in_threads, tiny_single_thread  # noqa: F401 (autouse fixture)
+from tests.storage.test_host_store import FailAtEmpty
 
 B = 4
 
@@ -186,3 +190,105 @@ def test_four_threads_swapping_on_one_pool():
     pool.check_invariants()
     assert pool.stats().blocks_in_use == 0 and pool.host.stats().blocks_in_use == 0
     assert pool.host.stats().blocks_prefetched == pool.host.stats().blocks_offloaded > 0
+
+
+def test_an_owner_offload_racing_a_swap_of_the_same_cache_is_one_decision():
+    model = tiny_model("llama")
+    x = ids(1, 21, seed=7)  # 6 blocks
+    ref_tokens, ref_logits = greedy(model, DynamicCache(), x, 1)
+    pool = host_pool(num_blocks=16)
+    cache = PagedCache(pool=pool, config=model.config)
+    with torch.no_grad():
+        model(x, **cache_kwargs(cache))
+    errors = []
+
+    def owner():  # the cache's owner offloads it (a client preempting its own session)
+        try:
+            cache.offload()
+        except Exception as e:  # noqa: BLE001 (what it raised is the point)
+            errors.append(e)
+
+    with pool.lock:  # another thread's swap (generate(swap_on_exhaustion=True)) offloads idle caches under the lock
+        thread = threading.Thread(target=owner)
+        thread.start()
+        time.sleep(0.2)  # the owner's offload() waits for the lock now
+        for idle in pool.idle_owners():
+            idle.offload()
+    thread.join()
+    # one offload happened; the other saw it and changed nothing
+    assert len(errors) == 1 and isinstance(errors[0], CacheOffloadedError), errors
+    assert "offloaded already" in str(errors[0])
+    pool.check_invariants()
+    assert cache.is_offloaded and pool.host.stats().blocks_in_use == 6 and pool.stats().blocks_in_use == 0
+    with pytest.raises(CacheOffloadedError, match="offloaded already"):
+        cache.offload()  # the same from this thread
+    cache.prefetch()
+    cache.check_invariants()
+    assert (cache.num_rows, cache.get_seq_length(), pool.host.stats().blocks_in_use) == (1, 21, 0)
+    with torch.no_grad():
+        logits = model(ref_tokens[:, :1], **cache_kwargs(cache)).logits[:, -1]
+    assert torch.equal(logits, ref_logits[1])  # its K/V came back whole
+    cache.release()
+    pool.check_invariants()
+    assert pool.stats().blocks_in_use == 0 and pool.host.stats().blocks_in_use == 0
+
+
+def test_a_hybrid_offload_failing_in_its_second_layer_group_changes_nothing(monkeypatch):
+    model = tiny_model("gemma2")
+    x = ids(1, 21, seed=8)
+    ref_tokens, ref_logits = greedy(model, DynamicCache(config=model.config), x, 1)
+    pool = host_pool(num_blocks=64, host_memory="4MiB")
+    cache = PagedCache(pool=pool, config=model.config)
+    with torch.no_grad():
+        model(x, **cache_kwargs(cache))
+    tables = (cache.block_tables(None), cache.block_tables(8))
+    real, groups = HostStore.write, []
+
+    def write(store, host_blocks, tensors):  # the copy of the second layer group fails (say, its allocation)
+        groups.append(len(host_blocks))
+        if len(groups) == 2:
+            raise RuntimeError("injected: host allocation failed")
+        real(store, host_blocks, tensors)
+
+    monkeypatch.setattr(HostStore, "write", write)
+    with pytest.raises(RuntimeError, match="injected"):
+        cache.offload()
+    monkeypatch.undo()
+    # the full group's 6 blocks were copied, then the sliding group's failed (it drops blocks at the next step)
+    assert groups == [6, 6]
+    pool.check_invariants()  # invariant 9: no cache holds blocks in both tiers
+    assert not cache.is_offloaded and (cache.block_tables(None), cache.block_tables(8)) == tables
+    assert pool.host.stats().blocks_in_use == 0  # the first group's host blocks went back
+    cache.offload()  # it works the next time, and continues exactly
+    cache.prefetch()
+    with torch.no_grad():
+        logits = model(ref_tokens[:, :1], **cache_kwargs(cache)).logits[:, -1]
+    assert torch.equal(logits, ref_logits[1])
+    cache.release()
+    pool.check_invariants()
+    assert pool.stats().blocks_in_use == 0 and pool.host.stats().blocks_in_use == 0
+
+
+def test_a_host_store_whose_first_allocation_failed_allocates_later():
+    model = tiny_model("llama")
+    pool = BlockPool(block_size=B, num_blocks=12, prefix_caching=True, host_memory="1MiB", debug=True)
+    cache = PagedCache(pool=pool, config=model.config)
+    with torch.no_grad():
+        model(ids(1, 13, seed=9), **cache_kwargs(cache))
+    tables = cache.block_tables()
+    with pytest.raises(RuntimeError, match="injected"), FailAtEmpty(2):  # the host store's second tensor fails
+        cache.offload()
+    assert not cache.is_offloaded and cache.block_tables() == tables
+    store = pool.host.tiers[0][1]
+    assert (store.tensors, store.bytes_reserved) == ({}, 0)  # no partial layout left behind
+    pool.check_invariants()
+    cache.release()
+    # requests that publish their prompts; the later ones must evict (demote to the host tier) the earlier ones'
+    for k in range(4):
+        out = hf_pagedkv.generate(model, ids(1, 30, seed=10 + k), pool=pool, max_new_tokens=2, do_sample=False)
+        assert out.shape == (1, 32)
+        pool.check_invariants()
+    assert pool.host.stats().blocks_demoted > 0 and len(store.tensors) == 6  # 3 layers, keys and values
+    del store.tensors["2.values"]  # a partial layout is caught
+    with pytest.raises(InvariantError, match="invariant 9 .* the host store's layout is broken"):
+        pool.check_invariants()

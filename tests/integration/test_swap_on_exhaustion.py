@@ -4,6 +4,7 @@ tier (least recently used first) and the request runs; a swapped cache continues
 import pytest
 import torch
 from transformers import DynamicCache
+from transformers.generation.streamers import BaseStreamer
 
 import hf_pagedkv
 from hf_pagedkv import BlockPool, PagedCache, PoolExhaustedError, cache_kwargs
@@ -181,3 +182,48 @@ def test_swap_on_exhaustion_must_be_a_bool(bad):
         hf_pagedkv.generate(model, ids(1, 9, seed=1), pool=pool, swap_on_exhaustion=bad, **GEN)
     pool.check_invariants()
     assert pool.stats().blocks_in_use == 0
+
+
+class StreamLog(BaseStreamer):
+    """What a streaming client receives, and whether `watched` was swapped out when each piece arrived."""
+
+    def __init__(self, watched: PagedCache | None = None) -> None:
+        self.watched = watched
+        self.puts: list[list[int]] = []  # token ids of each put
+        self.swapped: list[bool] = []  # watched.is_offloaded at each put
+        self.num_ends = 0
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts.append(value.reshape(-1).tolist())
+        self.swapped.append(self.watched is not None and self.watched.is_offloaded)
+
+    def end(self) -> None:
+        self.num_ends += 1
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_a_row_preempted_mid_decode_goes_on_where_it_was(do_sample):
+    model = tiny_model("llama")
+    x = ids(1, 10, seed=11)
+    gen = dict(max_new_tokens=20, min_new_tokens=20, do_sample=do_sample)
+    # the same seeded request on a pool with room: what the client must see, and the output
+    want = StreamLog()
+    torch.manual_seed(5)
+    ref = hf_pagedkv.generate(model, x, pool=BlockPool(block_size=B, num_blocks=12), streamer=want, **gen)
+    pool = BlockPool(block_size=B, num_blocks=12, host_memory="1MiB", debug=True)
+    idle = PagedCache(pool=pool, config=model.config)
+    start(model, idle, ids(1, 27, seed=12))  # an idle session holding 7 of the 12 blocks
+    log = StreamLog(watched=idle)
+    torch.manual_seed(5)
+    out = hf_pagedkv.generate(model, x, pool=pool, swap_on_exhaustion=True, streamer=log, **gen)
+    pool.check_invariants()
+    # 5 blocks were free, 20 tokens: the 11th decode step (the 21st token) swapped the session out, then the row
+    # went on (puts: the prompt, the prefill's token, then one per decode step)
+    assert log.swapped == [False] * 12 + [True] * 9 and idle.is_offloaded
+    assert torch.equal(out, ref)  # the same tokens as without the preemption (the same draws when sampling)
+    assert log.puts == want.puts and log.num_ends == want.num_ends == 1  # the prompt once, each new token once
+    assert log.puts[0] == x[0].tolist() and [len(p) for p in log.puts[1:]] == [1] * 20
+    idle.prefetch()
+    idle.release()
+    pool.check_invariants()
+    assert pool.stats().blocks_in_use == 0 and pool.stats().host_blocks_in_use == 0

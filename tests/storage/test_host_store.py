@@ -3,6 +3,7 @@ with an event the compute stream waits on; `select_blocks` picks blocks out of a
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from hf_pagedkv import BlockPool, PagedCache, cache_kwargs
 from hf_pagedkv.storage.host_store import HostStore, select_blocks
@@ -79,3 +80,47 @@ def test_cuda_prefix_hit_from_the_host_tier_is_exact():
         pool.check_invariants()
     finally:
         model.to("cpu")
+
+
+class FailAtEmpty(TorchFunctionMode):
+    """The `n`-th `torch.empty` of a storage shape raises, as a failed host (pinned) allocation would."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n  # allocations left before the one that fails
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.empty and args and isinstance(args[0], tuple) and len(args[0]) > 1:
+            self.n -= 1
+            if self.n == 0:
+                raise RuntimeError("injected: host allocation failed")
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_first_allocation_failing_part_way_keeps_no_layout_and_the_next_write_allocates():
+    store = HostStore(8, pin_memory=False)
+    blocks = export(3, with_sinks=True)
+    with pytest.raises(RuntimeError, match="injected"), FailAtEmpty(2):  # the second of four tensors fails
+        store.write([3, 4, 5], blocks)
+    assert (store.tensors, store.parts, store.bytes_reserved) == ({}, {}, 0)  # nothing half made
+    assert store.check(export(0, with_sinks=True)) == []
+    store.write([3, 4, 5], blocks)  # the next write allocates the whole layout
+    for name, t in blocks.items():
+        assert torch.equal(store.read([3, 4, 5])[name], t), name
+    assert store.check(export(0, with_sinks=True)) == []
+
+
+def test_check_names_a_partial_or_foreign_layout():
+    store = HostStore(8, pin_memory=False)
+    store.write([0], export(1))
+    assert store.check(export(0)) == []
+    del store.tensors["1.values"]  # a layout missing a layer's values
+    assert store.check(export(0)) == ["the host store's layout is broken: the export names ['1.values'] are not in "
+                                      "the layout, its [] are not in the export"]
+    store = HostStore(8, pin_memory=False)
+    store.write([0], export(1))
+    store.tensors["0.keys"] = store.tensors["0.keys"][:, :4]  # a tensor of 4 host blocks in a store of 8
+    problems = store.check(export(0))
+    assert len(problems) == 1 and "'0.keys' is torch.float32 (2, 0, 4, 8) for 0 blocks" in problems[0]
+    with pytest.raises(ValueError, match="'0.keys'"):
+        store.write([1], export(1))

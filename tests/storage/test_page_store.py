@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
+from hf_pagedkv.config import QuantConfig
 from hf_pagedkv.storage.page_store import LayerSpec, PageStore
+from hf_pagedkv.storage.quantized_store import QuantizedPageStore
 
 B = 4
 CPU = torch.device("cpu")
@@ -285,3 +288,40 @@ def test_writing_a_prefix_file_names_the_path_asked_for(tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing left behind
     ok = tmp_path / "p.safetensors"
     assert write_prefix_file(ok, {}, {"x": torch.zeros(2)}) == ok.stat().st_size > 0
+
+
+class FailAtAllocation(TorchFunctionMode):
+    """The `n`-th storage allocation (`torch.full` / `torch.empty`) raises, as a device out of memory would."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n  # allocations left before the one that fails
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.full, torch.empty):
+            self.n -= 1
+            if self.n == 0:
+                raise RuntimeError("injected: out of memory")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("quant", [None, "k8v4"])
+def test_a_growth_failing_part_way_adds_no_segment_to_any_layer(quant):
+    if quant is None:
+        store = make_store(num_blocks=2, debug=True)
+        tensors = [t for idx in SPECS for t in (store.keys[idx], store.values[idx])]
+    else:
+        store = QuantizedPageStore(B, QuantConfig.resolve(quant), debug=True)
+        store.add_layer(0, SPECS[0])
+        store.add_layer(1, LayerSpec(2, 4, 2, torch.float32, CPU))
+        store.grow(2)
+        tensors = [t for idx in (0, 1) for t in store.codes[idx] + store.scales[idx]]
+    before = [t.materialize().clone() for t in tensors]
+    with pytest.raises(RuntimeError, match="injected"), FailAtAllocation(3):  # the third tensor's new segment
+        store.grow(5)
+    assert store.num_blocks == 2 and store.segment_blocks == [2]
+    assert [len(t.segments) for t in tensors] == [1] * len(tensors)  # no layer kept a segment of the failed growth
+    for t, b in zip(tensors, before):  # the blocks there were, as they were (NaN where poisoned)
+        torch.testing.assert_close(t.materialize(), b, rtol=0, atol=0, equal_nan=True)
+    store.grow(5)  # the next growth adds one segment to every layer
+    assert store.segment_blocks == [2, 3] and [len(t.segments) for t in tensors] == [2] * len(tensors)

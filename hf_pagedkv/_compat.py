@@ -38,7 +38,7 @@ TRANSFORMERS_VERSION: tuple[int, int] = tuple(Version(transformers.__version__).
 # NOTE: 5.24 renamed `past_key_values` to `cache` in `generate`, in every model's `forward` (and the layers below it)
 # and in the output classes. The old name still works there but raises a FutureWarning (generate: "removed in 6.0.0",
 # forward: "removed in 5.40.0"); 5.23 does not know `cache`. The version decides, read once at import: `generate`
-# takes the cache through `**kwargs` in both versions, so its signature names neither.
+# takes the cache through `**kwargs` in every supported version, so its signature names neither.
 CACHE_KWARG = "cache" if TRANSFORMERS_VERSION >= (5, 24) else "past_key_values"
 
 #: Every keyword a cache can be passed to `generate` under, on some supported version.
@@ -47,7 +47,7 @@ CACHE_KWARG_NAMES = ("cache", "past_key_values")
 
 def cache_kwargs(cache) -> dict:
     """`{CACHE_KWARG: cache}`: pass a cache to `model.generate(...)` or `model(...)` under the name the installed
-    transformers expects, so the same code runs on 5.23 and 5.24 without a deprecation warning.
+    transformers expects, so the same code runs on 5.23, 5.24 and 5.25 without a deprecation warning.
 
     Example:
 
@@ -55,7 +55,7 @@ def cache_kwargs(cache) -> dict:
     >>> from hf_pagedkv import PagedCache, cache_kwargs
     >>> cache = PagedCache()
     >>> out = model.generate(input_ids, **cache_kwargs(cache), max_new_tokens=20)
-    >>> # transformers 5.24: model.generate(input_ids, cache=cache, ...); 5.23: past_key_values=cache
+    >>> # transformers 5.24 and 5.25: model.generate(input_ids, cache=cache, ...); 5.23: past_key_values=cache
     ```
     """
     return {CACHE_KWARG: cache}
@@ -121,7 +121,7 @@ def layer_plan(config) -> list[tuple[str, int | None]]:
     return plan
 
 
-#: transformers' GGUF loader, whose de-quantization progress bar calls `tqdm.auto.tqdm` directly (module attribute `tqdm`)
+#: transformers' GGUF loader, whose de-quantization bar calls `tqdm.auto.tqdm` directly (module attribute `tqdm`)
 _GGUF_LOADER = "transformers.modeling_gguf_pytorch_utils"
 
 
@@ -150,11 +150,11 @@ def quiet_model_loading():
             hf_logging.enable_progress_bar()
 
 
-# -- attention implementations (issue 15: hf_pagedkv.attention) -------------------------------------------------------
-# NOTE: 5.23 and 5.24 agree here: `AttentionInterface` / `AttentionMaskInterface` are `GeneralInterface`s whose
+# -- attention implementations (hf_pagedkv.attention) ----------------------------------------------------------------
+# NOTE: 5.23, 5.24 and 5.25 agree here: `AttentionInterface` / `AttentionMaskInterface` are `GeneralInterface`s whose
 # `register` adds a name to a class-level mapping shared by every instance; a model calls
 # `ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...)(module, query, key, value, attention_mask,
-# dropout=..., scaling=..., **kwargs)` right after `cache.update(...)` (5.24 also passes `kwargs=` to the update),
+# dropout=..., scaling=..., **kwargs)` right after `cache.update(...)` (5.24 and 5.25 also pass `kwargs=` to it),
 # with `module.layer_idx` set. Without a mask function under the same name, `create_causal_mask` returns None (no
 # padding mask at all), so the name is registered in both.
 

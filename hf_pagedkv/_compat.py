@@ -76,7 +76,8 @@ def seq_length_layer_idx(layers, layer_idx: int = 0) -> int:
 
     NOTE: transformers 5.25 dropped that skip: its `Cache.get_seq_length()` asks layer 0 whatever it is, and a
     `DummyLayer` has no `get_seq_length` (AttributeError). A model whose first layer holds no attention would then
-    break every `generate` on 5.25; the cache keeps the 5.23/5.24 answer on all three versions.
+    fail at its first forward step on 5.25 (models ask `cache.get_seq_length()` for the positions of new tokens); the
+    cache keeps the 5.23/5.24 answer on all three versions.
 
     Args:
         layers (`list`): the cache's layers (`PagedLayer` or `DummyLayer`), one per model layer.

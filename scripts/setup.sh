@@ -22,7 +22,7 @@ VENV="${VENV:-.venv}"
 PYTHON="${PYTHON:-python3}"
 # NOTE: 2.13.0 is the newest CPU build of torch this project's CI machines install (its `+cpu` wheel, ~200 MB). The
 # newer releases on the package index, 2.14.0-2.15.0, exist there only as the CUDA 13 build: 2.14.1 is a 555 MB wheel
-# plus ~2.2 GB of nvidia-* wheels, for no use on a CPU-only machine. The compatibility tests pass on 2.14.1 too (README,
+# plus ~2.2 GB of nvidia-* wheels, for no use on a CPU-only machine. The suite passes on 2.14.1 too (README,
 # "Supported versions"); TORCH_SPEC=torch==2.14.1 installs it.
 DEFAULT_TORCH_SPEC="torch==2.13.0"
 TORCH_SPEC="${TORCH_SPEC:-$DEFAULT_TORCH_SPEC}"

@@ -7,8 +7,6 @@ are compared with each other and with one process running the same generations t
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,15 +14,12 @@ import torch
 from hf_pagedkv.tools.planning import ModelShape, plan_capacity
 from tests.conftest import tiny_model
 from tests.integration import tp_generate as tp
+from tests.integration.tp_launch import WORLD_SIZE, skip_without_gloo, torchrun_ranks
 
-WORLD_SIZE = 2
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tp_generate.py")
 TIMEOUT_S = 300  # about 30 s on a busy 2-core machine: two processes load the model and run the scenarios twice
 
-pytestmark = pytest.mark.skipif(
-    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-    reason="tensor parallel on CPU needs torch.distributed with the gloo backend, which this torch build lacks",
-)
+pytestmark = skip_without_gloo
 
 
 @pytest.fixture(scope="module")
@@ -32,19 +27,7 @@ def tp_run(tmp_path_factory):
     """Save the tiny Llama, run `tp_generate.py` on 2 ranks with torchrun, return (model, [rank0, rank1] results)."""
     model = tiny_model("llama")  # 3 layers, 4 heads, 2 KV heads of head_dim 16, fp32
     assert model.config.num_key_value_heads % WORLD_SIZE == 0
-    root = tmp_path_factory.mktemp("tp")
-    model_dir, out_dir = root / "model", root / "out"
-    model.save_pretrained(model_dir)
-    out_dir.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD_SIZE),
-           SCRIPT, str(model_dir), str(out_dir)]  # `python -m torch.distributed.run` is `torchrun`, this venv's
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # CPU ranks even on a GPU machine
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"torchrun did not finish in {TIMEOUT_S} s:\n{(e.stderr or b'')[-4000:]}")
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
-    results = [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
+    results = torchrun_ranks(SCRIPT, model, tmp_path_factory.mktemp("tp"), TIMEOUT_S)
     return model, results
 
 

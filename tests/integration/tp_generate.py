@@ -122,9 +122,8 @@ def _rank_main(model_dir: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    seed = str(1000 + int(os.environ.get("RANK", "0")))
-    if os.environ.get("PYTHONHASHSEED") != seed:  # exec keeps the pid torchrun watches
-        os.environ["PYTHONHASHSEED"] = seed
-        os.execv(sys.executable, [sys.executable, *sys.argv])
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from tests.integration.tp_launch import reexec_with_rank_hash_seed
+
+    reexec_with_rank_hash_seed()
     _rank_main(sys.argv[1], sys.argv[2])

@@ -134,7 +134,8 @@ class Engine:
             max_new_tokens (`int`, *optional*): tokens to generate at most (>= 1); the generation config's, or 20.
             do_sample, temperature, top_p, top_k (*optional*): sampling (as `generate`); greedy by default.
             seed (`int`, *optional*): seed of the request's own generator (sampling); drawn from torch's global
-                generator when not given. A preempted request keeps its generator's state, so it samples the same
+                generator when not given (under tensor parallel, seed that alike on every rank: `torch.manual_seed`,
+                or the ranks sample different tokens). A preempted request keeps its generator's state, so it samples the same
                 tokens as without preemption.
             eos_token_id (`int` or `list[int]`, *optional*): stop tokens (kept in the output); the generation
                 config's by default; ``[]`` for none.
@@ -366,6 +367,15 @@ class Engine:
         with self._lock:
             if self.is_started:
                 return self
+            if _is_distributed():
+                # NOTE: under tensor parallel every rank must step the same requests: the background loop steps as
+                # its thread finds them, so a request added to one rank's engine a step before another's splits the
+                # ranks' schedules and the model's next all-reduce waits forever. Stepping from one thread (`step`,
+                # `stream`, `generate_batch`) with the same calls on every rank keeps them together (docs/serving.md).
+                logger.warning("Engine.start() under torch.distributed (world size %d): every rank's engine must get "
+                               "the same add_request / cancel calls between the same steps, which a background loop "
+                               "does not ensure; step from one thread instead (Engine.step, generate_batch).",
+                               torch.distributed.get_world_size())
             self._stopping = False
             self._thread = threading.Thread(target=self._loop, name="hf_pagedkv-engine", daemon=True)
             self._thread.start()
@@ -435,6 +445,12 @@ class Engine:
             return self._requests[request_id]
         except KeyError:
             raise KeyError(f"no request {request_id!r} in this engine") from None
+
+
+def _is_distributed() -> bool:
+    """Whether this process is one rank of several (torch.distributed initialized, world size > 1)."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 __all__ = ["DEFAULT_MAX_BATCH_TOKENS", "Engine"]

@@ -98,3 +98,11 @@ def test_each_rank_sizes_its_pool_from_its_heads_and_frees_every_block(tp_run, o
         # max_memory buys each rank blocks of its own heads: twice as many as one process holding both heads
         assert res["batch"]["pool"]["num_blocks"] == te.MAX_MEMORY // per_block == 14
     assert one_process["batch"]["pool"]["num_blocks"] == te.MAX_MEMORY // (2 * per_block) == 7
+
+
+def test_background_loop_warns_only_under_tensor_parallel(tp_run):
+    model, results = tp_run
+    for res in results:
+        (message,) = res["start_warnings"]
+        assert "world size 2" in message and "step from one thread" in message
+    assert te.start_warnings(model) == []  # one process: no warning

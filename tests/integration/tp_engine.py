@@ -14,6 +14,7 @@ with one process running the same `run_engine`. Each rank runs with its own ``PY
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import warnings
@@ -127,6 +128,22 @@ def run_engine(model) -> dict:
     return {"engine": engine_result, "batch": batch_result}
 
 
+def start_warnings(model) -> list[str]:
+    """The warnings `Engine.start()` logs (the background loop is not rank-consistent under tensor parallel)."""
+    from hf_pagedkv.serving import Engine
+
+    records: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: records.append(record.getMessage())
+    log = logging.getLogger("hf_pagedkv.serving.engine")
+    log.addHandler(handler)
+    try:
+        Engine(model).start().stop()
+    finally:
+        log.removeHandler(handler)
+    return records
+
+
 def _rank_main(model_dir: str, out_dir: str) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -136,6 +153,7 @@ def _rank_main(model_dir: str, out_dir: str) -> None:
         model = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto", dtype=torch.float32)
     model.eval()
     result = run_engine(model)
+    result["start_warnings"] = start_warnings(model)
     rank = torch.distributed.get_rank()
     result["rank"], result["world_size"] = rank, torch.distributed.get_world_size()
     result["hash_of_str"] = hash("hf_pagedkv")  # differs between ranks (PYTHONHASHSEED)

@@ -117,7 +117,7 @@ def test_story_lru_eviction_clears_hashes_and_is_all_or_nothing():
 
 
 def test_growable_pool_grows_rather_than_evicting_within_the_prefix_budget():
-    """Issue 12: evicting idle blocks before every growth kept no prefix across requests. Within the prefix cache's
+    """Evicting idle blocks before every growth would keep no prefix across requests. Within the prefix cache's
     budget (1 GiB by default) a growable pool grows instead, and the cached prefix still hits."""
     pool = BlockPool(block_size=B, prefix_caching=True)
     pool.reserve(1)

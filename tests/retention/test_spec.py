@@ -63,10 +63,14 @@ def test_a_bad_spec_names_the_part_that_is_wrong(spec, message):
 
 def test_the_planner_sizes_a_sequence_by_what_it_keeps(capsys):
     argv = ["plan", "--model", "llama", "--max-seq-len", "100000", "--memory", "64GiB", "--block-size", "16"]
-    assert main(argv + ["--retention", "sink_window:4:2048"]) == 0
+    # a one-step prefill stores the whole prompt before the first eviction: sized for 100,000 tokens (no fit)
+    assert main(argv + ["--retention", "sink_window:4:2048"]) == 1
     out = capsys.readouterr().out
     # one 16-token sink block, the window's 2047 tokens plus up to 15 of alignment, and the step's token
-    assert "holds at most 2,079" in out and "per sequence: 2,079 tokens" in out
+    assert "holds at most 2,079" in out and "per sequence: 100,000 tokens" in out
+    # evicting between 2,048-token prefill chunks: the sinks and window, plus one chunk beside them
+    assert main(argv + ["--retention", "sink_window:4:2048", "--prefill-chunk", "2048"]) == 0
+    assert "per sequence: 4,126 tokens" in capsys.readouterr().out
     main(argv + ["--retention", "key_norm:0.75"])  # (its peak while compressing does not fit 64GiB: exit 1)
     assert "holds at most 25,001" in capsys.readouterr().out
     main(argv + ["--retention", "snapkv:0.5"])  # (its peak while compressing does not fit 64GiB: exit 1)

@@ -22,14 +22,13 @@ LAYERS: tuple[tuple[str, str], ...] = (
     # base utilities, importable by every layer; they import only each other
     ("base", "hf_pagedkv.errors hf_pagedkv.config hf_pagedkv._compat"),
     # bookkeeping: block ids, refcounts, tables, prefix index, budgets, compaction plans; no torch
-    ("bookkeeping", "hf_pagedkv.pool"),
+    ("bookkeeping", "hf_pagedkv.blocks"),
     # tensors: page stores, codecs, host store, prefix files
     ("storage", "hf_pagedkv.storage"),
     # events, metrics, alerts: the pool owns them, and they see a pool only through their own protocol
     ("observe", "hf_pagedkv.observe"),
-    # BlockPool, the face over the layer groups, host tiers, persistence, idle shrink
-    ("pool", "hf_pagedkv.block_pool hf_pagedkv.block_group hf_pagedkv.host_tiers hf_pagedkv.prefix_persistence "
-             "hf_pagedkv.idle_shrink"),
+    # BlockPool, the face over the layer groups; host tiers, persistence, idle shrink, the model fingerprint
+    ("pool", "hf_pagedkv.pool"),
     # the "hf_pagedkv" attention function, its paged view, query recorders, kernels
     ("attention", "hf_pagedkv.attention"),
     # pure retention policies: scoring only
@@ -46,19 +45,9 @@ LAYERS: tuple[tuple[str, str], ...] = (
 RANK = {name: rank for rank, (name, _) in enumerate(LAYERS)}
 NO_TORCH_LAYERS = ("bookkeeping",)
 
-# Imports that run up the layer order today, as (importer, imported module). The goal is an empty list.
-KNOWN_UPWARD: tuple[tuple[str, str], ...] = (
-    ("hf_pagedkv.pool.invariants", "hf_pagedkv.block_group"),
-    ("hf_pagedkv.prefix_persistence", "hf_pagedkv.adapter.prefix_cache"),
-    ("hf_pagedkv.attention.attention_function", "hf_pagedkv.retention.query_window"),
-    ("hf_pagedkv.retention.compress", "hf_pagedkv.adapter.paged_cache"),
-    ("hf_pagedkv.retention.compress", "hf_pagedkv.adapter.left_padding"),
-    ("hf_pagedkv.retention.evictor", "hf_pagedkv.adapter.row_tables"),
-    ("hf_pagedkv.retention.fresh_rows", "hf_pagedkv.adapter.row_tables"),
-    ("hf_pagedkv.retention.window_realign", "hf_pagedkv.adapter.row_tables"),
-    ("hf_pagedkv.tools.cli", "hf_pagedkv"),
-    ("hf_pagedkv.tools.serve_command", "hf_pagedkv"),
-)
+# Imports allowed to run up the layer order, as (importer, imported module): none. Keep it empty; a new entry needs
+# a reason written next to it.
+KNOWN_UPWARD: tuple[tuple[str, str], ...] = ()
 
 # Top-level packages of the repository that sit outside hf_pagedkv. Only the top layer (tools) may reach one, and only
 # lazily inside a function: `hf-pagedkv eval` imports the repository's eval/ when run from a checkout, and says what
@@ -75,7 +64,7 @@ def module_name(path: Path) -> str:
 
 
 def layer_of(module: str) -> str:
-    """The layer a module belongs to: the longest prefix named in `LAYERS` (the face is `hf_pagedkv/__init__.py` only)."""
+    """The layer of `module`: its longest prefix named in `LAYERS` (the face is `hf_pagedkv/__init__.py` alone)."""
     best, best_len = None, -1
     for name, prefixes in LAYERS:
         for prefix in prefixes.split():

@@ -17,7 +17,7 @@ PACKAGE = "hf_pagedkv"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
 # The layer order, bottom first: a module may import its own layer and any layer below it. This table and the one
-# in docs/design.md ("Layers") are the same; change both together.
+# in docs/design.md ("Module map") are the same; change both together.
 LAYERS: tuple[tuple[str, str], ...] = (
     # base utilities, importable by every layer; they import only each other
     ("base", "hf_pagedkv.errors hf_pagedkv.config hf_pagedkv._compat"),
@@ -221,3 +221,13 @@ def test_the_package_needs_nothing_outside_it_at_import_time():
             continue
         assert layer_of(imp.importer) in LAZY_OUTSIDE_ALLOWED and not imp.top_level, (
             f"{imp!r}: the package must not import the repository's {top}/ (only tools may, lazily in a function)")
+
+
+def test_docs_module_map_has_the_same_layers():
+    # docs/design.md's module map: one row per layer, bottom first, layer name in the first column
+    text = (ROOT.parent / "docs" / "design.md").read_text()
+    section = text[text.index("## Module map"):]
+    section = section[:section.index("\n## ", 1)]
+    rows = [line.split("|")[1].strip() for line in section.splitlines() if line.startswith("| ")]
+    assert rows[0] == "layer (bottom first)"
+    assert rows[2:] == [name for name, _ in LAYERS]  # rows[1] is the `| --- |` rule

@@ -103,11 +103,10 @@ def _imports_of(path: Path) -> list[Import]:
                 else:
                     target = child.module or ""
                 found.append(Import(importer, target, child.lineno, top_level))
-                if target == PACKAGE or child.level and not child.module:
-                    # `from hf_pagedkv import x` may name a submodule; record it as what it is when it is one
-                    found.extend(Import(importer, f"{target}.{a.name}", child.lineno, top_level)
-                                 for a in child.names if (ROOT.parent / target.replace(".", "/") / a.name).exists()
-                                 or (ROOT.parent / target.replace(".", "/") / f"{a.name}.py").exists())
+                # `from hf_pagedkv.x import y` may name a submodule y: record it as an import of that module too
+                folder = ROOT.parent.joinpath(*target.split("."))
+                found.extend(Import(importer, f"{target}.{a.name}", child.lineno, top_level) for a in child.names
+                             if (folder / a.name / "__init__.py").exists() or (folder / f"{a.name}.py").exists())
             visit(child, top_level and not lazy)
 
     visit(ast.parse(path.read_text(), filename=str(path)), True)

@@ -37,6 +37,17 @@ from transformers import DynamicCache
 from hf_pagedkv import PagedCache, cache_kwargs
 from hf_pagedkv.tools.models import load_model
 
+DEVICE = "cpu"  # --device; on CUDA every time is wall time after a synchronize
+
+
+def clock() -> float:
+    """Seconds: this process's CPU time on the CPU; wall time after `torch.cuda.synchronize()` on CUDA."""
+    if DEVICE.startswith("cuda"):
+        torch.cuda.synchronize()
+        return time.perf_counter()
+    return time.process_time()
+
+
 QUANTO = importlib.util.find_spec("optimum.quanto") is not None if importlib.util.find_spec("optimum") else False
 
 
@@ -67,7 +78,7 @@ def prompt_kv(kv: list, n: int, batch: int, seed: int) -> list:
     out = []
     for k, v in kv:
         k, v = k[:, :, :n], v[:, :, :n]
-        noise = [torch.randn((batch - 1, *k.shape[1:]), generator=g) for _ in range(2)]
+        noise = [torch.randn((batch - 1, *k.shape[1:]), generator=g).to(k.device) for _ in range(2)]
         out.append((torch.cat([k, k + 0.01 * k.std() * noise[0]]), torch.cat([v, v + 0.01 * v.std() * noise[1]])))
     return out
 
@@ -89,10 +100,10 @@ def run_case(model, method: str, kv: list, tok: torch.Tensor, steps: int, profil
         prof = cProfile.Profile() if profile else None
         if prof:
             prof.enable()
-        t0 = time.process_time()
+        t0 = clock()
         for _ in range(steps):
             tok = model(tok, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
-        dt = (time.process_time() - t0) / steps
+        dt = (clock() - t0) / steps
         if prof:
             prof.disable()
             buf = io.StringIO()
@@ -125,9 +136,9 @@ def run_paired(model, methods: list[str], kv: list, tok: torch.Tensor, steps: in
             rng.shuffle(order)
             for m in order:
                 model.set_attn_implementation(attn_of(m))
-                t0 = time.process_time()
+                t0 = clock()
                 toks[m] = model(toks[m], **cache_kwargs(caches[m])).logits[:, -1:].argmax(-1)
-                times[m].append(time.process_time() - t0)
+                times[m].append(clock() - t0)
     model.set_attn_implementation("sdpa")
     for c in caches.values():
         if isinstance(c, PagedCache):
@@ -154,9 +165,13 @@ def main(argv=None) -> int:
                     help='also run each preset with "hf_pagedkv_compiled" (the C reads, else torch.compile; opt-in)')
     ap.add_argument("--paired", action="store_true",
                     help="all caches live, one step of each in turn; per-turn ratios (least noisy)")
+    ap.add_argument("--model", default=None, help="a model id or directory (default: the bundled SmolLM2)")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (times are then wall times after a synchronize)")
     args = ap.parse_args(argv)
+    global DEVICE
+    DEVICE = args.device
     torch.set_num_threads(args.threads)
-    model, _ = load_model()
+    model, _ = load_model(args.model, device=args.device)
     attns = ("sdpa", "paged", "compiled") if args.compiled else ("sdpa", "paged")
     methods = ["dynamic"] + [f"{m}/{a}" for m in args.methods.split(",") for a in attns]
     if QUANTO:
@@ -167,7 +182,7 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(args.seed)
     times: dict[tuple, list[float]] = {}
     lengths = [int(n) for n in args.lengths.split(",")]
-    full = prefill(model, torch.randint(100, model.config.vocab_size, (1, max(lengths)), generator=g))
+    full = prefill(model, torch.randint(100, model.config.vocab_size, (1, max(lengths)), generator=g).to(args.device))
     if args.paired:
         print(f"decode CPU time, {args.threads} thread(s), paired: every cache live, one step of each in turn, "
               f"{args.steps} turns; ratio = median over turns of DynamicCache's step / the case's (q1-q3)")
@@ -176,7 +191,7 @@ def main(argv=None) -> int:
     for n in lengths:
         for batch in map(int, args.batches.split(",")):
             kv = prompt_kv(full, n, batch, args.seed)
-            tok = torch.randint(100, model.config.vocab_size, (batch, 1), generator=g)
+            tok = torch.randint(100, model.config.vocab_size, (batch, 1), generator=g).to(args.device)
             if args.paired:
                 res = run_paired(model, methods, kv, tok, args.steps, rng)
                 for m, (ms, ratio, q1, q3) in res.items():

@@ -46,6 +46,15 @@ from hf_pagedkv.config import parse_bytes  # noqa: E402
 from hf_pagedkv.tools.models import load_model  # noqa: E402
 
 PAGE = 16  # tokens per block, both paged caches
+DEVICE = "cpu"  # --device; on CUDA the times are wall times after a synchronize
+
+
+def clock() -> float:
+    """Seconds: this process's CPU time on the CPU; wall time after `torch.cuda.synchronize()` on CUDA."""
+    if DEVICE.startswith("cuda"):
+        torch.cuda.synchronize()
+        return time.perf_counter()
+    return time.process_time()
 
 
 def prompts_for(workload: str, n: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -78,7 +87,7 @@ def run_solo(model, prompts, new):
     outs, peak = [], 0
     for p in prompts:
         cache = DynamicCache(config=model.config)
-        ids = torch.tensor([p])
+        ids = torch.tensor([p], device=model.device)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
                              **cache_kwargs(cache))
         outs.append(out[0, len(p):].tolist())
@@ -121,9 +130,13 @@ def main() -> int:
     parser.add_argument("--methods", nargs="+", default=["solo", "hf_pagedkv", "transformers"],
                         choices=["solo", "hf_pagedkv", "transformers"])
     parser.add_argument("--memory", default="64MiB", help="the pressure workload's KV budget")
+    parser.add_argument("--model", default=None, help="a model id or directory (default: the bundled SmolLM2)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (times are then wall times after a synchronize)")
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = args.device
     torch.set_num_threads(1)
-    model, _ = load_model()
+    model, _ = load_model(args.model, device=args.device)
     vocab = model.get_input_embeddings().num_embeddings
     counter = TokenCounter(model)
     has_cb = hasattr(model, "generate_batch")
@@ -148,7 +161,7 @@ def main() -> int:
                 print(f"| {workload} | transformers | model.generate_batch not in this transformers | | | | | | |")
                 continue
             counter.count = 0
-            t0 = time.process_time()
+            t0 = clock()
             if method == "solo":
                 outs, peak, finished = run_solo(model, prompts, args.new)
             elif method == "hf_pagedkv":
@@ -160,7 +173,7 @@ def main() -> int:
                 blocks = need + len(prompts) if budget is None else budget // (PAGE * per_token)
                 outs, peak, finished = run_transformers(model, prompts, args.new, blocks, args.max_batch_tokens,
                                                         workload == "shared")
-            cpu = time.process_time() - t0
+            cpu = clock() - t0
             generated = sum(len(o) for o in outs if o)
             if method == "solo":
                 ref, base = outs, cpu / max(1, generated)

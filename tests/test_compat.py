@@ -13,7 +13,8 @@ import torch
 from transformers import DynamicCache, Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from hf_pagedkv import BlockPool, PagedCache
-from hf_pagedkv._compat import CACHE_KWARG, CACHE_KWARG_NAMES, TRANSFORMERS_VERSION, cache_kwargs, layer_plan
+from hf_pagedkv._compat import (CACHE_KWARG, CACHE_KWARG_NAMES, PAST_RECORDING_KWARGS, TRANSFORMERS_VERSION, DummyLayer,
+                                cache_kwargs, layer_plan, seq_length_layer_idx)
 from tests.conftest import VOCAB, ids, tiny_model
 
 GEMMA = Gemma2Config(vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
@@ -208,3 +209,124 @@ def test_our_generate_paths_raise_no_deprecation_warning(one_thread, monkeypatch
         with pytest.raises(ValueError, match=f"do not pass `{name}`"):
             hf_pagedkv.generate(model, ids(1, 5), pool=pool, **{name: stray})
     stray.release()
+
+
+# -- past recording: `activate_past_recording()` up to 5.24, `(recurrent_states_to_keep=...)` from 5.25 --------------
+
+def _keyword_names(function) -> set[str]:
+    return {name for name, p in inspect.signature(function).parameters.items()
+            if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and name != "self"}
+
+
+def test_activate_past_recording_signatures_match_past_recording_kwargs():
+    from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin
+
+    base = inspect.signature(Cache.activate_past_recording).parameters
+    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in base.values())
+    assert PAST_RECORDING_KWARGS == (("recurrent_states_to_keep",) if TRANSFORMERS_VERSION >= (5, 25) else ())
+    assert takes_kwargs == bool(PAST_RECORDING_KWARGS) and _keyword_names(Cache.activate_past_recording) == set()
+    # the layers that use the keyword name it: the linear-attention ones
+    assert _keyword_names(LinearAttentionCacheLayerMixin.activate_past_recording) == set(PAST_RECORDING_KWARGS)
+    paged = inspect.signature(PagedCache.activate_past_recording).parameters
+    assert any(p.kind is p.VAR_KEYWORD for p in paged.values())  # any keyword a later version adds is taken too
+
+
+class _RecordingCache(PagedCache):
+    """A PagedCache that notes the keyword arguments of each `activate_past_recording` call."""
+
+    def activate_past_recording(self, **kwargs):
+        self.calls.append(kwargs)
+        super().activate_past_recording(**kwargs)
+
+
+class _StrictCache(PagedCache):
+    """An override written for 5.23/5.24: no keyword arguments."""
+
+    def activate_past_recording(self):
+        pass
+
+
+@pytest.mark.parametrize("mode", ["assisted", "prompt_lookup"])
+def test_generate_activates_past_recording_with_past_recording_kwargs(mode, one_thread):
+    model, prompt = tiny_model("llama"), torch.cat([ids(1, 6, seed=13)] * 3, dim=1)
+    extra = ({"assistant_model": tiny_model("qwen2")} if mode == "assisted" else {"prompt_lookup_num_tokens": 3})
+    gen = dict(max_new_tokens=8, do_sample=False, **extra)
+    cache = _RecordingCache(config=model.config)
+    cache.calls = []
+    out = model.generate(prompt, **cache_kwargs(cache), **gen)
+    ref = model.generate(prompt, **cache_kwargs(DynamicCache(config=model.config)), **gen)
+    assert torch.equal(out, ref)
+    assert cache.calls and all(set(call) == set(PAST_RECORDING_KWARGS) for call in cache.calls), cache.calls
+    if PAST_RECORDING_KWARGS:
+        assert all(isinstance(call["recurrent_states_to_keep"], int) for call in cache.calls)
+    assert cache.get_seq_length() == out.shape[1] - 1  # what was drafted and rejected was cropped
+    cache.release()
+    # an override without **kwargs breaks exactly on the versions that pass a keyword
+    strict = _StrictCache(config=model.config)
+    if PAST_RECORDING_KWARGS:
+        with pytest.raises(TypeError, match="recurrent_states_to_keep"):
+            model.generate(prompt, **cache_kwargs(strict), **gen)
+    else:
+        assert torch.equal(model.generate(prompt, **cache_kwargs(strict), **gen), ref)
+    strict.release()
+
+
+def test_activate_past_recording_changes_nothing():
+    cache = PagedCache(block_size=2)
+    cache.update(*_kv(1, 5, 0), 0)
+    blocks = cache.pool.stats().blocks_in_use
+    assert cache.activate_past_recording(recurrent_states_to_keep=4) is None
+    assert cache.activate_past_recording() is None
+    assert cache.get_seq_length() == 5 and cache.pool.stats().blocks_in_use == blocks
+    cache.update(*_kv(1, 2, 1), 0)
+    cache.crop(-2)  # take back the last step, as assisted decoding does
+    assert cache.get_seq_length() == 5 and cache.pool.stats().blocks_in_use == blocks
+    cache.release()
+
+
+# -- a first layer without attention: `get_seq_length` skips it up to 5.24, not from 5.25 ---------------------------
+
+def _config_with_layer_types(*layer_types) -> LlamaConfig:
+    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=len(layer_types),
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=4)
+    cfg.layer_types = list(layer_types)
+    return cfg
+
+
+def test_a_first_layer_without_attention_is_skipped_by_get_seq_length():
+    cfg = _config_with_layer_types("mlp", "full_attention", "moe", "full_attention")
+    assert [kind for kind, _ in layer_plan(cfg)] == ["dummy", "full_attention", "dummy", "full_attention"]
+    paged, dyn = PagedCache(block_size=2, config=cfg), DynamicCache(config=cfg)
+    dummies = [isinstance(layer, DummyLayer) for layer in paged.layers]
+    assert dummies == [isinstance(layer, DummyLayer) for layer in dyn.layers] == [True, False, True, False]
+    assert seq_length_layer_idx(paged.layers) == 1 and seq_length_layer_idx(paged.layers, 3) == 3
+    for s, n in enumerate([5, 1]):
+        for idx in (1, 3):
+            k, v = _kv(1, n, 10 * s + idx)
+            assert all(torch.equal(a, b) for a, b in zip(paged.update(k, v, idx), dyn.update(k, v, idx)))
+    assert paged.get_seq_length() == paged.get_seq_length(0) == paged.get_seq_length(1) == 6
+    with pytest.raises(ValueError, match="layer 2 is a DummyLayer"):
+        paged.get_seq_length(2)
+    if TRANSFORMERS_VERSION >= (5, 25):
+        # what PagedCache works around: transformers' own answer asks the DummyLayer itself
+        with pytest.raises(AttributeError, match="get_seq_length"):
+            dyn.get_seq_length()
+    else:
+        assert dyn.get_seq_length() == 6
+        with pytest.raises(ValueError, match="layer index 2"):
+            dyn.get_seq_length(2)
+    paged.crop(-1)
+    assert paged.get_seq_length() == 5
+    paged.release()
+
+
+def test_only_layers_without_attention_is_an_error_by_name():
+    cache = PagedCache(config=_config_with_layer_types("mlp", "moe"))
+    with pytest.raises(ValueError, match="none of the 2 layers holds attention"):
+        cache.get_seq_length()
+    cache.release()
+
+
+def test_a_linear_attention_first_layer_is_refused_by_name():
+    with pytest.raises(ValueError, match="'linear_attention'.*layer 0"):
+        PagedCache(config=_config_with_layer_types("linear_attention", "full_attention"))

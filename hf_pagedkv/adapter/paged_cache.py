@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from hf_pagedkv._compat import Cache, DummyLayer, layer_plan
+from hf_pagedkv._compat import Cache, DummyLayer, layer_plan, seq_length_layer_idx
 from hf_pagedkv.pool.block_pool import BlockPool
 from hf_pagedkv.blocks.block_table import BlockTable, num_blocks_for
 from hf_pagedkv.config import QuantConfig, check_positive_int
@@ -210,9 +210,25 @@ class PagedCache(Cache):
         return out
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Tokens seen per row (layer `layer_idx`): cached ones, plus those a retention policy evicted; 0 after
-        `release()` (a released cache holds nothing; its next `update` raises `CacheReleasedError`)."""
-        return super().get_seq_length(layer_idx)
+        """Tokens seen per row (layer `layer_idx`): cached ones, plus those a retention policy evicted. When layer 0
+        holds no attention (a `DummyLayer`), the first layer that does answers, on every supported transformers
+        (`_compat.seq_length_layer_idx`). 0 after `release()` (a released cache holds nothing; its next `update`
+        raises `CacheReleasedError`).
+
+        Raises:
+            ValueError: `layer_idx` is not 0 and names a layer without attention.
+        """
+        if layer_idx >= len(self.layers):
+            return 0
+        return self.layers[seq_length_layer_idx(self.layers, layer_idx)].get_seq_length()
+
+    def activate_past_recording(self, **kwargs) -> None:
+        """Nothing to switch on: `generate` calls this before it drafts tokens it may take back (assisted and
+        prompt-lookup decoding), and every layer group already keeps the last step's tokens until the next step starts,
+        so `crop` can take them back. Takes any keyword: transformers 5.25 passes ``recurrent_states_to_keep``
+        (`_compat.PAST_RECORDING_KWARGS`), for the recurrent states of linear-attention layers, which a PagedCache
+        does not hold.
+        """
 
     def set_padding(self, attention_mask: torch.Tensor) -> None:
         """Declare the left padding of the prompt this (empty) cache is about to store, so that padding costs

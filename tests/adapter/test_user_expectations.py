@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache
 
 import hf_pagedkv
-from hf_pagedkv import BlockPool, CacheReleasedError, PagedCache
+from hf_pagedkv import BlockPool, CacheReleasedError, PagedCache, cache_kwargs
 from hf_pagedkv.errors import EMPTY_PROMPT
 from tests.conftest import ids, tiny_model
 
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def greedy(model, input_ids, cache, **kw):
-    return model.generate(input_ids, past_key_values=cache, max_new_tokens=6, do_sample=False, **kw)
+    return model.generate(input_ids, **cache_kwargs(cache), max_new_tokens=6, do_sample=False, **kw)
 
 
 # -- copy.deepcopy ----------------------------------------------------------------------------------------------------
@@ -308,7 +308,7 @@ def test_a_pool_that_fills_and_an_ordinary_generate_print_nothing(capsys, caplog
         greedy(model, ids(1, 30), PagedCache(pool=pool))  # fills the pool: the error is the message
     gc.collect()
     with PagedCache(quant="k8v4") as cache:
-        model.generate(ids(2, 40), past_key_values=cache, max_new_tokens=40, do_sample=True, top_p=0.9)
+        model.generate(ids(2, 40), **cache_kwargs(cache), max_new_tokens=40, do_sample=True, top_p=0.9)
     assert not pool.health().ok  # the alerts did fire: they are there for whoever looks, not on stderr
     assert capsys.readouterr() == ("", "")
     assert _noisy(caplog, recwarn) == []

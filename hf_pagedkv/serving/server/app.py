@@ -22,8 +22,9 @@ try:
 
     from hf_pagedkv.serving.server.server_metrics import CONTENT_TYPE, ServerMetrics
 except ImportError as _e:
-    raise ImportError(f"The HTTP server needs fastapi, uvicorn and prometheus_client ({_e}); install them with "
-                      "`pip install 'hf_pagedkv[serve]'`.") from _e
+    from hf_pagedkv.errors import install_hint
+    raise ImportError(f"The HTTP server needs fastapi, uvicorn and prometheus_client ({_e}): "
+                      + install_hint("serve", "fastapi uvicorn prometheus_client") + ".") from _e
 
 from hf_pagedkv.serving.server.errors import ApiError
 from hf_pagedkv.serving.server.generation import Generation

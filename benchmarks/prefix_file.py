@@ -32,7 +32,7 @@ import torch
 
 import hf_pagedkv
 from hf_pagedkv import BlockPool, PagedCache, cache_kwargs
-from hf_pagedkv.adapter.prefix_cache import model_fingerprint
+from hf_pagedkv.pool.fingerprint import model_fingerprint
 from hf_pagedkv.tools.models import load_model
 from hf_pagedkv.tools.planning import ModelShape, plan_capacity
 from prefix_cache import DATA, corpus_tokens, prompt

@@ -10,7 +10,7 @@ import logging
 import torch
 
 from hf_pagedkv._compat import CACHE_KWARG_NAMES, cache_kwargs
-from hf_pagedkv.block_pool import BlockPool
+from hf_pagedkv.pool.block_pool import BlockPool
 from hf_pagedkv.adapter.paged_cache import PagedCache
 from hf_pagedkv.errors import EMPTY_PROMPT, PoolExhaustedError
 

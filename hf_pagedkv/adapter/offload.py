@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from hf_pagedkv.errors import PoolExhaustedError
 from hf_pagedkv.adapter.row_tables import RowTables
-from hf_pagedkv.pool.block_table import BlockTable
+from hf_pagedkv.blocks.block_table import BlockTable
 
 PAD = -1  # an offloaded row's position that names the device's pad block (left padding): not copied to the host
 

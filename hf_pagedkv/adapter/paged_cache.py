@@ -10,8 +10,8 @@ from collections.abc import Callable
 import torch
 
 from hf_pagedkv._compat import Cache, DummyLayer, layer_plan, seq_length_layer_idx
-from hf_pagedkv.block_pool import BlockPool
-from hf_pagedkv.pool.block_table import BlockTable, num_blocks_for
+from hf_pagedkv.pool.block_pool import BlockPool
+from hf_pagedkv.blocks.block_table import BlockTable, num_blocks_for
 from hf_pagedkv.config import QuantConfig, check_positive_int
 from hf_pagedkv.errors import CacheOffloadedError, CacheReleasedError, InvariantError, PoolExhaustedError
 from hf_pagedkv.adapter.in_place_reads import InPlaceReads
@@ -26,7 +26,7 @@ from hf_pagedkv.adapter.step_plan import StepPlan
 from hf_pagedkv.adapter.step_planner import StepPlanner
 from hf_pagedkv.adapter.step_tensors import StepTensors
 from hf_pagedkv.errors import EMPTY_PROMPT
-from hf_pagedkv.retention.evictor import Evictor
+from hf_pagedkv.adapter.evictor import Evictor
 from hf_pagedkv.retention.retention_stats import RetentionStats
 from hf_pagedkv.storage.heap import TRIM_MIN_TOKENS, trim_heap
 from hf_pagedkv.storage.read_request import ReadRequest

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from hf_pagedkv.pool.block_table import BlockTable, num_blocks_for
+from hf_pagedkv.blocks.block_table import BlockTable, num_blocks_for
 
 # the mirror of no rows, shared: it has no element, so nothing is ever written into it (a growth replaces it)
 _NO_ROWS = torch.zeros((0, 0), dtype=torch.long)

@@ -8,7 +8,7 @@ import torch
 
 from hf_pagedkv.adapter.row_tables import RowTables
 from hf_pagedkv.adapter.step_plan import StepPlan
-from hf_pagedkv.pool.block_table import num_blocks_for
+from hf_pagedkv.blocks.block_table import num_blocks_for
 
 
 # Tokens of free blocks a batch prefill leaves after each full-precision row for its decode steps (`_row_stride`):

@@ -12,7 +12,7 @@ from hf_pagedkv.attention.native_read import NativeCodeAttention
 from hf_pagedkv.attention.paged_attention import DEFAULT_TILE_TOKENS, paged_attention
 from hf_pagedkv.attention.paged_view import PagedView
 from hf_pagedkv.attention.triton_read import TritonCodeAttention
-from hf_pagedkv.retention.query_window import recorder_of
+from hf_pagedkv.attention.query_window import recorder_of
 
 logger = logging.getLogger(__name__)
 

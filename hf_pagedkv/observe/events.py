@@ -39,7 +39,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from hf_pagedkv.pool.block_table import num_blocks_for
+from hf_pagedkv.blocks.block_table import num_blocks_for
 
 if TYPE_CHECKING:
     from hf_pagedkv.observe.pool_view import ObservedPool

@@ -1,1 +1,1 @@
-"""Block bookkeeping, no tensors: ids and refcounts, block tables, the prefix index, invariants."""
+"""The pool: `BlockPool`, a face over its layer groups, with growth, owners, host tiers and persistence."""

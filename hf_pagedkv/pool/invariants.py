@@ -28,11 +28,11 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from hf_pagedkv.pool.block_table import num_blocks_for
+from hf_pagedkv.blocks.block_table import num_blocks_for
 from hf_pagedkv.errors import InvariantError
 
 if TYPE_CHECKING:
-    from hf_pagedkv.block_group import BlockGroup
+    from hf_pagedkv.pool.block_group import BlockGroup
 
 
 def check_group_invariants(group: BlockGroup, tiered: bool = False) -> None:

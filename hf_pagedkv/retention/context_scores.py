@@ -8,7 +8,7 @@ import weakref
 import torch
 
 from hf_pagedkv.attention.paged_view import PagedView
-from hf_pagedkv.retention.query_window import attach_recorder
+from hf_pagedkv.attention.query_window import attach_recorder
 
 #: query rows scored at once (bounds the `[batch, num_kv_heads, group * rows, keys]` score tensor of a layer)
 QUERY_TILE = 256

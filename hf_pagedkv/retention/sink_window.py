@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hf_pagedkv.pool.block_table import num_blocks_for
+from hf_pagedkv.blocks.block_table import num_blocks_for
 from hf_pagedkv.retention.policy import EvictionPlan, RetentionPolicy, builtin_numbers, check_int
 
 

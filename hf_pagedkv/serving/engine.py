@@ -29,7 +29,7 @@ import torch
 
 from hf_pagedkv._compat import layer_plan
 from hf_pagedkv.adapter.paged_cache import PagedCache
-from hf_pagedkv.block_pool import BlockPool
+from hf_pagedkv.pool.block_pool import BlockPool
 from hf_pagedkv.errors import PoolExhaustedError
 from hf_pagedkv.serving.engine_stats import EngineStats, LatencyLog, LatencySummary
 from hf_pagedkv.serving.packed_forward import PackedForward

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hf_pagedkv.block_pool import BlockPool
+from hf_pagedkv.pool.block_pool import BlockPool
 from hf_pagedkv.serving.engine import Engine
 from hf_pagedkv.serving.request import RequestOutput
 from hf_pagedkv.serving.request_checks import DEFAULT_MAX_NEW_TOKENS

@@ -36,9 +36,9 @@ from collections import Counter
 from dataclasses import dataclass
 
 from hf_pagedkv.adapter.paged_cache import PagedCache
-from hf_pagedkv.block_pool import BlockPool
+from hf_pagedkv.pool.block_pool import BlockPool
 from hf_pagedkv.errors import PoolExhaustedError
-from hf_pagedkv.pool.block_table import num_blocks_for
+from hf_pagedkv.blocks.block_table import num_blocks_for
 from hf_pagedkv.serving.request import Request, RequestStatus
 
 

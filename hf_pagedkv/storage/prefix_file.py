@@ -5,7 +5,7 @@ any point leaves the previous file as it was. Layout::
 
     header metadata "hf_pagedkv": JSON index
         format, version        "hf_pagedkv.prefix_cache", 1
-        model_key              hex of the prefix key the blocks were hashed under (`adapter/prefix_cache.py`
+        model_key              hex of the prefix key the blocks were hashed under (`pool/fingerprint.py`
                                `prefix_key`: blake2b of the model fingerprint and the storage format)
         block_size, quant      tokens per block; repr of the pool's `QuantConfig`
         groups                 one per layer group: window (null: full attention), num_blocks, and per layer
@@ -17,7 +17,7 @@ any point leaves the previous file as it was. Layout::
         g{i}.{name}            what the group's store `export_blocks` returned (fp: K/V per layer; quantized: codes,
                                scales and sink tokens, as stored)
 
-This module knows the format only; which blocks go in and where they land is `hf_pagedkv/prefix_persistence.py`.
+This module knows the format only; which blocks go in and where they land is `hf_pagedkv/pool/prefix_persistence.py`.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ import time
 import torch
 from transformers import set_seed
 
-from hf_pagedkv import BlockPool, PagedCache
+from hf_pagedkv.adapter.paged_cache import PagedCache
+from hf_pagedkv.pool.block_pool import BlockPool
 from hf_pagedkv._compat import cache_kwargs
 from hf_pagedkv.tools.cli_tools import add_tool_commands, run_tool
 from hf_pagedkv.tools.serve_command import add_serve_command
@@ -84,7 +85,7 @@ def _generate(args: argparse.Namespace) -> int:
     with torch.inference_mode():
         if retention is not None and retention.reconstructs and input_ids.shape[1] > 1:
             # KVzip: the prompt but its last token is the context, compressed once; generate feeds the last token
-            from hf_pagedkv.retention.compress import compress_context
+            from hf_pagedkv.adapter.compress import compress_context
 
             model(input_ids[:, :-1], **cache_kwargs(cache), logits_to_keep=1)
             compress_context(model, cache, input_ids[:, :-1], tokenizer=tokenizer)
@@ -160,7 +161,7 @@ def _beyond_context(model, tokenizer, prompt_tokens: int, args: argparse.Namespa
                 f"{prompt_tokens + new:,} positions, past {context}: {fix}.")
     policy = args.retention_policy
     if policy is not None and policy.reconstructs and prompt_tokens > 1:
-        from hf_pagedkv.retention.compress import repeat_prompt_ids
+        from hf_pagedkv.adapter.compress import repeat_prompt_ids
 
         repeat = len(repeat_prompt_ids(tokenizer))
         reach = 2 * (prompt_tokens - 1) + repeat  # the context, the repeat instruction, the context again

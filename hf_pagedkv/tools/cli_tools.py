@@ -9,7 +9,7 @@ import math
 import os
 import sys
 
-from hf_pagedkv.block_pool import device_memory
+from hf_pagedkv.pool.block_pool import device_memory
 from hf_pagedkv.config import DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, parse_bytes
 from hf_pagedkv.errors import install_hint
 from hf_pagedkv.tools.models import DEFAULT_MODEL
@@ -307,7 +307,7 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _host_tier(plan, host_memory: str, parser) -> dict:
-    """What a `BlockPool(host_memory=...)` tier holds for this plan: blocks (`host_tiers.py` sizes it as
+    """What a `BlockPool(host_memory=...)` tier holds for this plan: blocks (`pool/host_tiers.py` sizes it as
     ``host_memory // bytes per block``), tokens, and sequences of `max_seq_len`."""
     try:
         size = parse_bytes(host_memory, name="host_memory")

@@ -62,7 +62,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 2
     import torch
 
-    from hf_pagedkv import BlockPool
+    from hf_pagedkv.pool.block_pool import BlockPool
     from hf_pagedkv.serving import Engine
     from hf_pagedkv.serving.server import EngineService, create_app
     from hf_pagedkv.serving.server.http_server import bind, serve

@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 from hf_pagedkv import (BlockPool, KeyDiff, KeyNorm, KVzip, PagedCache, PoolExhaustedError, PyramidKV, SinkWindow,
                         SnapKV, cache_kwargs)
-from hf_pagedkv.retention.window_realign import WindowRealign
+from hf_pagedkv.adapter.window_realign import WindowRealign
 from tests.conftest import ids, tiny_model
 from tests.retention.reference import compacted_dynamic_reference, run_steps, sink_window_visible, snapkv_reference
 from tests.tolerances import CROSS_STEP_LOGIT_ATOL

@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_pagedkv import BlockPool, KeyDiff, KeyNorm, KVzip, PagedCache, SinkWindow, cache_kwargs
-from hf_pagedkv.pool.block_table import num_blocks_for
+from hf_pagedkv.blocks.block_table import num_blocks_for
 from tests.conftest import ids, tiny_model
 from tests.retention.reference import compacted_dynamic_reference, run_steps
 from tests.tolerances import CROSS_STEP_LOGIT_ATOL

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_pagedkv import BlockPool, KVzip, PagedCache, SnapKV, cache_kwargs, compress_context
-from hf_pagedkv.pool.block_table import num_blocks_for
+from hf_pagedkv.blocks.block_table import num_blocks_for
 from hf_pagedkv.retention.spec import parse_retention
 from tests.conftest import ids
 from tests.retention.reference import (kept_heads_reference, reference_kvzip_kept, reference_kvzip_scores,
@@ -442,7 +442,7 @@ def test_context_scores_keep_a_running_max_and_check_their_shape():
     scores = ContextScores(num_context=3)
     keys = torch.zeros(1, 1, 5, 2)  # 3 context keys, then the step's 2 tokens; equal logits: uniform weights
     scores.tag(keys, layer_idx=0)
-    from hf_pagedkv.retention.query_window import recorder_of
+    from hf_pagedkv.attention.query_window import recorder_of
 
     recorder_of(keys)(torch.zeros(1, 2, 2, 2), 1.0)  # 2 query heads over 1 KV head, 2 queries
     assert torch.allclose(scores.scores[0], torch.full((1, 1, 3), 1 / 4))  # the first query sees 4 keys: 1/4 each

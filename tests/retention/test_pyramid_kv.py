@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_pagedkv import BlockPool, PagedCache, PyramidKV, SnapKV, cache_kwargs
-from hf_pagedkv.pool.block_table import num_blocks_for
+from hf_pagedkv.blocks.block_table import num_blocks_for
 from tests.conftest import VOCAB, ids, tiny_model
 from tests.retention.reference import run_steps, snapkv_reference
 from tests.tolerances import CROSS_STEP_LOGIT_ATOL

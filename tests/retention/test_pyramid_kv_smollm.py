@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hf_pagedkv import BlockPool, PagedCache, PyramidKV, cache_kwargs
-from hf_pagedkv.pool.block_table import num_blocks_for
+from hf_pagedkv.blocks.block_table import num_blocks_for
 from tests.eval_helpers import passkey_example
 
 pytestmark = pytest.mark.model

@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_pagedkv import BlockPool, PagedCache, SinkWindow, cache_kwargs
-from hf_pagedkv.pool.block_table import num_blocks_for
+from hf_pagedkv.blocks.block_table import num_blocks_for
 from tests.conftest import ids, tiny_model
 from tests.retention.reference import masked_reference, run_steps, sink_window_visible
 from tests.tolerances import CROSS_STEP_LOGIT_ATOL

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_pagedkv import BlockPool, KeyNorm, PagedCache, SnapKV, cache_kwargs
-from hf_pagedkv.pool.block_table import num_blocks_for
+from hf_pagedkv.blocks.block_table import num_blocks_for
 from tests.conftest import ids
 from tests.retention.reference import reference_snapkv_scores, run_steps, snapkv_reference
 from tests.tolerances import CROSS_STEP_LOGIT_ATOL
@@ -143,7 +143,7 @@ def test_bad_settings_are_refused():
 
 
 def test_the_query_window_keeps_the_last_queries_per_layer_and_follows_rows():
-    from hf_pagedkv.retention.query_window import QueryWindow, recorder_of
+    from hf_pagedkv.attention.query_window import QueryWindow, recorder_of
 
     window = QueryWindow(3)
     keys = torch.zeros(2, 1, 5, 4)

@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from hf_pagedkv import BlockPool, PagedCache, block_pool
+from hf_pagedkv import BlockPool, PagedCache
+from hf_pagedkv.pool import block_pool
 from hf_pagedkv.storage.device_budget import blocks_for_budget, check_device_share, device_shares
 from hf_pagedkv.storage.page_store import LayerSpec
 

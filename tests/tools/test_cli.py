@@ -502,7 +502,7 @@ def test_generate_at_the_context_limit_runs_and_says_it_is_prefilling(tmp_path, 
 def test_generate_refuses_a_kv_zip_reconstruction_past_the_context(tmp_path, monkeypatch, capsys):
     """KVzip's reconstruction pass feeds the context a second time after itself: a prompt of more than half the
     context is refused before any forward, with the longest prompt that fits."""
-    from hf_pagedkv.retention.compress import repeat_prompt_ids
+    from hf_pagedkv.adapter.compress import repeat_prompt_ids
 
     cli, model, tokenizer, path, n = _long_file(tmp_path, monkeypatch, 210)
     before = model.config._attn_implementation

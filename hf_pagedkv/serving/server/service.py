@@ -17,7 +17,7 @@ import torch
 
 from hf_pagedkv._compat import cache_kwargs
 from hf_pagedkv.adapter.paged_cache import PagedCache
-from hf_pagedkv.pool.block_table import num_blocks_for
+from hf_pagedkv.blocks.block_table import num_blocks_for
 from hf_pagedkv.serving.engine import Engine
 from hf_pagedkv.serving.server.engine_runner import EngineRunner, QueueFull
 from hf_pagedkv.serving.server.errors import ApiError, bad_request

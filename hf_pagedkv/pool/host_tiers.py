@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_pagedkv.errors import InvariantError, PoolExhaustedError
-from hf_pagedkv.pool.host_tier import HostTier
+from hf_pagedkv.blocks.host_tier import HostTier
 from hf_pagedkv.storage.host_store import HostStore, select_blocks
 
 

@@ -9,7 +9,7 @@ import torch
 
 import hf_pagedkv
 from hf_pagedkv import BlockPool
-from hf_pagedkv.adapter.prefix_cache import model_fingerprint, prefix_key
+from hf_pagedkv.pool.fingerprint import model_fingerprint, prefix_key
 from tests.conftest import _tiny, ids
 from tests.prefix_utils import assert_same_output, fresh_generate, tiny_single_thread  # noqa: F401 (autouse)
 

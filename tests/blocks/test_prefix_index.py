@@ -6,8 +6,8 @@ import threading
 import pytest
 
 from hf_pagedkv import BlockHash, BlockPool, InvariantError, PoolExhaustedError
-from hf_pagedkv.pool.block_table import BlockTable
-from hf_pagedkv.pool.prefix_index import hash_blocks
+from hf_pagedkv.blocks.block_table import BlockTable
+from hf_pagedkv.blocks.prefix_index import hash_blocks
 
 B = 4
 KEY = b"model-a"

@@ -11,24 +11,24 @@ from collections import Counter, deque
 
 import torch
 
-from hf_pagedkv.pool.block_allocator import BlockAllocator
-from hf_pagedkv.block_group import BlockGroup
-from hf_pagedkv.pool.block_table import BlockTable
+from hf_pagedkv.blocks.block_allocator import BlockAllocator
+from hf_pagedkv.pool.block_group import BlockGroup
+from hf_pagedkv.blocks.block_table import BlockTable
 from hf_pagedkv.config import DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, QuantConfig, check_positive_int, parse_bytes
 from hf_pagedkv.storage.device_budget import blocks_for_budget, check_device_share
 from hf_pagedkv.errors import InvariantError, PoolExhaustedError
 from hf_pagedkv.observe.events import EventLog
-from hf_pagedkv.host_tiers import HostTiers
-from hf_pagedkv.idle_shrink import IdleShrink
+from hf_pagedkv.pool.host_tiers import HostTiers
+from hf_pagedkv.pool.idle_shrink import IdleShrink
 from hf_pagedkv.pool.invariants import check_group_invariants
-from hf_pagedkv.pool.owner_registry import IdleOwner, OwnerRegistry
+from hf_pagedkv.blocks.owner_registry import IdleOwner, OwnerRegistry
 from hf_pagedkv.observe.alerts import Health
 from hf_pagedkv.observe.metrics import PoolMetrics
 from hf_pagedkv.storage.page_store import LayerSpec
 from hf_pagedkv.observe.pool_stats import GroupStats, PoolStats
-from hf_pagedkv.pool.compaction import num_trapped_free, plan_moves
-from hf_pagedkv.pool.prefix_budget import PrefixCacheBudget
-from hf_pagedkv.pool.prefix_index import BlockHash, PrefixIndex
+from hf_pagedkv.blocks.compaction import num_trapped_free, plan_moves
+from hf_pagedkv.blocks.prefix_budget import PrefixCacheBudget
+from hf_pagedkv.blocks.prefix_index import BlockHash, PrefixIndex
 
 logger = logging.getLogger(__name__)
 
@@ -564,7 +564,7 @@ class BlockPool:
     # -- compaction and shrinking ------------------------------------------------------------------------------------
     def compact(self, max_blocks: int = 64) -> int:
         """Move up to `max_blocks` live blocks (in use or cached-idle) of each layer group to free ids below them
-        (`pool/compaction.py`): each row whole to the lowest place where its blocks are consecutive in one storage
+        (`blocks/compaction.py`): each row whole to the lowest place where its blocks are consecutive in one storage
         segment (a single-row cache then reads views, not gathers), then blocks no row names to the lowest free
         ids, so the free blocks gather at the end, where `shrink` can return their segments. Bounded per call: call
         it again (e.g. once per step) until it returns 0.
@@ -834,7 +834,7 @@ class BlockPool:
 
     # -- prefix cache on disk (prefix_persistence.py, storage/prefix_file.py) -------------------------------------
     def note_prefix_key(self, key: bytes) -> None:
-        """Record the prefix key (`adapter/prefix_cache.py` `prefix_key`: model fingerprint + storage format) that
+        """Record the prefix key (`pool/fingerprint.py` `prefix_key`: model fingerprint + storage format) that
         blocks published in this pool are hashed under; `PagedCache.publish` calls it, `save_prefix_cache` reads it."""
         with self.lock:
             self._prefix_keys.setdefault(bytes(key))
@@ -872,7 +872,7 @@ class BlockPool:
         >>> cache = PagedCache.from_prefix(pool, input_ids, model=model)         # hits the loaded blocks
         ```
         """
-        from hf_pagedkv.prefix_persistence import save_prefix_cache
+        from hf_pagedkv.pool.prefix_persistence import save_prefix_cache
 
         return save_prefix_cache(self, path, model, config)
 
@@ -901,7 +901,7 @@ class BlockPool:
         Raises:
             FileNotFoundError, ValueError, PoolExhaustedError: see `prefix_persistence.load_prefix_cache`.
         """
-        from hf_pagedkv.prefix_persistence import load_prefix_cache
+        from hf_pagedkv.pool.prefix_persistence import load_prefix_cache
         from hf_pagedkv.storage.prefix_file import read_prefix_index
 
         if isinstance(pool_or_cls, BlockPool):

@@ -5,7 +5,7 @@ Pure Python, no tensors: each test is a short story whose steps are commented.
 
 import pytest
 
-from hf_pagedkv.pool.block_allocator import BlockAllocator
+from hf_pagedkv.blocks.block_allocator import BlockAllocator
 
 
 def refcounts(alloc: BlockAllocator) -> list[int]:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from hf_pagedkv.pool.block_allocator import BlockAllocator
-from hf_pagedkv.pool.block_table import BlockTable
+from hf_pagedkv.blocks.block_allocator import BlockAllocator
+from hf_pagedkv.blocks.block_table import BlockTable
 from hf_pagedkv.config import QuantConfig
 from hf_pagedkv.storage.page_store import PageStore
-from hf_pagedkv.pool.prefix_index import PrefixIndex
+from hf_pagedkv.blocks.prefix_index import PrefixIndex
 from hf_pagedkv.storage.quantized_store import QuantizedPageStore
 
 

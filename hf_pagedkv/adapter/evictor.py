@@ -7,17 +7,17 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from hf_pagedkv.pool.block_table import num_blocks_for
+from hf_pagedkv.blocks.block_table import num_blocks_for
 from hf_pagedkv.retention.context_scores import ContextScores
-from hf_pagedkv.retention.fresh_rows import install_fresh_rows
+from hf_pagedkv.adapter.fresh_rows import install_fresh_rows
 from hf_pagedkv.retention.policy import EvictionPlan, RetentionPolicy
-from hf_pagedkv.retention.query_window import QueryWindow
+from hf_pagedkv.attention.query_window import QueryWindow
 from hf_pagedkv.retention.retention_stats import RetentionStats
-from hf_pagedkv.retention.window_realign import WindowRealign
+from hf_pagedkv.adapter.window_realign import WindowRealign
 
 if TYPE_CHECKING:  # type-only: the owner is a PagedCache, which imports this module
     from hf_pagedkv.adapter.row_tables import RowTables
-    from hf_pagedkv.block_pool import BlockPool
+    from hf_pagedkv.pool.block_pool import BlockPool
 
 
 class RetentionOwner(Protocol):

@@ -1,7 +1,7 @@
 """A prefix cache that survives a restart: save a pool's published blocks to a file, load them into another pool.
 
 `BlockPool.save_prefix_cache` / `BlockPool.load_prefix_cache` call these. A block is named by its chain hash
-(`pool/prefix_index.py`), which already covers the tokens from position 0, the model's weights and the storage
+(`blocks/prefix_index.py`), which already covers the tokens from position 0, the model's weights and the storage
 format, so a loaded block is hit exactly when the same model would have computed the same K/V into the same
 format. Loaded blocks become cached-idle prefix blocks (refcount 0, in the prefix index), as if a request in this
 process had published them and finished: `PagedCache.from_prefix` hits them, and the pool evicts them (least
@@ -17,9 +17,9 @@ import os
 import torch
 
 from hf_pagedkv._compat import layer_plan
-from hf_pagedkv.adapter.prefix_cache import prefix_key
+from hf_pagedkv.pool.fingerprint import prefix_key
 from hf_pagedkv.errors import PoolExhaustedError
-from hf_pagedkv.pool.prefix_index import BlockHash
+from hf_pagedkv.blocks.prefix_index import BlockHash
 from hf_pagedkv.storage.page_store import LayerSpec
 from hf_pagedkv.storage.host_store import select_blocks
 from hf_pagedkv.storage.prefix_file import read_prefix_file, write_prefix_file

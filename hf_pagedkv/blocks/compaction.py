@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 from typing import Sequence
 
-from hf_pagedkv.pool.block_allocator import BlockAllocator
+from hf_pagedkv.blocks.block_allocator import BlockAllocator
 
 
 def plan_moves(allocator: BlockAllocator, max_blocks: int, rows: Sequence[Sequence[int]] = (),

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hf_pagedkv.pool.block_table import BlockTable
+from hf_pagedkv.blocks.block_table import BlockTable
 
 if TYPE_CHECKING:  # type-only
     from hf_pagedkv.adapter.row_tables import RowTables
-    from hf_pagedkv.block_pool import BlockPool
+    from hf_pagedkv.pool.block_pool import BlockPool
 
 
 def install_fresh_rows(pool: BlockPool, rt: RowTables, by_table: dict[tuple, list[int]], fresh: dict[int, list[int]],

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
-    from hf_pagedkv.pool.block_allocator import BlockAllocator
+    from hf_pagedkv.blocks.block_allocator import BlockAllocator
 
 _DIGEST_BYTES = 16  # blake2b-128: collisions are negligible for any number of blocks a pool sees
 
@@ -195,7 +195,7 @@ class PrefixIndex:
             problems.append(f"free or unknown blocks {stale[:20]} are still published")
         return problems
 
-    # -- for the host tier (host_tiers.py) ------------------------------------------------------------------------
+    # -- for the host tier (pool/host_tiers.py) ------------------------------------------------------------------------
     def hash_of(self, block: int) -> BlockHash | None:
         """The hash naming `block`, or None when it is not published."""
         return self._by_block.get(block)

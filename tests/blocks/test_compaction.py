@@ -8,8 +8,8 @@ import torch
 
 import hf_pagedkv
 from hf_pagedkv import BlockPool, PagedCache
-from hf_pagedkv.pool.block_allocator import BlockAllocator
-from hf_pagedkv.pool.compaction import num_trapped_free, plan_moves
+from hf_pagedkv.blocks.block_allocator import BlockAllocator
+from hf_pagedkv.blocks.compaction import num_trapped_free, plan_moves
 from tests.conftest import ids, tiny_model
 from tests.fake_kv import kv, labels
 

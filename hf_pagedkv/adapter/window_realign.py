@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hf_pagedkv.pool.block_table import num_blocks_for
-from hf_pagedkv.retention.fresh_rows import install_fresh_rows
+from hf_pagedkv.blocks.block_table import num_blocks_for
+from hf_pagedkv.adapter.fresh_rows import install_fresh_rows
 
 if TYPE_CHECKING:  # type-only: the owner is a PagedCache, which imports the retention package
     from hf_pagedkv.adapter.row_tables import RowTables

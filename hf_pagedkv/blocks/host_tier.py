@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hf_pagedkv.pool.block_allocator import BlockAllocator
-from hf_pagedkv.pool.prefix_index import BlockHash, PrefixIndex
+from hf_pagedkv.blocks.block_allocator import BlockAllocator
+from hf_pagedkv.blocks.prefix_index import BlockHash, PrefixIndex
 
 
 class HostTier:

@@ -7,7 +7,7 @@ import pytest
 
 import hf_pagedkv
 from hf_pagedkv import BlockPool, PagedCache
-from hf_pagedkv.pool.prefix_budget import DEFAULT_GROWABLE_BYTES, PrefixCacheBudget
+from hf_pagedkv.blocks.prefix_budget import DEFAULT_GROWABLE_BYTES, PrefixCacheBudget
 from tests.conftest import ids, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")

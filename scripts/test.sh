@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run the test suite in the project virtualenv; extra arguments go to pytest (first lane only).
+# Run the test suite in the project virtualenv; extra arguments go to pytest (first lane only): options are added to
+# the whole suite (`-m "not model"`), and paths (`tests/test_smoke.py`, `path::test`) run instead of it.
 #
 # One lane per supported transformers version (pyproject.toml allows transformers>=5.23,<5.26):
 #   1. the whole suite on the pinned, newest version (scripts/constraints.txt: 5.25.0), in $VENV (default .venv);
@@ -62,7 +63,15 @@ start=$(date +%s)
 VENV="$VENV" bash scripts/setup.sh
 lib=$("$VENV/bin/python" -c 'import transformers; print(transformers.__version__)')
 echo "test.sh: lane 1: the whole suite on transformers $lib ($VENV)" >&2
-run_pytest "$VENV" "lane 1" tests "$@" || status=$?
+# the whole of tests/, unless the arguments name tests themselves (a path, or path::test)
+targets=(tests)
+for arg in "$@"; do
+    if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then
+        targets=()
+        break
+    fi
+done
+run_pytest "$VENV" "lane 1" "${targets[@]}" "$@" || status=$?
 echo "test.sh: lane 1 (transformers $lib) exit status $status, $(lane_time "$start") s" >&2
 
 lane=1

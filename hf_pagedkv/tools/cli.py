@@ -38,6 +38,10 @@ def _generate(args: argparse.Namespace) -> int:
             print(f"hf-pagedkv generate: --file {args.file!r} is not UTF-8 text ({e.reason} at byte {e.start}); "
                   "give a text file", file=sys.stderr)
             return 2
+        if not text.strip():
+            print(f"hf-pagedkv generate: --file {args.file!r} holds no text: {EMPTY_PROMPT} (a file with some text)",
+                  file=sys.stderr)
+            return 2
     if args.prompt is not None and not args.prompt.strip() and not args.chat:
         print(f"hf-pagedkv generate: --prompt is empty and --no-chat adds no template: {EMPTY_PROMPT} (some text)",
               file=sys.stderr)

@@ -117,6 +117,13 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     engine = Engine(model, pool, max_batch_tokens=args.max_batch_tokens)
     service = EngineService(engine, tokenizer, args.served_model_name or args.model, max_queue=args.max_queue,
                             prefix_cache_file=args.prefix_cache_file)
+    try:
+        service.size_pool()  # a budget too small for one block is refused here, not at the server's startup
+    except ValueError as e:
+        sock.close()
+        engine.close()
+        print(f"hf-pagedkv serve: --max-memory: {e}", file=sys.stderr)
+        return 2
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
     print(f"hf-pagedkv serve: {service.model_name} at http://{url_host}:{port}/v1 (SIGTERM or Ctrl+C drains and "

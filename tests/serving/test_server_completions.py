@@ -136,3 +136,17 @@ def test_a_quantized_pool_serves():
         r = complete(q, PROMPTS[0], max_tokens=40, extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == len(r.choices[0].token_ids) == 40
         q.wait_idle()
+
+
+def test_a_seed_at_the_top_of_its_range_wraps_for_later_choices(srv):
+    """Choice i samples with (seed + i) mod 2**63: the largest seed with n=2 answers (no 500, no broken stream)."""
+    _, tokenizer = model_and_tokenizer()
+    ids = tokenizer(PROMPTS[1]).input_ids
+    top = 2**63 - 1
+    kw = dict(n=2, temperature=0.9, seed=top, max_tokens=6)
+    plain = complete(srv, PROMPTS[1], **kw)
+    streamed = [c.choices[0] for c in complete(srv, PROMPTS[1], stream=True, **kw)]
+    assert len(plain.choices) == 2 and {p.index for p in streamed} == {0, 1}
+    srv.wait_idle()
+    for i, seed in enumerate([top, 0]):
+        assert plain.choices[i].token_ids == engine_tokens([ids], 6, do_sample=True, temperature=0.9, seed=seed)[0]

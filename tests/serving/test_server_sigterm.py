@@ -109,3 +109,11 @@ def test_serve_with_a_port_in_use_fails_before_loading_the_model(monkeypatch, ca
         taken.listen(1)
         assert cli.main(["serve", "--port", str(taken.getsockname()[1])]) == 2
     assert "cannot listen on 127.0.0.1" in capsys.readouterr().err
+
+
+def test_serve_with_a_budget_below_one_block_says_so_before_serving(capsys):
+    """The tiny model's block of 4 tokens is 2 layers x 2 KV heads x 16 x 2 x 4 B x 4 = 2,048 B: 1KiB holds none."""
+    argv = ["serve", "--model", tiny_model_dir(), "--port", "0", "--block-size", "4", "--max-memory", "1KiB"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "hf-pagedkv serve: --max-memory:" in err and "less than one block" in err and "at http" not in err

@@ -170,6 +170,17 @@ def test_generate_with_a_missing_file_fails_before_loading_the_model(monkeypatch
     assert "--file '/nonexistent/notes.txt' is not a readable file" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("content", ["", " \n\t\n"])
+def test_generate_with_an_empty_file_fails_before_loading_the_model(tmp_path, monkeypatch, capsys, content):
+    from hf_pagedkv.tools import cli
+
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("the model must not be loaded"))
+    path = tmp_path / "empty.txt"
+    path.write_text(content, encoding="utf-8")
+    assert cli.main(["generate", "--file", str(path)]) == 2
+    assert f"--file {str(path)!r} holds no text: the prompt is empty" in capsys.readouterr().err
+
+
 def test_plan_pool_line_builds_the_planned_pool(capsys):
     """The printed `BlockPool(...)` line runs as given, even for a small workload, and builds the planned format."""
     assert main(["plan", "--max-seq-len", "100", "--batch", "1", "--quant", "k4v4", "--memory", "1GiB"]) == 0

@@ -27,7 +27,7 @@ class ChoiceSettings:
     do_sample: bool
     temperature: float
     top_p: float
-    seed: int | None  # choice i samples with seed + i; None: a seed drawn by the engine
+    seed: int | None  # choice i samples with (seed + i) mod 2**63; None: a seed drawn by the engine
     stop: tuple[str, ...]  # stop strings
     stop_token_ids: frozenset[int]  # the model's end-of-sequence tokens (unless ignore_eos) and the request's
     hidden_ids: frozenset[int]  # stop tokens whose text is not shown (the request's stop_token_ids)
@@ -94,7 +94,7 @@ class Generation:
 
     def _submit(self, c: _Choice) -> None:
         s = self._settings
-        seed = None if s.seed is None else s.seed + c.index
+        seed = None if s.seed is None else (s.seed + c.index) % 2**63  # the engine takes seeds below 2**63
         c.request_id = self._runner.submit(
             self.prompts[c.prompt], self._sink, max_new_tokens=s.max_new_tokens, do_sample=s.do_sample,
             temperature=s.temperature if s.do_sample else 1.0, top_p=s.top_p if s.do_sample else 1.0, seed=seed,

@@ -56,7 +56,7 @@ class _Sampling(_Body):
     temperature: float = Field(1.0, ge=0.0, le=2.0)  # 0: greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_N)  # choices per prompt
-    seed: int | None = Field(None, ge=0, lt=2**63)  # choice i samples with seed + i
+    seed: int | None = Field(None, ge=0, lt=2**63)  # choice i samples with (seed + i) mod 2**63
     stop: str | list[str] | None = None  # up to MAX_STOP_STRINGS strings; the text ends before the first one
     stream: bool = False  # server-sent events
     stream_options: StreamOptions | None = None

@@ -60,7 +60,17 @@ class EngineService:
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
     def start(self) -> None:
-        """Size a fixed pool (a one-token forward, as the engine's first step would) and start stepping."""
+        """Size a fixed pool (`size_pool`) and start stepping."""
+        self.size_pool()
+        self.runner.start()
+
+    def size_pool(self) -> None:
+        """Give a fixed pool its blocks now (a one-token forward, as the engine's first step would); a no-op once
+        sized, or for a growable pool.
+
+        Raises:
+            ValueError: the pool's `max_memory` holds less than one block of this model.
+        """
         if not self.pool.growable and 0 in self._capacities():
             cache = PagedCache(pool=self.pool, config=self.engine.model.config)
             try:
@@ -69,7 +79,6 @@ class EngineService:
                                       use_cache=True, **cache_kwargs(cache))
             finally:
                 cache.release()
-        self.runner.start()
 
     def begin_drain(self) -> None:
         """From now on new requests get 503; those in flight go on."""

@@ -154,12 +154,9 @@ def _rank_main(model_dir: str, out_dir: str) -> None:
     model.eval()
     result = run_engine(model)
     result["start_warnings"] = start_warnings(model)
-    rank = torch.distributed.get_rank()
-    result["rank"], result["world_size"] = rank, torch.distributed.get_world_size()
-    result["hash_of_str"] = hash("hf_pagedkv")  # differs between ranks (PYTHONHASHSEED)
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    from tests.integration.tp_launch import save_rank_result
+
+    save_rank_result(result, out_dir)
 
 
 if __name__ == "__main__":

@@ -113,12 +113,9 @@ def _rank_main(model_dir: str, out_dir: str) -> None:
     result["prefix"] = {"sequences": [o[0].tolist() for o in outs], "events": _events(pool),
                         "hit_tokens": stats.hit_tokens, "evictions": stats.evictions}
 
-    rank = torch.distributed.get_rank()
-    result["rank"], result["world_size"] = rank, torch.distributed.get_world_size()
-    result["hash_of_str"] = hash("hf_pagedkv")  # differs between ranks (PYTHONHASHSEED)
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    from tests.integration.tp_launch import save_rank_result
+
+    save_rank_result(result, out_dir)
 
 
 if __name__ == "__main__":

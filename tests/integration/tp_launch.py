@@ -41,3 +41,14 @@ def reexec_with_rank_hash_seed() -> None:
     if os.environ.get("PYTHONHASHSEED") != seed:
         os.environ["PYTHONHASHSEED"] = seed
         os.execv(sys.executable, [sys.executable, *sys.argv])
+
+
+def save_rank_result(result: dict, out_dir: str) -> None:
+    """Write this rank's `result` (with its rank, the world size and a string hash that differs between ranks) to
+    `out_dir/rank{rank}.pt`, then end the process group."""
+    rank = torch.distributed.get_rank()
+    result["rank"], result["world_size"] = rank, torch.distributed.get_world_size()
+    result["hash_of_str"] = hash("hf_pagedkv")  # differs between ranks (PYTHONHASHSEED)
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()

@@ -4,23 +4,15 @@ from __future__ import annotations
 
 import functools
 
-import pytest
 import torch
 from transformers import DynamicCache
 
 from hf_pagedkv import cache_kwargs
 from tests.conftest import VOCAB, tiny_model
+from tests.prefix_utils import tiny_single_thread  # noqa: F401 (autouse fixture, for the modules importing it)
 
 BLOCK = 4  # block size of the serving tests' pools: small, so short prompts cross several block boundaries
 
-
-@pytest.fixture(autouse=True)
-def tiny_single_thread():
-    """Tiny models on one intra-op thread (their ops are too small to split; a shared machine only spins)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def prompt(length: int, seed: int) -> list[int]:

@@ -26,6 +26,7 @@ from hf_pagedkv.serving import Engine  # noqa: E402
 from hf_pagedkv.serving.server import EngineService, create_app  # noqa: E402
 from hf_pagedkv.serving.server.http_server import DrainingServer, bind  # noqa: E402
 from tests.eval_helpers import tiny_model, tiny_model_dir  # noqa: E402
+from tests.prefix_utils import tiny_single_thread  # noqa: E402, F401 (autouse fixture, for the modules importing it)
 
 MODEL = "tiny"  # the served model name
 BLOCK = 4  # block size of the tests' pools: short prompts cross block boundaries
@@ -33,13 +34,6 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 PROMPTS = ["The history of the city", "In 1905 the", "A river runs through the valley of", "He"]
 
-
-@pytest.fixture(autouse=True)
-def tiny_single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @functools.lru_cache(maxsize=1)

@@ -202,7 +202,8 @@ class Engine:
 
     def stream(self, request_id: str):
         """Yield the request's generated tokens (`int`) as they come, from the first; steps the engine itself when
-        no background thread runs.
+        no background thread runs. Closing the iterator before the request ends (`close()`, or dropping it, as a
+        client that goes away) cancels the request and frees its blocks.
 
         Raises:
             KeyError: an unknown id. RuntimeError: the request failed (after its tokens so far).
@@ -215,7 +216,12 @@ class Engine:
                 while len(req.generated) <= sent and not req.is_terminal and self.is_started:
                     self._cond.wait(0.1)
                 new, done, threaded = req.generated[sent:], req.is_terminal, self.is_started
-            yield from new
+            try:
+                yield from new
+            except GeneratorExit:
+                if not req.is_terminal:
+                    self.cancel(request_id)
+                raise
             sent += len(new)
             if done:
                 if req.status == RequestStatus.FAILED:

@@ -62,6 +62,24 @@ def test_stream_steps_the_engine_without_a_thread_and_cancel_ends_it():
     assert pool.stats().blocks_in_use == 0
 
 
+def test_a_stream_closed_or_dropped_before_its_end_cancels_the_request():
+    prompts = [prompt(5, 73), prompt(9, 74), prompt(6, 75)]
+    pool = BlockPool(block_size=BLOCK, debug=True)
+    engine = Engine(tiny_model("llama"), pool)
+    a, b, c = (engine.add_request(p, max_new_tokens=NEW) for p in prompts)
+    stream = engine.stream(a)
+    assert next(stream) == solo("llama", prompts[0], NEW)[0]
+    stream.close()
+    assert engine.output(a).status == RequestStatus.CANCELLED
+    dropped = engine.stream(b)
+    next(dropped)
+    del dropped  # a client that goes away
+    assert engine.output(b).status == RequestStatus.CANCELLED
+    assert list(engine.stream(c)) == solo("llama", prompts[2], NEW)  # the others go on, exact
+    pool.check_invariants()
+    assert pool.stats().blocks_in_use == 0
+
+
 def test_close_cancels_unfinished_requests_and_frees_their_blocks():
     pool = BlockPool(block_size=BLOCK, debug=True)
     engine = Engine(tiny_model("llama"), pool)

@@ -3,11 +3,14 @@
     python benchmarks/serving.py                          # 16 requests, the three workloads, one CPU thread
     python benchmarks/serving.py --requests 4 --new 4     # a smoke run
     python benchmarks/serving.py --workloads shared       # one workload
+    python benchmarks/serving.py --arrivals poisson --rate 1 --methods hf_pagedkv transformers   # latency
 
 Every method runs the bundled SmolLM2-135M-Instruct (fp32, 30 layers, 3 KV heads x 64: 45 KiB of K/V per token) in
 one process on one thread (`torch.set_num_threads(1)`), greedy, `--new` new tokens per request:
 
 - `hf_pagedkv`: `hf_pagedkv.generate_batch` (the serving `Engine`, `--max-batch-tokens` per step);
+- `hf_pagedkv-k8v4`: the same engine on `BlockPool(quant="k8v4")` (8-bit keys, 4-bit values, its default blocks
+  of 32 tokens) with the same budget; its tokens may differ from `solo`'s within the codec's drift;
 - `transformers`: `model.generate_batch` (transformers' continuous batching, sdpa on the CPU), with
   `ContinuousBatchingConfig(page_size=16, max_batch_tokens=--max-batch-tokens, num_blocks=...)`: enough blocks for
   every request at once, or the blocks of the memory budget; block sharing on for the shared-prefix workload only;
@@ -25,6 +28,13 @@ less CPU per token), tokens through the model (counted at the embedding layer: p
 recomputation after preemption), peak KV bytes (`hf_pagedkv`: the pool's bytes in use after a step, at most;
 `solo`: the largest `DynamicCache`; `transformers`: its preallocated paged cache), requests finished, and requests
 whose tokens are identical to `solo`'s. Each method runs once after a warm-up of one short request.
+
+`--arrivals poisson --rate R` (requests per second; `--seed` seeds the schedule): instead of all at once, the
+requests arrive over time with exponential gaps of mean 1/R seconds, and each method prints P50/P99 end-to-end
+latency (arrival to last token) and time to first token (arrival to first token), in wall-clock seconds, plus its
+CPU time and requests finished. The engine is stepped in this thread and takes each request between steps once its
+time has come; transformers runs its `ContinuousBatchingManager` (`model.init_continuous_batching`) in its own
+background thread and gets `add_request` at each arrival; `solo` is not run in this mode.
 """
 
 from __future__ import annotations
@@ -108,6 +118,118 @@ def run_engine(model, prompts, new, pool, max_batch_tokens):
     return [o.generated_tokens for o in outs], stats.kv_bytes_peak, stats.num_finished, stats
 
 
+def engine_pool(method: str, budget: int | None, sharing: bool) -> BlockPool:
+    """The pool of an engine method: fp blocks of `PAGE` tokens, or k8v4 blocks of its default size."""
+    if method == "hf_pagedkv-k8v4":
+        return BlockPool(max_memory=budget, prefix_caching=sharing, quant="k8v4")
+    return BlockPool(PAGE, max_memory=budget, prefix_caching=sharing)
+
+
+def poisson_schedule(n: int, rate: float, seed: int) -> list[float]:
+    """Arrival times (seconds after the start, increasing) of `n` requests with exponential gaps of mean 1/rate."""
+    g = torch.Generator().manual_seed(seed)
+    gaps = torch.empty(n, dtype=torch.float64).exponential_(rate, generator=g)
+    return torch.cumsum(gaps, 0).tolist()
+
+
+def run_engine_arrivals(model, prompts, new, pool, max_batch_tokens, arrivals):
+    """Step the engine in this thread, adding each request between steps once its arrival time has come.
+
+    Returns:
+        `(outputs, arrival times)`: each request's `RequestOutput` and its arrival on `time.perf_counter`'s clock.
+    """
+    engine = hf_pagedkv.Engine(model, pool, max_batch_tokens=max_batch_tokens)
+    start = time.perf_counter()
+    due = [start + a for a in arrivals]
+    rids, i = [], 0
+    while i < len(prompts) or engine.has_unfinished:
+        now = time.perf_counter()
+        while i < len(prompts) and due[i] <= now:
+            rids.append(engine.add_request(prompts[i], max_new_tokens=new,
+                                           eos_token_id=model.generation_config.eos_token_id))
+            i += 1
+        if engine.has_unfinished:
+            engine.step()
+        elif i < len(prompts):
+            time.sleep(max(0.0, due[i] - time.perf_counter()))
+    outs = [engine.output(r) for r in rids]
+    engine.close()
+    return outs, due
+
+
+def run_transformers_arrivals(model, prompts, new, num_blocks, max_batch_tokens, sharing, arrivals):
+    """transformers' `ContinuousBatchingManager` in its background thread, `add_request` at each arrival time.
+
+    Returns:
+        `(outputs, arrival times)`: each request's `GenerationOutput` (None if it never came back) and arrival.
+    """
+    from transformers import ContinuousBatchingConfig
+
+    config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=model.generation_config.eos_token_id)
+    cb = ContinuousBatchingConfig(page_size=PAGE, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
+                                  allow_block_sharing=sharing, use_cuda_graph=False, use_async_batching=False)
+    manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=cb)
+    manager.start()
+    start = time.perf_counter()
+    due = [start + a for a in arrivals]
+    results = {}
+    try:
+        for i, p in enumerate(prompts):
+            time.sleep(max(0.0, due[i] - time.perf_counter()))
+            manager.add_request(p, request_id=f"req_{i}", max_new_tokens=new, record_timestamps=True)
+        deadline = time.perf_counter() + 600
+        while len(results) < len(prompts) and time.perf_counter() < deadline:
+            out = manager.get_result(timeout=1.0)
+            if out is not None and out.is_finished():
+                results[out.request_id] = out
+    finally:
+        manager.stop(block=True)
+    return [results.get(f"req_{i}") for i in range(len(prompts))], due
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The `q`-th percentile (0-100, linear interpolation) of `values`; NaN when empty."""
+    if not values:
+        return float("nan")
+    return torch.quantile(torch.tensor(values, dtype=torch.float64), q / 100).item()
+
+
+def arrivals_main(args, model, vocab, per_token) -> int:
+    """The `--arrivals poisson` mode: P50/P99 end-to-end latency and TTFT per workload and method."""
+    arrivals = poisson_schedule(args.requests, args.rate, args.seed)
+    print(f"# Poisson arrivals: {args.requests} requests at {args.rate}/s (seed {args.seed}), last at "
+          f"{arrivals[-1]:.1f} s; latencies in wall-clock seconds")
+    print("| workload | method | e2e P50 s | e2e P99 s | TTFT P50 s | TTFT P99 s | CPU s | finished |")
+    print("|---|---|---|---|---|---|---|---|")
+    for workload in args.workloads:
+        prompts = prompts_for(workload, args.requests, vocab)
+        need = sum(-(-(len(p) + args.new) // PAGE) for p in prompts)
+        budget = parse_bytes(args.memory) if workload == "pressure" else None
+        for method in args.methods:
+            if method == "solo":
+                continue
+            t0 = clock()
+            if method == "transformers":
+                if not hasattr(model, "init_continuous_batching"):
+                    print(f"| {workload} | transformers | no ContinuousBatchingManager in this transformers "
+                          "| | | | | |")
+                    continue
+                blocks = need + len(prompts) if budget is None else budget // (PAGE * per_token)
+                outs, due = run_transformers_arrivals(model, prompts, args.new, blocks, args.max_batch_tokens,
+                                                      workload == "shared", arrivals)
+            else:
+                pool = engine_pool(method, budget, workload == "shared")
+                outs, due = run_engine_arrivals(model, prompts, args.new, pool, args.max_batch_tokens, arrivals)
+            cpu = clock() - t0
+            done = [(o, t) for o, t in zip(outs, due) if o is not None and o.error is None and o.timestamps]
+            e2e = [o.timestamps[-1] - t for o, t in done]
+            ttft = [o.timestamps[0] - t for o, t in done]
+            print(f"| {workload} | {method} | {percentile(e2e, 50):.2f} | {percentile(e2e, 99):.2f} | "
+                  f"{percentile(ttft, 50):.2f} | {percentile(ttft, 99):.2f} | {cpu:.1f} | {len(done)}/{len(prompts)} |",
+                  flush=True)
+    return 0
+
+
 def run_transformers(model, prompts, new, num_blocks, max_batch_tokens, sharing):
     from transformers import ContinuousBatchingConfig
 
@@ -127,8 +249,12 @@ def main() -> int:
     parser.add_argument("--max-batch-tokens", type=int, default=512)
     parser.add_argument("--workloads", nargs="+", default=["mixed", "shared", "pressure"],
                         choices=["mixed", "shared", "pressure"])
-    parser.add_argument("--methods", nargs="+", default=["solo", "hf_pagedkv", "transformers"],
-                        choices=["solo", "hf_pagedkv", "transformers"])
+    parser.add_argument("--methods", nargs="+", default=["solo", "hf_pagedkv", "hf_pagedkv-k8v4", "transformers"],
+                        choices=["solo", "hf_pagedkv", "hf_pagedkv-k8v4", "transformers"])
+    parser.add_argument("--arrivals", default="batch", choices=["batch", "poisson"],
+                        help="batch: every request at once (the table above); poisson: seeded arrivals at --rate")
+    parser.add_argument("--rate", type=float, default=1.0, help="requests per second (--arrivals poisson)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson schedule")
     parser.add_argument("--memory", default="64MiB", help="the pressure workload's KV budget")
     parser.add_argument("--model", default=None, help="a model id or directory (default: the bundled SmolLM2)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (times are then wall times after a synchronize)")
@@ -146,6 +272,10 @@ def main() -> int:
           f"block/page {PAGE}")
     hf_pagedkv.generate_batch(model, [[100, 101, 102]], GenerationConfig(max_new_tokens=2), progress_bar=False)
     run_solo(model, [[100, 101, 102]], 2)  # warm-up
+    if args.arrivals == "poisson":
+        if args.rate <= 0:
+            parser.error(f"--rate must be > 0 requests per second, got {args.rate}")
+        return arrivals_main(args, model, vocab, per_token)
     print("| workload | method | CPU s | CPU ms / token | ratio to solo | tokens computed | peak KV MiB | finished "
           "| identical to solo |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -164,11 +294,12 @@ def main() -> int:
             t0 = clock()
             if method == "solo":
                 outs, peak, finished = run_solo(model, prompts, args.new)
-            elif method == "hf_pagedkv":
-                pool = BlockPool(PAGE, max_memory=budget, prefix_caching=workload == "shared")
+            elif method.startswith("hf_pagedkv"):
+                pool = engine_pool(method, budget, workload == "shared")
                 outs, peak, finished, stats = run_engine(model, prompts, args.new, pool, args.max_batch_tokens)
-                notes.append(f"{workload}: hf_pagedkv {stats.num_steps} steps, {stats.num_preemptions} preemptions, "
-                             f"prefix hit rate {stats.prefix_hit_rate:.2f}, pool {pool.num_blocks} blocks")
+                notes.append(f"{workload}: {method} {stats.num_steps} steps, {stats.num_preemptions} preemptions, "
+                             f"prefix hit rate {stats.prefix_hit_rate:.2f}, pool {pool.num_blocks} blocks of "
+                             f"{pool.block_size}")
             else:
                 blocks = need + len(prompts) if budget is None else budget // (PAGE * per_token)
                 outs, peak, finished = run_transformers(model, prompts, args.new, blocks, args.max_batch_tokens,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +12,9 @@ from hf_pagedkv.storage.read_request import ReadRequest
 from hf_pagedkv.storage.row_gather import RowGather
 from hf_pagedkv.storage.segment_split import SegmentSplit
 from hf_pagedkv.storage.segmented_tensor import SegmentedTensor
+
+
+_MEMO_LIMIT = 4096  # memoized splits at most (entries of live index tensors; all dropped past it)
 
 
 @dataclass(frozen=True)
@@ -66,11 +71,12 @@ class PageStore:
         self.specs: dict[int, LayerSpec] = {}  # layer_idx -> spec; set once per layer by `add_layer`
         self.keys: dict[int, SegmentedTensor] = {}  # layer_idx -> [num_kv_heads, num_blocks * block_size, key_dim]
         self.values: dict[int, SegmentedTensor] = {}  # layer_idx -> [.., value_dim]
-        # (id(index),) -> (index, its SegmentSplit); (id(blocks), offset, length, d0) -> (blocks, its RowGather): one
-        # step's index tensors, split once for every layer (all layers have the same segments; `_memo`). Cleared by
-        # `prepare_write`, `grow` and `shrink`; holding the index keeps its id from being reused. The step's index
-        # tensors are never changed in place.
-        self._splits: dict[tuple[int, ...], tuple[torch.Tensor, SegmentSplit | RowGather]] = {}
+        # (id(index),) -> (weak ref to index, its SegmentSplit); (id(blocks), offset, length, d0) -> (weak ref to
+        # blocks, its RowGather): the live steps' index tensors (one per cache of a packed step), split once for
+        # every layer (all layers have the same segments; `_memo`). An entry goes when its index tensor does (so a
+        # reused id never hits a stale entry), and all go on `grow` and `shrink`. Index tensors are never changed
+        # in place.
+        self._splits: dict[tuple[int, ...], tuple[weakref.ref, SegmentSplit | RowGather]] = {}
 
     @property
     def bytes_per_block(self) -> int:
@@ -114,17 +120,30 @@ class PageStore:
         """`build()` once per step for every layer: memoized under `key` while `source` (the step's index tensor
         the result is made from) is alive."""
         hit = self._splits.get(key)
-        if hit is not None and hit[0] is source:
+        if hit is not None and hit[0]() is source:
             return hit[1]
-        if len(self._splits) >= 16:
+        if len(self._splits) >= _MEMO_LIMIT:  # (only index tensors kept alive elsewhere count: a safety bound)
             self._splits.clear()
         value = build()
-        self._splits[key] = (source, value)
+        splits = self._splits
+
+        def forget(ref: weakref.ref) -> None:  # `source` died: drop its entry, unless a newer one took the key
+            entry = splits.get(key)
+            if entry is not None and entry[0] is ref:
+                del splits[key]
+
+        self._splits[key] = (weakref.ref(source, forget), value)
         return value
 
     def split(self, t: SegmentedTensor, index: torch.Tensor) -> SegmentSplit:
         """`t.split(index)`, computed once per step for all layers."""
-        return self._memo((id(index),), index, lambda: t.split(index))
+        def build() -> SegmentSplit:
+            split = t.split(index)
+            if split.base_local is index:  # (an entry must not keep its own index alive: see `_splits`)
+                split = dataclasses.replace(split, base_local=index.clone())
+            return split
+
+        return self._memo((id(index),), index, build)
 
     def token_gather(self, t: SegmentedTensor, blocks: torch.Tensor, offset: int, length: int) -> RowGather:
         """The `RowGather` of tokens ``offset .. offset + length - 1`` of the rows of `blocks` (`[batch, n]`, in
@@ -181,7 +200,6 @@ class PageStore:
             device (`torch.device`): the layers' device.
             new_step, start, num_new, positions: what the quantized store needs (its block states); unused here.
         """
-        self._splits.clear()
         return slots.to(device)
 
     def write(self, layer_idx: int, target: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

@@ -325,3 +325,19 @@ def test_a_growth_failing_part_way_adds_no_segment_to_any_layer(quant):
         torch.testing.assert_close(t.materialize(), b, rtol=0, atol=0, equal_nan=True)
     store.grow(5)  # the next growth adds one segment to every layer
     assert store.segment_blocks == [2, 3] and [len(t.segments) for t in tensors] == [2] * len(tensors)
+
+
+def test_split_memo_keeps_every_live_index_of_a_packed_step_and_drops_dead_ones():
+    """A packed step interleaves many caches layer by layer: each live write index is split once for every layer
+    (no eviction among 40 live indices), and an index that dies takes its entry with it."""
+    store = make_store(num_blocks=12)
+    t = store.keys[0]
+    indices = [torch.tensor([i, i + 1]) for i in range(40)]
+    first = [store.split(t, idx) for idx in indices]
+    again = [store.split(t, idx) for idx in indices]  # the next layer: all hits
+    assert all(a is b for a, b in zip(first, again))
+    assert len(store._splits) == 40
+    del indices[:10], first, again
+    assert len(store._splits) == 30
+    store.grow(13)  # new segments: every split is recomputed
+    assert len(store._splits) == 0

@@ -80,3 +80,20 @@ def test_allocation_failures_show_in_a_full_pool():
     assert value(m, "hf_pagedkv_service_kv_memory_ratio") == 0.0
     assert value(m, "hf_pagedkv_service_preemptions_total") == engine.num_preemptions
     assert value(m, "hf_pagedkv_service_swaps_total") == engine.num_swaps == 0  # no host tier: recomputed
+
+
+def test_every_metric_of_the_grafana_dashboard_is_served():
+    """examples/grafana_dashboard.json queries only series that /metrics exposes (a renamed metric breaks it)."""
+    import json
+    import re
+    from pathlib import Path
+
+    board = json.loads((Path(__file__).resolve().parents[2] / "examples" / "grafana_dashboard.json").read_text())
+    names = {name for panel in board["panels"] for target in panel["targets"]
+             for name in re.findall(r"\bhf_pagedkv_[a-z0-9_]+", target["expr"])}
+    assert len(names) >= 10
+    with running_server() as srv:
+        srv.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, temperature=0)
+        srv.wait_idle()
+        served = {name for name, _ in scrape(srv)}
+    assert names <= served, sorted(names - served)

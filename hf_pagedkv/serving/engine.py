@@ -247,7 +247,7 @@ class Engine:
             KeyboardInterrupt: re-raised after the step's requests were put back in the queue (blocks freed).
         """
         with self._lock:
-            self._size_pool()
+            self.size_pool()
             batch = self._scheduler.schedule()
             for req in batch.rejected:
                 self._terminate(req, RequestStatus.FAILED, "error", error=req.error)
@@ -353,10 +353,15 @@ class Engine:
         if status == RequestStatus.FINISHED:
             self._latencies.record(req.created_time, req.timestamps, req.finished_time)
 
-    def _size_pool(self) -> None:
-        """Before the first schedule, have the pool register the model's layers (`PackedForward.size_pool`): a
-        `max_memory` pool gets its blocks then, which admission needs, and a quantized store knows how many layers
-        write each step (a packed step's caches interleave layer by layer: `QuantizedBlockStates`)."""
+    def size_pool(self) -> None:
+        """Have the pool register the model's layers now (`PackedForward.size_pool`; `step` does it before its first
+        schedule): a `max_memory` pool gets its blocks then, which admission needs, and a quantized store knows how
+        many layers write each step (a packed step's caches interleave layer by layer: `QuantizedBlockStates`). A
+        no-op once done.
+
+        Raises:
+            ValueError: the pool's `max_memory` holds less than one block of this model.
+        """
         groups = [self.pool.groups[g] for g in self._scheduler.groups]
         unsized = not self.pool.growable and not all(g.allocator.num_blocks for g in groups)
         if unsized or (self.pool.quant.is_quantized and not all(g.store.specs for g in groups)):

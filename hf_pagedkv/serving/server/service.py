@@ -13,10 +13,7 @@ import asyncio
 import logging
 import time
 
-import torch
 
-from hf_pagedkv._compat import cache_kwargs
-from hf_pagedkv.adapter.paged_cache import PagedCache
 from hf_pagedkv.blocks.block_table import num_blocks_for
 from hf_pagedkv.serving.engine import Engine
 from hf_pagedkv.serving.server.engine_runner import EngineRunner, QueueFull
@@ -65,20 +62,12 @@ class EngineService:
         self.runner.start()
 
     def size_pool(self) -> None:
-        """Give a fixed pool its blocks now (a one-token forward, as the engine's first step would); a no-op once
-        sized, or for a growable pool.
+        """Give a fixed pool its blocks now (`Engine.size_pool`), before the first request.
 
         Raises:
             ValueError: the pool's `max_memory` holds less than one block of this model.
         """
-        if not self.pool.growable and 0 in self._capacities():
-            cache = PagedCache(pool=self.pool, config=self.engine.model.config)
-            try:
-                with torch.no_grad():
-                    self.engine.model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=self.engine.model.device),
-                                      use_cache=True, **cache_kwargs(cache))
-            finally:
-                cache.release()
+        self.engine.size_pool()
 
     def begin_drain(self) -> None:
         """From now on new requests get 503; those in flight go on."""

@@ -36,17 +36,7 @@ from transformers import DynamicCache
 
 from hf_pagedkv import PagedCache, cache_kwargs
 from hf_pagedkv.tools.models import load_model
-
-DEVICE = "cpu"  # --device; on CUDA every time is wall time after a synchronize
-
-
-def clock() -> float:
-    """Seconds: this process's CPU time on the CPU; wall time after `torch.cuda.synchronize()` on CUDA."""
-    if DEVICE.startswith("cuda"):
-        torch.cuda.synchronize()
-        return time.perf_counter()
-    return time.process_time()
-
+from step_clock import clock, use_device  # beside this script
 
 QUANTO = importlib.util.find_spec("optimum.quanto") is not None if importlib.util.find_spec("optimum") else False
 
@@ -168,8 +158,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="a model id or directory (default: the bundled SmolLM2)")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (times are then wall times after a synchronize)")
     args = ap.parse_args(argv)
-    global DEVICE
-    DEVICE = args.device
+    use_device(args.device)
     torch.set_num_threads(args.threads)
     model, _ = load_model(args.model, device=args.device)
     attns = ("sdpa", "paged", "compiled") if args.compiled else ("sdpa", "paged")

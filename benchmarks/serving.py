@@ -54,17 +54,9 @@ import hf_pagedkv  # noqa: E402
 from hf_pagedkv import BlockPool, cache_kwargs  # noqa: E402
 from hf_pagedkv.config import parse_bytes  # noqa: E402
 from hf_pagedkv.tools.models import load_model  # noqa: E402
+from step_clock import clock, use_device  # noqa: E402  (beside this script)
 
 PAGE = 16  # tokens per block, both paged caches
-DEVICE = "cpu"  # --device; on CUDA the times are wall times after a synchronize
-
-
-def clock() -> float:
-    """Seconds: this process's CPU time on the CPU; wall time after `torch.cuda.synchronize()` on CUDA."""
-    if DEVICE.startswith("cuda"):
-        torch.cuda.synchronize()
-        return time.perf_counter()
-    return time.process_time()
 
 
 def prompts_for(workload: str, n: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -259,8 +251,7 @@ def main() -> int:
     parser.add_argument("--model", default=None, help="a model id or directory (default: the bundled SmolLM2)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (times are then wall times after a synchronize)")
     args = parser.parse_args()
-    global DEVICE
-    DEVICE = args.device
+    use_device(args.device)
     torch.set_num_threads(1)
     model, _ = load_model(args.model, device=args.device)
     vocab = model.get_input_embeddings().num_embeddings

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_pagedkv.storage.block_storage import BlockStorage, BlockTensor
 from hf_pagedkv.storage.read_request import ReadRequest
 from hf_pagedkv.storage.row_gather import RowGather
 from hf_pagedkv.storage.segment_split import SegmentSplit
@@ -51,7 +52,8 @@ class PageStore:
     Slot `s` is token ``s % block_size`` of block ``s // block_size``; a block id names the same slot range
     in every layer. Storage grows by whole chunks of blocks (`grow`), never per token: each growth appends one
     *segment* of blocks to every layer (`segment_blocks`), copying nothing, so a growing pool never holds its old
-    and a new full-size tensor at once; `shrink` drops trailing segments. A row whose consecutive blocks lie in
+    and a new full-size tensor at once; `shrink` drops trailing segments (both done by its `BlockStorage`, `storage`, which also
+    copies, exports, imports and poisons whole blocks). A row whose consecutive blocks lie in
     one segment is read as a view; one that crosses a segment boundary is copied. In debug mode, freed blocks and
     new storage are filled with NaN (poisoned), so that a read of a slot no sequence owns shows up at once in the
     logits instead of as silent drift; outside debug mode new storage is left uninitialized (never read before
@@ -65,9 +67,7 @@ class PageStore:
 
     def __init__(self, block_size: int, debug: bool = False) -> None:
         self.block_size = block_size  # tokens per block; fixed
-        self.debug = debug  # poison freed blocks and new storage with NaN; set by the pool
-        self.num_blocks = 0  # blocks allocated in every layer's tensors; changed by `grow` / `shrink` only
-        self.segment_blocks: list[int] = []  # blocks of each storage segment, in id order; sums to num_blocks
+        self.storage = BlockStorage(debug)  # every layer's keys and values by block: segments, copies, exports
         self.specs: dict[int, LayerSpec] = {}  # layer_idx -> spec; set once per layer by `add_layer`
         self.keys: dict[int, SegmentedTensor] = {}  # layer_idx -> [num_kv_heads, num_blocks * block_size, key_dim]
         self.values: dict[int, SegmentedTensor] = {}  # layer_idx -> [.., value_dim]
@@ -77,6 +77,25 @@ class PageStore:
         # reused id never hits a stale entry), and all go on `grow` and `shrink`. Index tensors are never changed
         # in place.
         self._splits: dict[tuple[int, ...], tuple[weakref.ref, SegmentSplit | RowGather]] = {}
+
+    @property
+    def debug(self) -> bool:
+        """Poison freed blocks and new storage with NaN; set by the pool."""
+        return self.storage.debug
+
+    @debug.setter
+    def debug(self, value: bool) -> None:
+        self.storage.debug = value
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks allocated in every layer's tensors (changed by `grow` / `shrink` only)."""
+        return self.storage.num_blocks
+
+    @property
+    def segment_blocks(self) -> list[int]:
+        """Blocks of each storage segment, in id order; sums to `num_blocks`."""
+        return self.storage.segment_blocks
 
     @property
     def bytes_per_block(self) -> int:
@@ -97,24 +116,23 @@ class PageStore:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every storage tensor this store owns, segment by segment (for byte accounting checks)."""
-        return [seg for d in (self.keys, self.values) for t in d.values() for seg in t.segments]
+        return self.storage.tensors()
 
     def release(self, blocks: list[int]) -> None:
         """Blocks whose refcount reached 0 (poisoned in debug mode)."""
         self.poison(blocks)
 
-    def _fill(self, spec: LayerSpec) -> float | None:
-        """What new storage is filled with: NaN in debug mode (float), else nothing (never read before written)."""
-        return float("nan") if self.debug and spec.dtype.is_floating_point else None
-
     def add_layer(self, layer_idx: int, spec: LayerSpec) -> None:
-        """Storage for a new layer, with the same segments as the other layers."""
+        """Storage for a new layer, with the same segments as the other layers. New storage is NaN in debug mode
+        (float dtypes), else left uninitialized (never read before written)."""
         assert layer_idx not in self.specs, f"layer {layer_idx} already has storage"
         self.specs[layer_idx] = spec
-        for store, dim in ((self.keys, spec.key_dim), (self.values, spec.value_dim)):
+        poison = float("nan") if spec.dtype.is_floating_point else None
+        tensors = []
+        for name, store, dim in (("keys", self.keys, spec.key_dim), ("values", self.values, spec.value_dim)):
             t = store[layer_idx] = SegmentedTensor(spec.num_kv_heads, dim, spec.dtype, spec.device)
-            for n in self.segment_blocks:
-                t.append_segment(n * self.block_size, self._fill(spec))
+            tensors.append(BlockTensor(name, t, (self.block_size, dim), None, poison))
+        self.storage.add_layer(layer_idx, tuple(tensors))
 
     def _memo(self, key: tuple, source: torch.Tensor, build):
         """`build()` once per step for every layer: memoized under `key` while `source` (the step's index tensor
@@ -159,35 +177,14 @@ class PageStore:
     def grow(self, num_blocks: int) -> None:
         """Extend every layer to `num_blocks` blocks by one new segment; existing blocks are not touched (no copy).
         All or nothing: when an allocation fails, the segments added to the other layers are dropped again."""
-        assert num_blocks >= self.num_blocks
         self._splits.clear()
-        if num_blocks == self.num_blocks:
-            return
-        n = num_blocks - self.num_blocks
-        grown: list[SegmentedTensor] = []
-        try:
-            for idx, spec in self.specs.items():
-                for t in (self.keys[idx], self.values[idx]):
-                    t.append_segment(n * self.block_size, self._fill(spec))
-                    grown.append(t)
-        except BaseException:
-            for t in grown:
-                t.pop_segment()
-            raise
-        self.segment_blocks.append(n)
-        self.num_blocks = num_blocks
+        self.storage.grow(num_blocks)
 
     def shrink(self, num_blocks: int) -> int:
         """Drop the trailing segments that lie wholly at or past block `num_blocks` (the caller made sure no block
         there is held); return the new `num_blocks` (at least `num_blocks`: a segment is dropped whole or kept)."""
         self._splits.clear()
-        while self.segment_blocks and self.num_blocks - self.segment_blocks[-1] >= num_blocks:
-            n = self.segment_blocks.pop()
-            for d in (self.keys, self.values):
-                for t in d.values():
-                    t.pop_segment()
-            self.num_blocks -= n
-        return self.num_blocks
+        return self.storage.shrink(num_blocks)
 
     # -- the store interface (shared with QuantizedPageStore) -------------------------------------------------------
     def prepare_write(self, slots: torch.Tensor, device: torch.device, *, new_step: bool = True, start: int = 0,
@@ -291,38 +288,20 @@ class PageStore:
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy whole blocks `src[i]` -> `dst[i]` in every layer (copy-on-write)."""
-        if not src:
-            return
-        for idx in self.specs:
-            s, d = self.block_slots(src, self.keys[idx].device), self.block_slots(dst, self.keys[idx].device)
-            for store in (self.keys, self.values):
-                store[idx].index_copy_(1, d, store[idx].index_select(1, s))
+        self.storage.copy_blocks(src, dst)
 
     def poison(self, blocks: list[int]) -> None:
         """Fill `blocks` with NaN in every layer (debug mode), so a stale read cannot pass unnoticed."""
-        if not self.debug or not blocks:
-            return
-        for idx, spec in self.specs.items():
-            if spec.dtype.is_floating_point:
-                s = self.block_slots(blocks, spec.device)
-                self.keys[idx].index_fill_(1, s, float("nan"))
-                self.values[idx].index_fill_(1, s, float("nan"))
+        self.storage.poison(blocks)
 
     def zero_blocks(self, blocks: list[int], layer_idx: int | None = None) -> None:
         """Fill whole `blocks` with zeros in every layer (or in layer `layer_idx` only): the pool's pad block, which
         reads as finite keys and values that attention masks."""
-        for idx in self.specs if layer_idx is None else [layer_idx]:
-            s = self.block_slots(blocks, self.keys[idx].device)
-            self.keys[idx].index_fill_(1, s, 0)
-            self.values[idx].index_fill_(1, s, 0)
+        self.storage.fill_blocks(blocks, 0, layer_idx)
 
     def check_zero_blocks(self, blocks: list[int]) -> list[str]:
         """Problems (empty when fine): `blocks` (the pad block) hold anything but zeros in some layer."""
-        bad = []
-        for idx in self.specs:
-            s = self.block_slots(blocks, self.keys[idx].device)
-            if any(bool(store[idx].index_select(1, s).ne(0).any()) for store in (self.keys, self.values)):
-                bad.append(idx)
+        bad = self.storage.written_layers(blocks)
         return [f"blocks {blocks} were written in layers {bad[:10]}"] if bad else []
 
     def poison_slots(self, slots: list[int]) -> None:
@@ -337,9 +316,7 @@ class PageStore:
 
     def block_slots(self, blocks: list[int], device: torch.device) -> torch.Tensor:
         """All slots of `blocks`, block by block: `[len(blocks) * block_size]` int64."""
-        b = torch.tensor(blocks, dtype=torch.long, device=device)
-        offsets = torch.arange(self.block_size, device=device)
-        return (b[:, None] * self.block_size + offsets).reshape(-1)  # [len(blocks) * block_size]
+        return BlockStorage.entries(blocks, self.block_size, device)
 
     # -- whole blocks out and in (prefix-cache files, the host tier) --------------------------------------------------
     def export_blocks(self, blocks: list[int]) -> dict[str, torch.Tensor]:
@@ -350,13 +327,7 @@ class PageStore:
             ``"{layer}.values"`` `[num_kv_heads, len(blocks), block_size, value_dim]`, model dtype, on the layer's
             device (new tensors: later writes to the pool do not change them).
         """
-        out = {}
-        for idx, spec in self.specs.items():
-            s = self.block_slots(blocks, spec.device)
-            for name, store in (("keys", self.keys), ("values", self.values)):
-                t = store[idx].index_select(1, s)  # [num_kv_heads, n * block_size, dim]
-                out[f"{idx}.{name}"] = t.view(t.shape[0], len(blocks), self.block_size, t.shape[-1])
-        return out
+        return self.storage.export_blocks(blocks)
 
     def import_blocks(self, blocks: list[int], tensors: dict[str, torch.Tensor]) -> None:
         """Overwrite whole blocks in every layer with what `export_blocks` returned (from any device).
@@ -365,25 +336,4 @@ class PageStore:
             ValueError: a layer's tensor missing, or not of the shape and dtype `export_blocks` gives for this store
                 (nothing is written then).
         """
-        want = {}
-        for idx, spec in self.specs.items():
-            for name, dim in (("keys", spec.key_dim), ("values", spec.value_dim)):
-                want[f"{idx}.{name}"] = ((spec.num_kv_heads, len(blocks), self.block_size, dim), spec.dtype)
-        check_block_tensors(want, tensors)
-        for idx, spec in self.specs.items():
-            s = self.block_slots(blocks, spec.device)
-            for name, store in (("keys", self.keys), ("values", self.values)):
-                t = tensors[f"{idx}.{name}"].to(spec.device)  # [num_kv_heads, n, block_size, dim]
-                store[idx].index_copy_(1, s, t.reshape(t.shape[0], -1, t.shape[-1]))  # [num_kv_heads, n * B, dim]
-
-
-def check_block_tensors(want: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                         tensors: dict[str, torch.Tensor]) -> None:
-    """Raise `ValueError` unless `tensors` holds every name of `want` with its (shape, dtype)."""
-    for name, (shape, dtype) in want.items():
-        t = tensors.get(name)
-        if t is None:
-            raise ValueError(f"import_blocks: no tensor {name!r} (a block export of another storage format?).")
-        if tuple(t.shape) != shape or t.dtype != dtype:
-            raise ValueError(f"import_blocks: {name!r} is {t.dtype} {tuple(t.shape)}, this store needs {dtype} "
-                             f"{shape}.")
+        self.storage.import_blocks(blocks, tensors)

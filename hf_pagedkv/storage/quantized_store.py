@@ -11,7 +11,8 @@ from hf_pagedkv.storage.code_layout import CodeLayout
 from hf_pagedkv.storage.code_read import CodeRead
 from hf_pagedkv.storage.code_table import CodeTable
 from hf_pagedkv.storage.codecs import BlockLayout, check_finite, codec_name, make_codec
-from hf_pagedkv.storage.page_store import LayerSpec, check_block_tensors
+from hf_pagedkv.storage.block_storage import check_block_tensors
+from hf_pagedkv.storage.page_store import LayerSpec
 from hf_pagedkv.storage.quantized_block_states import QuantizedBlockStates
 from hf_pagedkv.storage.read_request import ReadRequest
 from hf_pagedkv.storage.segmented_tensor import SegmentedTensor

@@ -171,7 +171,8 @@ class BlockStorage:
         """Overwrite whole `blocks` with an export (from any device) already checked against `export_shapes`."""
         for idx, bt, e in self._each(blocks):
             t = tensors[f"{idx}.{bt.name}"].to(bt.tensor.device)  # [d0, n, *block_shape]
-            bt.tensor.index_copy_(1, e, t.reshape(t.shape[0], e.shape[0], t.shape[-1]))  # [d0, n * entries_per_block, d2]
+            src = t.reshape(t.shape[0], e.shape[0], t.shape[-1])  # [d0, n * entries_per_block, d2]
+            bt.tensor.index_copy_(1, e, src)
 
     def import_blocks(self, blocks: list[int], tensors: dict[str, torch.Tensor]) -> None:
         """Overwrite whole `blocks` with what `export_blocks` returned (from any device).

@@ -52,8 +52,8 @@ class PageStore:
     Slot `s` is token ``s % block_size`` of block ``s // block_size``; a block id names the same slot range
     in every layer. Storage grows by whole chunks of blocks (`grow`), never per token: each growth appends one
     *segment* of blocks to every layer (`segment_blocks`), copying nothing, so a growing pool never holds its old
-    and a new full-size tensor at once; `shrink` drops trailing segments (both done by its `BlockStorage`, `storage`, which also
-    copies, exports, imports and poisons whole blocks). A row whose consecutive blocks lie in
+    and a new full-size tensor at once; `shrink` drops trailing segments (both done by its `BlockStorage`,
+    `storage`, which also copies, exports, imports and poisons whole blocks). A row whose consecutive blocks lie in
     one segment is read as a view; one that crosses a segment boundary is copied. In debug mode, freed blocks and
     new storage are filled with NaN (poisoned), so that a read of a slot no sequence owns shows up at once in the
     logits instead of as silent drift; outside debug mode new storage is left uninitialized (never read before

@@ -120,3 +120,25 @@ class StagingStore:
         """All stages of one layer's keys or values, a view `[num_kv_heads, num_stages, block_size, dim]`."""
         t = store[layer_idx]
         return t.view(t.shape[0], self.num_stages, self.block_size, t.shape[-1])
+
+    def copy_stages(self, layer_idx: int, pairs: list[tuple[int, int]]) -> None:
+        """Copy stage `s` -> stage `d` for each `(s, d)` of `pairs`, keys and values of one layer."""
+        for store in (self.keys, self.values):
+            for s, d in pairs:
+                self.block(store, layer_idx, d).copy_(self.block(store, layer_idx, s))
+
+    def read_stages(self, store: dict[int, torch.Tensor], layer_idx: int, stages: list[int],
+                    length: int) -> torch.Tensor:
+        """Copies of the first `length` tokens of `stages` of one layer's keys or values, in that order,
+        `[num_kv_heads, len(stages), length, dim]` (contiguous)."""
+        every = self.blocks(store, layer_idx)  # [num_kv_heads, num_stages, block_size, dim]
+        idx = torch.tensor(stages, dtype=torch.long, device=every.device)
+        return every.index_select(1, idx)[:, :, :length].contiguous()
+
+    def write_stages(self, store: dict[int, torch.Tensor], layer_idx: int, stages: list[int],
+                     src: torch.Tensor) -> None:
+        """Overwrite the first ``src.shape[2]`` tokens of `stages` of one layer's keys or values with `src`
+        `[num_kv_heads, len(stages), length, dim]` (from any device)."""
+        every = self.blocks(store, layer_idx)  # [num_kv_heads, num_stages, block_size, dim]
+        idx = torch.tensor(stages, dtype=torch.long, device=every.device)
+        every[:, :, : src.shape[2]].index_copy_(1, idx, src.to(every.device))

@@ -304,6 +304,11 @@ class PageStore:
         bad = self.storage.written_layers(blocks)
         return [f"blocks {blocks} were written in layers {bad[:10]}"] if bad else []
 
+    def check(self, live: set[int]) -> list[tuple[int, str]]:
+        """Problems given the `live` blocks, as (invariant number, text): none, a full-precision block has no state
+        beyond its refcount (the pool's)."""
+        return []
+
     def poison_slots(self, slots: list[int]) -> None:
         """Fill single slots with NaN in every layer (debug mode; used for the tail of a cropped block)."""
         if not self.debug or not slots:

@@ -232,14 +232,14 @@ class QuantizedPageStore:
         return self.writer.prepare_write(slots, device, new_step=new_step, start=start, num_new=num_new,
                                          positions=positions)
 
-    def write(self, layer_idx: int, plan: WritePlan, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Write one layer's new tokens, `[rows, num_kv_heads, num_new_tokens, head_dim]`, as `plan` says: encode the
-        blocks they complete, stage the rest (see `QuantizedWriter.write`).
+    def write(self, layer_idx: int, target: WritePlan, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Write one layer's new tokens, `[rows, num_kv_heads, num_new_tokens, head_dim]`, as `target` (the `WritePlan`
+        of `prepare_write`) says: encode the blocks they complete, stage the rest (see `QuantizedWriter.write`).
 
         Raises:
             ValueError: NaN or inf in a quantized half, on the CPU (nothing of this layer was written).
         """
-        self.writer.write(layer_idx, plan, key_states, value_states)
+        self.writer.write(layer_idx, target, key_states, value_states)
 
     # -- read (see `QuantizedReader`) -------------------------------------------------------------------------------
     def read(self, layer_idx: int, request: ReadRequest) -> tuple[torch.Tensor, torch.Tensor]:

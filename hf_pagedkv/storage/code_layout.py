@@ -23,7 +23,7 @@ class CodeLayout(NamedTuple):
         sink_slot (`torch.LongTensor` of shape `[batch]`, *optional*): each row's first sink slot.
         sink_rows (`tuple[list[int], list[int | None]]`, *optional*): when some rows have a sink stage and some do
             not (set_padding's pad block, a first block freed by retention): each row's first block and sink stage
-            (None: none), for the layer's own gathered sink tokens (`QuantizedPageStore._row_sinks`); None otherwise.
+            (None: none), for the layer's own gathered sink tokens (`QuantizedReader._row_sinks`); None otherwise.
     """
 
     lo: int

@@ -56,7 +56,7 @@ class QuantizedWriter:
                     if self.staging.debug:
                         out[:, :, first:] = float("nan")
 
-    # -- the store interface (shared with PageStore) ------------------------------------------------------------
+    # -- what `QuantizedPageStore.prepare_write` / `write` do ------------------------------------------------------
     def prepare_write(self, slots: torch.Tensor, device: torch.device, *, new_step: bool = True, start: int = 0,
                       num_new: int | None = None, positions: torch.Tensor | None = None) -> WritePlan:
         """The `WritePlan` of a step's tokens for every layer on `device`: which tokens go to stages and which

@@ -173,3 +173,20 @@ def test_add_layer_twice_raises_and_a_late_layer_gets_every_stage():
     assert tuple(store.keys[1].shape) == (1, 4, 2)
     with pytest.raises(AssertionError, match="layer 1 already has stages"):
         store.add_layer(1, SPECS[1])
+
+
+def test_stages_are_copied_read_and_written_by_id_and_nothing_else_changes():
+    store = make_store()
+    for stage in range(3):
+        store.allocate()
+        mark(store, stage)
+    store.copy_stages(0, [(2, 0)])  # layer 0 only: stage 0 becomes a copy of stage 2
+    assert store.block(store.keys, 0, 0).eq(2).all() and store.block(store.values, 0, 0).eq(2.5).all()
+    assert store.block(store.keys, 1, 0).eq(0).all()  # layer 1 keeps its stage 0
+    got = store.read_stages(store.values, 0, [1, 2], 3)  # the first 3 tokens of stages 1 and 2, in that order
+    assert tuple(got.shape) == (2, 2, 3, 5) and got.is_contiguous()
+    assert got[:, 0].eq(1.5).all() and got[:, 1].eq(2.5).all()
+    store.write_stages(store.values, 0, [1], torch.full((2, 1, 3, 5), -1.0))  # tokens 0..2 of stage 1
+    v = store.blocks(store.values, 0)  # [num_kv_heads, num_stages, B, value_dim]
+    assert v[:, 1, :3].eq(-1).all() and v[:, 1, 3].eq(1.5).all() and v[:, 2].eq(2.5).all()
+    assert store.block(store.keys, 0, 1).eq(1).all()  # the keys of stage 1 are untouched

@@ -53,9 +53,8 @@ import yaml
 from transformers import set_seed
 
 import hf_pagedkv
-from hf_pagedkv import (BlockPool, KeyDiff, KeyNorm, KVzip, PagedCache, SinkWindow, SnapKV, cache_kwargs,
-                        compress_context)
-from hf_pagedkv import PyramidKV
+from hf_pagedkv import BlockPool, PagedCache, cache_kwargs, compress_context
+from hf_pagedkv.retention import KVzip, KeyDiff, KeyNorm, PyramidKV, SinkWindow, SnapKV
 
 from .config import EvalConfig
 from .data import load_text, tokenize_prefix

@@ -44,7 +44,8 @@ from eval.data import load_text
 from eval.long_context import policy_for
 from eval.long_context_config import LongContextConfig
 from eval.tasks.passkey import prepare as passkey_prepare
-from hf_pagedkv import BlockPool, KVzip, PagedCache, cache_kwargs, compress_context
+from hf_pagedkv import BlockPool, PagedCache, cache_kwargs, compress_context
+from hf_pagedkv.retention import KVzip
 from hf_pagedkv._compat import register_attention
 from hf_pagedkv.tools.models import load_model
 from passkey_oracle import CONTEXTS, DEPTHS, KEYS, example_arguments, key_ids, key_measures, parse_examples

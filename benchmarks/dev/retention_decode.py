@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from hf_pagedkv import KVzip, PagedCache, cache_kwargs, compress_context
+from hf_pagedkv import PagedCache, cache_kwargs, compress_context
+from hf_pagedkv.retention import KVzip
 from hf_pagedkv.tools.models import load_model
 
 METHODS = {"full": None, "kv_zip": dict(layer_budgets="uniform"), "kv_zip_global": dict(layer_budgets="global")}

@@ -91,7 +91,7 @@ def compress_context(model, cache, context_ids, tokenizer=None, prompt_ids: Sequ
         raise ValueError(f"compress_context compresses a hf_pagedkv.PagedCache, got {type(cache).__name__}.")
     policy = cache.retention_policy
     if not isinstance(policy, KVzip):
-        raise ValueError(f"compress_context needs a cache built with retention=hf_pagedkv.KVzip(...), got "
+        raise ValueError(f"compress_context needs a cache built with retention=hf_pagedkv.retention.KVzip(...), got "
                          f"retention={policy!r}.")
     impl = getattr(model.config, "_attn_implementation", None)
     if impl not in ("hf_pagedkv", "hf_pagedkv_compiled"):  # (the compiled one differs in quantized decode reads only)

@@ -68,7 +68,7 @@ class Evictor:
 
     def __init__(self, policy: RetentionPolicy) -> None:
         if not isinstance(policy, RetentionPolicy):
-            raise ValueError(f"`retention` must be a retention policy such as hf_pagedkv.SinkWindow(...) or "
+            raise ValueError(f"`retention` must be a retention policy such as hf_pagedkv.retention.SinkWindow(...) or "
                              f"KeyNorm(...), got {type(policy).__name__}.")
         self.policy = policy  # fixed
         self.reset()
@@ -119,7 +119,7 @@ class Evictor:
         """
         if not self.policy.reconstructs:
             raise ValueError(f"retention={self.policy!r} does not compress by a reconstruction pass; use "
-                             "hf_pagedkv.KVzip(...) for compress_context.")
+                             "hf_pagedkv.retention.KVzip(...) for compress_context.")
         if self.num_evictions:  # (not `num_evicted`: a tiered policy's widest tier may keep every token, 0 evicted)
             raise ValueError(f"the cache was already compressed ({self.num_evicted} tokens evicted per row): "
                              "compress_context compresses a context once, right after its prefill.")

@@ -95,7 +95,8 @@ class KVzip(ImportancePolicy):
     Example:
 
     ```python
-    >>> from hf_pagedkv import KVzip, PagedCache, cache_kwargs, compress_context
+    >>> from hf_pagedkv import PagedCache, cache_kwargs, compress_context
+    >>> from hf_pagedkv.retention import KVzip
     >>> model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="hf_pagedkv")
     >>> cache = PagedCache(config=model.config, retention=KVzip(compression_ratio=0.5))
     >>> model(context_ids, **cache_kwargs(cache))                  # prefill the context

@@ -5,7 +5,9 @@ import threading
 
 import pytest
 
-from hf_pagedkv import BlockHash, BlockPool, InvariantError, PoolExhaustedError
+from hf_pagedkv import BlockPool, PoolExhaustedError
+from hf_pagedkv.blocks.prefix_index import BlockHash
+from hf_pagedkv.errors import InvariantError
 from hf_pagedkv.blocks.block_table import BlockTable
 from hf_pagedkv.blocks.prefix_index import hash_blocks
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_pagedkv import (BlockPool, KeyDiff, KeyNorm, KVzip, PagedCache, PoolExhaustedError, PyramidKV, SinkWindow,
-                        SnapKV, cache_kwargs)
+from hf_pagedkv import BlockPool, PagedCache, PoolExhaustedError, cache_kwargs
+from hf_pagedkv.retention import KVzip, KeyDiff, KeyNorm, PyramidKV, SinkWindow, SnapKV
 from hf_pagedkv.adapter.window_realign import WindowRealign
 from tests.conftest import ids, tiny_model
 from tests.retention.reference import compacted_dynamic_reference, run_steps, sink_window_visible, snapkv_reference

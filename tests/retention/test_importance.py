@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_pagedkv import BlockPool, KeyDiff, KeyNorm, KVzip, PagedCache, SinkWindow, cache_kwargs
+from hf_pagedkv import BlockPool, PagedCache, cache_kwargs
+from hf_pagedkv.retention import KVzip, KeyDiff, KeyNorm, SinkWindow
 from hf_pagedkv.blocks.block_table import num_blocks_for
 from tests.conftest import ids, tiny_model
 from tests.retention.reference import compacted_dynamic_reference, run_steps
@@ -215,7 +216,7 @@ def test_a_full_pool_refuses_a_compaction_and_changes_nothing(llama):
 
 
 def test_a_compressed_cache_publishes_only_what_it_still_holds_uncompressed(llama):
-    from hf_pagedkv import SinkWindow
+    from hf_pagedkv.retention import SinkWindow
 
     x = ids(1, 40, seed=6)
     for policy, intact in ((SinkWindow(sink_tokens=4, window=8), 1), (KeyNorm(budget=12, recent_tokens=4), 0)):

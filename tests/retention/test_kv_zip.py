@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from hf_pagedkv import BlockPool, KVzip, PagedCache, SnapKV, cache_kwargs, compress_context
+from hf_pagedkv import BlockPool, PagedCache, cache_kwargs, compress_context
+from hf_pagedkv.retention import KVzip, SnapKV
 from hf_pagedkv.blocks.block_table import num_blocks_for
 from hf_pagedkv.retention.spec import parse_retention
 from tests.conftest import ids

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_pagedkv import KVzip, PagedCache, cache_kwargs, compress_context
+from hf_pagedkv import PagedCache, cache_kwargs, compress_context
+from hf_pagedkv.retention import KVzip
 from tests.conftest import ids
 from tests.tolerances import CROSS_STEP_LOGIT_ATOL
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_pagedkv import BlockPool, KVzip, PagedCache, cache_kwargs, compress_context
+from hf_pagedkv import BlockPool, PagedCache, cache_kwargs, compress_context
+from hf_pagedkv.retention import KVzip
 from tests.eval_helpers import passkey_example
 from tests.tolerances import CROSS_STEP_LOGIT_ATOL
 

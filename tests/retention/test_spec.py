@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from hf_pagedkv import KeyDiff, KeyNorm, KVzip, PyramidKV, SinkWindow, SnapKV
+from hf_pagedkv.retention import KVzip, KeyDiff, KeyNorm, PyramidKV, SinkWindow, SnapKV
 from hf_pagedkv.retention.spec import parse_retention
 from hf_pagedkv.tools.cli import main
 

@@ -60,7 +60,7 @@ def compress_context(model, cache, context_ids, tokenizer=None, prompt_ids: Sequ
 
     Returns:
         `dict[int, torch.Tensor]`: the scores per layer index, `[batch, num_kv_heads, n]` float32 each (0 at
-        padding): the pass's own, also with ``KVzip(value_weighted=True)``, whose ranking multiplies them by the
+        padding): the pass's own, also with ``KVzipScoring(value_weighted=True)``, whose ranking multiplies them by the
         tokens' relative value norms first (`KVzip.weigh`).
 
     Raises:

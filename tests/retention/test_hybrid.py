@@ -193,7 +193,7 @@ def test_a_full_pool_refuses_the_copy_before_anything_changes(hybrid):
 
 def test_kvzip_is_refused_on_sliding_window_models(hybrid):
     with pytest.raises(ValueError, match="reconstruction pass"):
-        PagedCache(config=hybrid.config, retention=KVzip(compression_ratio=0.5))
+        PagedCache(config=hybrid.config, retention=KVzip(compression_ratio=0.5, scoring="plain"))
 
 
 @pytest.fixture(scope="module")

@@ -205,12 +205,16 @@ def _prefill_notice(model, prompt_tokens: int, args: argparse.Namespace) -> str:
 
 
 def _eval(argv: list[str]) -> int:
-    """`hf-pagedkv eval ...`: the drift suite, `python -m eval.drift ...` (the `eval` package of the repository)."""
+    """`hf-pagedkv eval ...`: the drift suite, `python -m eval.drift ...`. eval/ is a folder of the repository, not an
+    installed package: a clone (or an editable install of one) has it beside hf_pagedkv/, and it is found there."""
+    root = Path(__file__).resolve().parents[2]  # the clone, when hf_pagedkv/ is not an installed copy
+    if (root / "eval" / "drift.py").is_file() and str(root) not in sys.path:
+        sys.path.append(str(root))
     try:
         from eval.drift import main as eval_main
     except ImportError as exc:
-        raise ImportError(f"`hf-pagedkv eval` needs the repository's eval/ package and its extra ({exc}): run it "
-                          "from a clone with `pip install -e '.[eval]'`.") from exc
+        raise ImportError(f"`hf-pagedkv eval` needs the repository's eval/ folder and its extra ({exc}): run it "
+                          "from a clone with `pip install -e '.[eval]'`, or `python -m eval.drift` there.") from exc
     return eval_main(argv, prog="hf-pagedkv eval")
 
 

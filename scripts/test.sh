@@ -12,7 +12,6 @@
 #
 # Environment:
 #   OLDER_LANES  1: run lanes 2 and 3 as well; 0: lane 1 only; default: 1 when CI=true, else 0.
-#                (SECOND_LANE, its former name, is still read when OLDER_LANES is not set.)
 #   VENV         lane 1's virtualenv (default: .venv).
 #   OMP_NUM_THREADS  torch's intra-op threads (default here: 1). The suite passes with any value (run it with the
 #                    default thread count too); on a 2-core machine shared with other jobs one thread was 4x faster.
@@ -30,7 +29,7 @@ OLDER_VERSIONS=(
 # the tests an older lane runs: everything that touches transformers internals or compares against DynamicCache
 OLDER_LANE_TESTS=(tests/test_compat.py tests/adapter/test_equivalence.py tests/adapter/test_layer_groups.py
                   tests/retention/test_hybrid.py)
-OLDER_LANES="${OLDER_LANES:-${SECOND_LANE:-}}"
+OLDER_LANES="${OLDER_LANES:-}"
 if [[ "${CI:-}" == "true" ]]; then
     OLDER_LANES="${OLDER_LANES:-1}"
     # the opt-in compiled read's tests (torch.compile with inductor: ~95 s cold on 2 cores); skipped locally

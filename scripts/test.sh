@@ -2,6 +2,10 @@
 # Run the test suite in the project virtualenv; extra arguments go to pytest (first lane only): options are added to
 # the whole suite (`-m "not model"`), and paths (`tests/test_smoke.py`, `path::test`) run instead of it.
 #
+# `bash scripts/test.sh --fast` runs only the bookkeeping lane: the pure-Python tests of hf_pagedkv/blocks
+# (tests/blocks, marker `bookkeeping`) with torch blocked, in a few seconds (scripts/bookkeeping_lane.py); further
+# arguments go to pytest.
+#
 # One lane per supported transformers version (pyproject.toml allows transformers>=5.23,<5.26):
 #   1. the whole suite on the pinned, newest version (scripts/constraints.txt: 5.25.0), in $VENV (default .venv);
 #   2. and 3. the contract, equivalence, layer-group, hybrid-retention and real-model tests (tests/test_compat.py,
@@ -20,6 +24,11 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV="${VENV:-.venv}"
+if [[ "${1:-}" == "--fast" ]]; then
+    shift
+    [[ -x "$VENV/bin/python" ]] || VENV="$VENV" bash scripts/setup.sh
+    exec "$VENV/bin/python" scripts/bookkeeping_lane.py -q "$@"
+fi
 # NOTE: keep in step with the transformers range in pyproject.toml: every supported version but the pin, newest first,
 # as "<requirement> <virtualenv>".
 OLDER_VERSIONS=(

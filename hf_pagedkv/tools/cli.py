@@ -207,10 +207,12 @@ def _prefill_notice(model, prompt_tokens: int, args: argparse.Namespace) -> str:
 
 def _eval(argv: list[str]) -> int:
     """`hf-pagedkv eval ...`: the drift suite, `python -m eval.drift ...`. eval/ is a folder of the repository, not an
-    installed package: a clone (or an editable install of one) has it beside hf_pagedkv/, and it is found there."""
-    root = Path(__file__).resolve().parents[2]  # the clone, when hf_pagedkv/ is not an installed copy
-    if (root / "eval" / "drift.py").is_file() and str(root) not in sys.path:
-        sys.path.append(str(root))
+    installed package: it is found beside hf_pagedkv/ (a clone, or an editable install of one), else in the working
+    directory (a clone's root)."""
+    for root in (Path(__file__).resolve().parents[2], Path.cwd()):
+        if (root / "eval" / "drift.py").is_file() and str(root) not in sys.path:
+            sys.path.append(str(root))
+            break
     try:
         from eval.drift import main as eval_main
     except ImportError as exc:

@@ -168,7 +168,7 @@ def main(argv=None) -> int:
             cache = PagedCache(pool=BlockPool(block_size=cfg.block_size), config=model.config, retention=policy)
             model(torch.tensor([ctx], device=model.device), **cache_kwargs(cache))
             values = ({i: layer.values.clone() for i, layer in enumerate(cache.layers)}  # [1, H, n, d] each
-                      if policy.settings.value_weighted else {})  # (the held values, before the compression replaces them)
+                      if policy.settings.value_weighted else {})  # (the held values, before the compression)
             scores = {i: (policy.weigh(s, values[i]) if policy.settings.value_weighted else s).cpu()
                       for i, s in compress_context(model, cache, ctx, tokenizer=tok).items()}
             cache.release()

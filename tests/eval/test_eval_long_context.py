@@ -94,7 +94,8 @@ def test_passkey_examples_and_run(tiny, tmp_path):
                                                                            for r in zipped]
     assert policy_for("kv_zip_recent", cfg, ratio=0.5, context=256).recent_share == cfg.recent_share == 0.5
     pooled = policy_for("kv_zip_pooled", cfg, ratio=0.5, context=256)
-    assert (pooled.settings.kernel_size, pooled.settings.pooling) == (cfg.kv_zip_kernel, cfg.kv_zip_pooling) == (7, "max")
+    settings = pooled.settings
+    assert (settings.kernel_size, settings.pooling) == (cfg.kv_zip_kernel, cfg.kv_zip_pooling) == (7, "max")
     avg = LongContextConfig(**{**cfg.to_dict(), "kv_zip_pooling": "avg"})
     assert policy_for("kv_zip_pooled", avg, ratio=0.5, context=256).settings.pooling == "avg"
     assert "kv_zip_pooled: kernel 7, avg-pooling" in report_text(avg, {"environment": {"seconds": 1.0}, "passkey": {}})

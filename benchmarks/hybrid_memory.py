@@ -23,7 +23,8 @@ from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hf_pagedkv import KeyDiff, PagedCache, SinkWindow, cache_kwargs  # noqa: E402
+from hf_pagedkv import PagedCache, cache_kwargs  # noqa: E402
+from hf_pagedkv.retention import KeyDiff, SinkWindow  # noqa: E402
 from hf_pagedkv.tools.verify import dynamic_cache_bytes  # noqa: E402
 
 MB = 1e6

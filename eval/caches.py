@@ -51,17 +51,17 @@ def _reference(name: str) -> tuple[str, int]:
 
 
 def unavailable_reason(name: str, cfg: EvalConfig, model_config) -> str | None:
-    """`None` if `name` can be built here, else a one-line reason ("not available: ...") for its report row."""
-    if name == "fp" or name == BASELINE:
+    """`None` if `name` can be built here, else a one-line reason ("not available: ...") for its report row. This
+    package's own configs (`PAGED_CONFIGS`) always build; only a `QuantizedCache` backend may be missing here."""
+    if name == BASELINE or name in PAGED_CONFIGS:
         return None
-    if name not in PAGED_CONFIGS:
-        backend, _ = _reference(name)
-        module, package = _BACKEND_PACKAGES[backend]
-        if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
-            return f"not available: QuantizedCache backend {backend!r} needs `pip install {package}`"
+    backend, _ = _reference(name)
+    module, package = _BACKEND_PACKAGES[backend]
+    if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
+        return f"not available: QuantizedCache backend {backend!r} needs `pip install {package}`"
     try:
         cache = build(name, cfg, model_config)
-    except Exception as exc:  # a preset the installed QuantConfig lacks, an incompatible backend version, ...
+    except Exception as exc:  # an incompatible backend version, ...
         return f"not available: {type(exc).__name__}: {exc}".splitlines()[0][:200]
     release(cache)
     return None

@@ -24,8 +24,8 @@ TASKS = ("perplexity", "summarization")
 #: Data file each task reads when `dataset` is not set (relative to `data_dir`).
 TASK_DATASETS = {"perplexity": "wikitext-2-raw/wiki.test.raw", "summarization": "qmsum/test.jsonl"}
 DTYPES = ("float32", "bfloat16", "float16")
-#: The data shipped with the suite (eval/data/, package data of `eval`): found from this file, not the cwd, so it
-#: is the same folder in a clone, an editable install and a wheel.
+#: The data shipped with the suite (eval/data/ of the clone the suite runs from): found from this file, not the cwd,
+#: so it is the same folder whatever the working directory.
 DEFAULT_DATA_DIR = Path(__file__).resolve().parent / "data"
 #: Settings that do not change the numbers of a run, so they are left out of its name.
 _NOT_IN_NAME = ("output_dir", "overwrite", "run_name", "data_dir", "device", "num_threads")

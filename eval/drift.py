@@ -168,7 +168,7 @@ def _environment(state, seconds: float) -> dict:
     return {
         "python": platform.python_version(), "torch": torch.__version__,
         "transformers": __import__("transformers").__version__, "hf_pagedkv": hf_pagedkv.__version__,
-        "hf_pagedkv_quant": hasattr(hf_pagedkv, "QuantConfig"), "platform": platform.platform(),
+        "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(), "num_processes": state.num_processes,
         "device": str(state.device), "seconds": round(seconds, 1),

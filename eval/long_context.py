@@ -21,11 +21,11 @@ named from its settings; a finished run is skipped (`--overwrite` redoes it):
   `recent_share` of each head's kept tokens goes to the most recent context tokens, the scores choose the rest) and
   `kv_zip_pooled` (the same with its scores max-pooled, or `kv_zip_pooling`, over `kv_zip_kernel` tokens, so a
   kept token keeps its neighbours; `kv_zip_recent_share`, 0 by default, gives it H2O's split too) and
-  `kv_zip_global` (`kv_zip_pooled` with KVzip's ranking across layers, `KVzip(layer_budgets="global")`: each layer
-  keeps what its heads hold of the best-scored tokens of all layers; its layers are tiers, layer groups of their own,
-  so it computes the context itself as `pyramid_kv` does); `kv_zip_share_heads` makes both keep the same tokens
-  in every KV head of a layer (`KVzip(share_heads=True)`), and `kv_zip_value_weighted` weighs each token's score by
-  its value's norm (`KVzip(value_weighted=True)`).
+  `kv_zip_global` (`kv_zip_pooled` with KVzip's ranking across layers, `KVzipScoring(layer_budgets="global")`:
+  each layer keeps what its heads hold of the best-scored tokens of all layers; its layers are tiers, layer groups of
+  their own, so it computes the context itself as `pyramid_kv` does); `kv_zip_share_heads` makes both keep the same
+  tokens in every KV head of a layer (`KVzipScoring(share_heads=True)`), and `kv_zip_value_weighted` weighs each
+  token's score by its value's norm (`KVzipScoring(value_weighted=True)`).
   Each example's context is computed once and published in a prefix-caching pool; every method's cache attaches
   to it and computes the last ``recent_tokens``-plus tokens itself (SnapKV's observation window), then compresses
   the whole context before the question, exactly as after a one-step prefill.
@@ -53,9 +53,8 @@ import yaml
 from transformers import set_seed
 
 import hf_pagedkv
-from hf_pagedkv import (BlockPool, KeyDiff, KeyNorm, KVzip, PagedCache, SinkWindow, SnapKV, cache_kwargs,
-                        compress_context)
-from hf_pagedkv import PyramidKV
+from hf_pagedkv import BlockPool, PagedCache, cache_kwargs, compress_context
+from hf_pagedkv.retention import KVzip, KVzipScoring, KeyDiff, KeyNorm, PyramidKV, SinkWindow, SnapKV
 
 from .config import EvalConfig
 from .data import load_text, tokenize_prefix
@@ -82,11 +81,12 @@ def policy_for(method: str, cfg: LongContextConfig, budget: int | None = None, r
         return SinkWindow(sink_tokens=0, window=budget)
     cls = {"key_norm": KeyNorm, "key_diff": KeyDiff, "snap_kv": SnapKV, "pyramid_kv": PyramidKV,
            "kv_zip": KVzip, "kv_zip_recent": KVzip, "kv_zip_pooled": KVzip, "kv_zip_global": KVzip}[method]
-    pooled = {"kernel_size": cfg.kv_zip_kernel, "pooling": cfg.kv_zip_pooling, "recent_share": cfg.kv_zip_recent_share,
-              "share_heads": cfg.kv_zip_share_heads, "value_weighted": cfg.kv_zip_value_weighted,
-              "value_power": cfg.kv_zip_value_power}
-    extra = {"kv_zip_recent": {"recent_share": cfg.recent_share}, "kv_zip_pooled": pooled,
-             "kv_zip_global": {**pooled, "layer_budgets": "global", "safeguard": cfg.kv_zip_safeguard}}.get(method, {})
+    pooled = {"kernel_size": cfg.kv_zip_kernel, "pooling": cfg.kv_zip_pooling, "share_heads": cfg.kv_zip_share_heads,
+              "value_weighted": cfg.kv_zip_value_weighted, "value_power": cfg.kv_zip_value_power}
+    extra = {"kv_zip": {"scoring": "plain"}, "kv_zip_recent": {"recent_share": cfg.recent_share, "scoring": "plain"},
+             "kv_zip_pooled": {"recent_share": cfg.kv_zip_recent_share, "scoring": KVzipScoring(**pooled)},
+             "kv_zip_global": {"recent_share": cfg.kv_zip_recent_share, "scoring": KVzipScoring(
+                 **pooled, layer_budgets="global", safeguard=cfg.kv_zip_safeguard)}}.get(method, {})
     if ratio is not None:
         return cls(compression_ratio=ratio, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens, **extra)
     return cls(budget=budget, sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens, **extra)

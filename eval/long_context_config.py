@@ -10,7 +10,7 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from hf_pagedkv.retention.kv_zip import MAX_VALUE_POWER
+from hf_pagedkv.retention.kv_zip_scoring import MAX_VALUE_POWER
 from hf_pagedkv.retention.score_pooling import POOLINGS
 
 from .config import load_yaml, resolve_data_dir
@@ -25,7 +25,7 @@ PPL_METHODS = ("full", "sink_window", "window_only", "key_norm", "key_diff", "re
 #: `kv_zip_recent` is KVzip with H2O's split, a `recent_share` of the kept tokens given to the most recent ones;
 #: `kv_zip_pooled` is KVzip with its scores max-pooled (or `kv_zip_pooling`) over `kv_zip_kernel` tokens (SnapKV's
 #: clustering step); `kv_zip_global` is `kv_zip_pooled` with KVzip's ranking across layers (each layer its own
-#: budget from the scores, `KVzip(layer_budgets="global")`).
+#: budget from the scores, `KVzipScoring(layer_budgets="global")`).
 PASSKEY_METHODS = ("full", "sink_window", "key_norm", "key_diff", "snap_kv", "pyramid_kv", "kv_zip", "kv_zip_recent",
                    "kv_zip_pooled", "kv_zip_global")
 TASKS = ("perplexity", "passkey")
@@ -68,21 +68,21 @@ class LongContextConfig:
         recent_share (`float`, defaults to 0.5): passkey, method `kv_zip_recent`: the fraction in [0, 1) of each
             head's kept tokens given to the most recent context tokens (`ImportancePolicy.recent_share`, H2O's split).
         kv_zip_kernel (`int`, defaults to 7): passkey, method `kv_zip_pooled`: the odd max-pooling kernel over
-            KVzip's scores, in tokens (`KVzip.kernel_size`).
+            KVzip's scores, in tokens (`KVzipScoring.kernel_size`).
         kv_zip_pooling (`str`, defaults to `"max"`): passkey, method `kv_zip_pooled`: `max` or `avg`, the pooling
-            of that kernel (`KVzip.pooling`).
+            of that kernel (`KVzipScoring.pooling`).
         kv_zip_recent_share (`float`, defaults to 0.0): passkey, method `kv_zip_pooled`: the `recent_share` of its
             policy (as `recent_share` for `kv_zip_recent`), in [0, 1); 0 keeps the pooled scores' choice alone.
             `kv_zip_global` reads these three too.
         kv_zip_safeguard (`float`, defaults to 0.0): passkey, method `kv_zip_global`: the share in [0, 1] of each
-            head's uniform budget it keeps before the ranking across layers (`KVzip.safeguard`, AdaKV's).
+            head's uniform budget it keeps before the ranking across layers (`KVzipScoring.safeguard`, AdaKV's).
         kv_zip_share_heads (`bool`, defaults to `False`): passkey, methods `kv_zip_pooled` and `kv_zip_global`: the KV
-            heads of a layer keep the same tokens, ranked by the mean of their scores (`KVzip.share_heads`).
+            heads of a layer keep the same tokens, ranked by the mean of their scores (`KVzipScoring.share_heads`).
         kv_zip_value_weighted (`bool`, defaults to `False`): passkey, methods `kv_zip_pooled` and `kv_zip_global`:
             each token's score times its relative value norm before the pooling and the ranking
-            (`KVzip.value_weighted`, VATP).
+            (`KVzipScoring.value_weighted`, VATP).
         kv_zip_value_power (`float`, defaults to 1.0): passkey, methods `kv_zip_pooled` and `kv_zip_global`, with
-            `kv_zip_value_weighted`: the exponent of the relative value norm (`KVzip.value_power`), in (0, 8].
+            `kv_zip_value_weighted`: the exponent of the relative value norm (`KVzipScoring.value_power`), in (0, 8].
         block_size (`int`, defaults to 16): `PagedCache` block size.
         methods (`list[str]`, *optional*): from `PPL_METHODS` (perplexity) or `PASSKEY_METHODS` (passkey); all of
             the task's by default.

@@ -104,7 +104,7 @@ def write_report(run_dir: Path, cfg: EvalConfig, metrics: dict) -> None:
         f"- {lengths}; seed {cfg.seed}; every config against the `DynamicCache` baseline on the same examples.",
         f"- Ran on {env['num_processes']} process(es), {env['device']}, {env['processor']} ({env['cpu_count']} CPUs, "
         f"{env['torch_threads']} torch threads/process), torch {env['torch']}, transformers {env['transformers']}, "
-        f"hf_pagedkv {env['hf_pagedkv']} (quantization {'present' if env['hf_pagedkv_quant'] else 'absent'}); "
+        f"hf_pagedkv {env['hf_pagedkv']}; "
         f"{env['seconds']:.0f} s.",
         f"- Reproduce: `python -m eval.drift --config {run_dir / 'config.yaml'} --overwrite` "
         f"(or `torchrun --nproc_per_node N -m eval.drift ...` to shard the examples).",

@@ -2,6 +2,10 @@
 # Run the test suite in the project virtualenv; extra arguments go to pytest (first lane only): options are added to
 # the whole suite (`-m "not model"`), and paths (`tests/test_smoke.py`, `path::test`) run instead of it.
 #
+# `bash scripts/test.sh --fast` runs only the bookkeeping lane: the pure-Python tests of hf_pagedkv/blocks
+# (tests/blocks, marker `bookkeeping`) with torch blocked, in a few seconds (scripts/bookkeeping_lane.py); further
+# arguments go to pytest.
+#
 # One lane per supported transformers version (pyproject.toml allows transformers>=5.23,<5.26):
 #   1. the whole suite on the pinned, newest version (scripts/constraints.txt: 5.25.0), in $VENV (default .venv);
 #   2. and 3. the contract, equivalence, layer-group, hybrid-retention and real-model tests (tests/test_compat.py,
@@ -12,7 +16,6 @@
 #
 # Environment:
 #   OLDER_LANES  1: run lanes 2 and 3 as well; 0: lane 1 only; default: 1 when CI=true, else 0.
-#                (SECOND_LANE, its former name, is still read when OLDER_LANES is not set.)
 #   VENV         lane 1's virtualenv (default: .venv).
 #   OMP_NUM_THREADS  torch's intra-op threads (default here: 1). The suite passes with any value (run it with the
 #                    default thread count too); on a 2-core machine shared with other jobs one thread was 4x faster.
@@ -21,6 +24,11 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV="${VENV:-.venv}"
+if [[ "${1:-}" == "--fast" ]]; then
+    shift
+    [[ -x "$VENV/bin/python" ]] || VENV="$VENV" bash scripts/setup.sh
+    exec "$VENV/bin/python" scripts/bookkeeping_lane.py -q "$@"
+fi
 # NOTE: keep in step with the transformers range in pyproject.toml: every supported version but the pin, newest first,
 # as "<requirement> <virtualenv>".
 OLDER_VERSIONS=(
@@ -30,7 +38,7 @@ OLDER_VERSIONS=(
 # the tests an older lane runs: everything that touches transformers internals or compares against DynamicCache
 OLDER_LANE_TESTS=(tests/test_compat.py tests/adapter/test_equivalence.py tests/adapter/test_layer_groups.py
                   tests/retention/test_hybrid.py)
-OLDER_LANES="${OLDER_LANES:-${SECOND_LANE:-}}"
+OLDER_LANES="${OLDER_LANES:-}"
 if [[ "${CI:-}" == "true" ]]; then
     OLDER_LANES="${OLDER_LANES:-1}"
     # the opt-in compiled read's tests (torch.compile with inductor: ~95 s cold on 2 cores); skipped locally

@@ -1,15 +1,15 @@
 """Would budgets per (layer, KV head) answer the passkey task better at ratio 0.5 than the cache's budgets per layer?
 A simulation with a head-masked reference (no cache), at equal numbers of kept tokens.
 
-The eval's best policy (`KVzip(kernel_size=7, pooling="avg", layer_budgets="global")`, as `kv_zip_global` builds it)
-ranks every (layer, KV head, token) by its pooled reconstruction score, but the cache stores a layer's KV heads in
-the same blocks, so every head of a layer keeps the same number of tokens. KVzip's paper and AdaKV (Feng et al.,
-arXiv 2407.11550) instead let each head keep what it has in the joint ranking, which needs a block table per head.
-This script scores each of the eval's seeded examples once (`compress_context` on a cache, as the eval does), then
-runs the model without a cache over the context, the question and the key, with an attention that hides from the
-question and the key, per layer and KV head, exactly the context tokens a selection rule evicts (the context itself
-is computed over the full context, as a cache compressed after the prefill holds it). Rules, each keeping the same
-number of tokens in all (the sinks and the last `recent_tokens` always kept):
+The eval's best policy (`KVzipScoring(kernel_size=7, pooling="avg", layer_budgets="global")`, as `kv_zip_global` builds
+it) ranks every (layer, KV head, token) by its pooled reconstruction score, but the cache stores a layer's KV heads in
+the same blocks, so every head of a layer keeps the same number of tokens. KVzip's paper and AdaKV (Feng et al., arXiv
+2407.11550) instead let each head keep what it has in the joint ranking, which needs a block table per head. This script
+scores each of the eval's seeded examples once (`compress_context` on a cache, as the eval does), then runs the model
+without a cache over the context, the question and the key, with an attention that hides from the question and the key,
+per layer and KV head, exactly the context tokens a selection rule evicts (the context itself is computed over the full
+context, as a cache compressed after the prefill holds it). Rules, each keeping the same number of tokens in all (the
+sinks and the last `recent_tokens` always kept):
 
 - `layer`: the cache's rule (`KVzip.score_budgets`, then each head its own best `keep` tokens; per-head scores);
 - `share`: the same with ``share_heads=True`` (a layer's heads keep the same tokens);
@@ -20,8 +20,8 @@ number of tokens in all (the sinks and the last `recent_tokens` always kept):
 - `full`: nothing hidden.
 
 With `--value-weighted` every rule ranks by the scores times the tokens' relative value norms
-(`KVzip(value_weighted=True)`, VATP) instead of the reconstruction scores alone (`--value-power P`: to the power `P`);
-`--kernel K` pools them over `K` tokens instead of the eval's 7.
+(`KVzipScoring(value_weighted=True)`, VATP) instead of the reconstruction scores alone (`--value-power P`: to the
+power `P`); `--kernel K` pools them over `K` tokens instead of the eval's 7.
 
 Printed per example and rule: the key's log-probability after the question (summed over its tokens,
 teacher-forced) and whether every key token is the argmax (teacher-forced, a proxy for the eval's greedy answer),
@@ -35,7 +35,6 @@ then their totals. Examples are numbered as the eval numbers them: 0-8 at 1k, 9-
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import torch
 
@@ -44,7 +43,8 @@ from eval.data import load_text
 from eval.long_context import policy_for
 from eval.long_context_config import LongContextConfig
 from eval.tasks.passkey import prepare as passkey_prepare
-from hf_pagedkv import BlockPool, KVzip, PagedCache, cache_kwargs, compress_context
+from hf_pagedkv import BlockPool, PagedCache, cache_kwargs, compress_context
+from hf_pagedkv.retention import KVzip, KVzipScoring
 from hf_pagedkv._compat import register_attention
 from hf_pagedkv.tools.models import load_model
 from passkey_oracle import CONTEXTS, DEPTHS, KEYS, example_arguments, key_ids, key_measures, parse_examples
@@ -134,14 +134,15 @@ def main(argv=None) -> int:
     ap = example_arguments(__doc__.splitlines()[0])
     ap.add_argument("--rules", nargs="+", choices=RULES, default=list(RULES))
     ap.add_argument("--value-weighted", action="store_true",
-                    help="rank by the scores times the tokens' relative value norms (KVzip(value_weighted=True))")
+                    help="rank by the scores times the tokens' relative value norms "
+                         "(KVzipScoring(value_weighted=True))")
     ap.add_argument("--value-power", type=float, default=1.0,
                     help="with --value-weighted: the exponent of the relative value norm (KVzip.value_power)")
     ap.add_argument("--kernel", type=int, default=7, help="the pooling's kernel, odd (KVzip.kernel_size; the eval's 7)")
     args, wanted = parse_examples(ap, argv)
     try:  # (KVzip's own checks, before the model loads)
-        KVzip(budget=64, kernel_size=args.kernel, pooling="avg", value_weighted=args.value_weighted,
-              value_power=args.value_power)
+        KVzip(budget=64, scoring=KVzipScoring(kernel_size=args.kernel, pooling="avg",
+                                              value_weighted=args.value_weighted, value_power=args.value_power))
     except ValueError as exc:
         ap.error(str(exc))
     rules = list(dict.fromkeys(args.rules))
@@ -159,16 +160,16 @@ def main(argv=None) -> int:
             continue
         ctx, q = ex["context_ids"], ex["question_ids"]
         key = key_ids(tok, ex)
-        policy = replace(policy_for("kv_zip_global", cfg, ratio=args.ratio, context=len(ctx)),
-                         value_weighted=args.value_weighted, value_power=args.value_power, kernel_size=args.kernel)
+        policy = policy_for("kv_zip_global", cfg, ratio=args.ratio, context=len(ctx)).with_scoring(
+            value_weighted=args.value_weighted, value_power=args.value_power, kernel_size=args.kernel)
         scores = None
         if set(rules) - {"full"}:  # the reconstruction scores, from a cache compressed as the eval compresses it
             model.set_attn_implementation("hf_pagedkv")
             cache = PagedCache(pool=BlockPool(block_size=cfg.block_size), config=model.config, retention=policy)
             model(torch.tensor([ctx], device=model.device), **cache_kwargs(cache))
             values = ({i: layer.values.clone() for i, layer in enumerate(cache.layers)}  # [1, H, n, d] each
-                      if policy.value_weighted else {})  # (the held values, before the compression replaces them)
-            scores = {i: (policy.weigh(s, values[i]) if policy.value_weighted else s).cpu()
+                      if policy.settings.value_weighted else {})  # (the held values, before the compression)
+            scores = {i: (policy.weigh(s, values[i]) if policy.settings.value_weighted else s).cpu()
                       for i, s in compress_context(model, cache, ctx, tokenizer=tok).items()}
             cache.release()
         row = {"example": ex["example"], "context_len": ex["context_len"], "depth": ex["depth"]}
@@ -177,7 +178,7 @@ def main(argv=None) -> int:
                 model.set_attn_implementation("sdpa")
             else:
                 mask.context = len(ctx)
-                mask.kept = (kept_by_cache_rule(replace(policy, share_heads=rule == "share"), scores, len(ctx),
+                mask.kept = (kept_by_cache_rule(policy.with_scoring(share_heads=rule == "share"), scores, len(ctx),
                                                 cfg.block_size) if rule in ("layer", "share")
                              else kept_by_joint_ranking(policy, scores, len(ctx), per_layer_max=rule == "head_max"))
                 model.set_attn_implementation(MASKED)

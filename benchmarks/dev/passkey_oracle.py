@@ -29,7 +29,8 @@ from eval.long_context import answer, policy_for, prefill
 from eval.long_context_config import LongContextConfig
 from eval.tasks.passkey import metrics as passkey_metrics
 from eval.tasks.passkey import prepare as passkey_prepare
-from hf_pagedkv import BlockPool, KVzip, PagedCache, cache_kwargs
+from hf_pagedkv import BlockPool, PagedCache, cache_kwargs
+from hf_pagedkv.retention import KVzip
 from hf_pagedkv.tools.models import load_model
 
 #: the eval's passkey grid (`make_examples` numbers the examples in this order)

@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from hf_pagedkv import KVzip, PagedCache, cache_kwargs, compress_context
+from hf_pagedkv import PagedCache, cache_kwargs, compress_context
+from hf_pagedkv.retention import KVzip, KVzipScoring
 from hf_pagedkv.tools.models import load_model
 
 METHODS = {"full": None, "kv_zip": dict(layer_budgets="uniform"), "kv_zip_global": dict(layer_budgets="global")}
@@ -27,7 +28,7 @@ METHODS = {"full": None, "kv_zip": dict(layer_budgets="uniform"), "kv_zip_global
 def run(model, tokenizer, method: str, x: torch.Tensor, ratio: float, steps: int) -> tuple[float, int, int]:
     """(CPU seconds of `steps` decode steps, bytes held, layer groups) for one method."""
     kw = METHODS[method]
-    policy = None if kw is None else KVzip(compression_ratio=ratio, kernel_size=7, **kw)
+    policy = None if kw is None else KVzip(compression_ratio=ratio, scoring=KVzipScoring(kernel_size=7, **kw))
     cache = PagedCache(config=model.config, retention=policy)
     with torch.no_grad():
         model(x, **cache_kwargs(cache), logits_to_keep=1)

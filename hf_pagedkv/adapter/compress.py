@@ -60,7 +60,7 @@ def compress_context(model, cache, context_ids, tokenizer=None, prompt_ids: Sequ
 
     Returns:
         `dict[int, torch.Tensor]`: the scores per layer index, `[batch, num_kv_heads, n]` float32 each (0 at
-        padding): the pass's own, also with ``KVzip(value_weighted=True)``, whose ranking multiplies them by the
+        padding): the pass's own, also with ``KVzipScoring(value_weighted=True)``, whose ranking multiplies them by the
         tokens' relative value norms first (`KVzip.weigh`).
 
     Raises:
@@ -91,7 +91,7 @@ def compress_context(model, cache, context_ids, tokenizer=None, prompt_ids: Sequ
         raise ValueError(f"compress_context compresses a hf_pagedkv.PagedCache, got {type(cache).__name__}.")
     policy = cache.retention_policy
     if not isinstance(policy, KVzip):
-        raise ValueError(f"compress_context needs a cache built with retention=hf_pagedkv.KVzip(...), got "
+        raise ValueError(f"compress_context needs a cache built with retention=hf_pagedkv.retention.KVzip(...), got "
                          f"retention={policy!r}.")
     impl = getattr(model.config, "_attn_implementation", None)
     if impl not in ("hf_pagedkv", "hf_pagedkv_compiled"):  # (the compiled one differs in quantized decode reads only)

@@ -52,7 +52,7 @@ class Evictor:
 
     A tiered policy (`PyramidKV`) splits the full-attention layers into layer groups (`RetentionPolicy.layer_tiers`),
     each with its own tables, and gives each group its own keep count (`RetentionPolicy.tier_budgets`, or for
-    `KVzip(layer_budgets="global")` `score_budgets`, from the reconstruction scores). The tables span the most any
+    `KVzip`'s global layer budgets, `score_budgets`, from the reconstruction scores). The tables span the most any
     tier keeps; a tier keeping ``d * block_size`` fewer tokens writes them at the last logical positions of that
     span and drops its first `d` block positions (as a sliding window does), so every group's table ends at the
     same position, the step planner extends them together, and the blocks beyond each tier's budget are freed.
@@ -68,7 +68,7 @@ class Evictor:
 
     def __init__(self, policy: RetentionPolicy) -> None:
         if not isinstance(policy, RetentionPolicy):
-            raise ValueError(f"`retention` must be a retention policy such as hf_pagedkv.SinkWindow(...) or "
+            raise ValueError(f"`retention` must be a retention policy such as hf_pagedkv.retention.SinkWindow(...) or "
                              f"KeyNorm(...), got {type(policy).__name__}.")
         self.policy = policy  # fixed
         self.reset()
@@ -119,7 +119,7 @@ class Evictor:
         """
         if not self.policy.reconstructs:
             raise ValueError(f"retention={self.policy!r} does not compress by a reconstruction pass; use "
-                             "hf_pagedkv.KVzip(...) for compress_context.")
+                             "hf_pagedkv.retention.KVzip(...) for compress_context.")
         if self.num_evictions:  # (not `num_evicted`: a tiered policy's widest tier may keep every token, 0 evicted)
             raise ValueError(f"the cache was already compressed ({self.num_evicted} tokens evicted per row): "
                              "compress_context compresses a context once, right after its prefill.")
@@ -162,7 +162,7 @@ class Evictor:
                              f"{rows} rows of {held} tokens the cache holds; nothing was evicted.")
         keep = self.policy.keep_for(held)
         if 0 < keep < held:
-            if self.policy.reconstructs and self.policy.value_weighted:  # the scores to rank by (not returned)
+            if self.policy.reconstructs and self.policy.settings.value_weighted:  # the scores to rank by (not returned)
                 scores = {layer.layer_idx: self.policy.weigh(scores[layer.layer_idx], cache.read_layer(layer, 0)[1],
                                                              valid) for layer in layers if layer.is_initialized}
             keeps = self._tier_keeps(cache, groups, keep, held, scores, valid)

@@ -20,7 +20,7 @@ class RowTables:
         window (`int`, *optional*): the group's sliding window in tokens; `None` for full attention.
         block_size (`int`): tokens per block.
         tier (`int`, *optional*, defaults to 0): the retention tier of a full-attention group (`PyramidKV`,
-            `KVzip(layer_budgets="global")`); every tier spans the same logical positions, and a tier keeping fewer
+            `KVzip`'s global layer budgets); every tier spans the same logical positions, and a tier keeping fewer
             tokens than the most holds a suffix of them, aligned to blocks, after dropping the leading positions.
 
     `table` is `[batch, capacity]` int64 on the CPU, indexed by absolute block position: ``table[r, j]`` is the

@@ -9,6 +9,7 @@ from hf_pagedkv.retention.importance import ImportancePolicy
 from hf_pagedkv.retention.key_diff import KeyDiff
 from hf_pagedkv.retention.key_norm import KeyNorm
 from hf_pagedkv.retention.kv_zip import KVzip
+from hf_pagedkv.retention.kv_zip_scoring import KVZIP_PRESETS, KVzipScoring
 from hf_pagedkv.retention.policy import EvictionPlan, RetentionPolicy
 from hf_pagedkv.retention.retention_stats import RetentionStats
 from hf_pagedkv.attention.query_window import QueryWindow
@@ -18,4 +19,4 @@ from hf_pagedkv.retention.pyramid_kv import PyramidKV
 
 __all__ = ["ContextScores", "EvictionPlan", "ImportancePolicy", "KVzip", "KeyDiff", "KeyNorm", "QueryWindow",
            "RetentionPolicy", "RetentionStats", "SinkWindow", "SnapKV"]
-__all__ += ["PyramidKV"]
+__all__ += ["PyramidKV", "KVZIP_PRESETS", "KVzipScoring"]

@@ -19,7 +19,8 @@ class KeyDiff(ImportancePolicy):
     Example:
 
     ```python
-    >>> from hf_pagedkv import KeyDiff, PagedCache
+    >>> from hf_pagedkv import PagedCache
+    >>> from hf_pagedkv.retention import KeyDiff
     >>> cache = PagedCache(config=model.config, retention=KeyDiff(compression_ratio=0.5))
     ```
     """

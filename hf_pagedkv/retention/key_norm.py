@@ -19,7 +19,8 @@ class KeyNorm(ImportancePolicy):
     Example:
 
     ```python
-    >>> from hf_pagedkv import KeyNorm, PagedCache
+    >>> from hf_pagedkv import PagedCache
+    >>> from hf_pagedkv.retention import KeyNorm
     >>> cache = PagedCache(config=model.config, retention=KeyNorm(budget=512))
     ```
     """

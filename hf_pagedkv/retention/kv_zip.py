@@ -2,25 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import numbers
 from dataclasses import dataclass
 
 import torch
 
 from hf_pagedkv.retention.importance import ImportancePolicy
+from hf_pagedkv.retention.kv_zip_scoring import DEFAULT_PRESET, KVZIP_PRESETS, KVzipScoring, resolve_scoring
 from hf_pagedkv.retention.policy import EvictionPlan, check_int
-from hf_pagedkv.retention.score_pooling import check_pooling, pool_scores
 
 #: the instruction of the reconstruction pass, before the context is given again (KVzip's repeat prompt)
 REPEAT_PROMPT = "Repeat the previous context exactly."
 #: the most tokens `repeat_prompt_ids` can give (its text's bytes, plus one for a leading piece: at most one token per
 #: byte with byte-level BPE or SentencePiece's byte fallback), for the planner's peak of the reconstruction pass
 REPEAT_PROMPT_MAX_TOKENS = len(("\n\n" + REPEAT_PROMPT + "\n").encode()) + 1
-#: how `KVzip` divides its budget over the layers: the same everywhere, or by its ranking across layers
-LAYER_BUDGETS = ("uniform", "global")
-# the largest `value_power`: at 8 a token with twice the mean value norm already weighs 256 times as much
-MAX_VALUE_POWER = 8
 
 
 @dataclass(frozen=True)
@@ -49,53 +45,23 @@ class KVzip(ImportancePolicy):
         recent_tokens (`int`, *optional*, defaults to 16): trailing context tokens always kept.
         chunk_tokens (`int`, *optional*, defaults to 1024): reconstruction tokens per forward step (bounds the peak
             memory of the pass; the scores do not depend on it).
-        kernel_size (`int`, *optional*, defaults to 1): a pooling of the scores over this many neighbouring
-            tokens, odd (SnapKV's clustering step, so a kept token keeps its neighbours; 1: none, KVzip's own
-            scores).
-        pooling (`str`, *optional*, defaults to `"max"`): `"max"` (a token scores as its best neighbour) or `"avg"`
-            (as the mean of its window; past either end only the tokens there are counted), as `SnapKV`'s.
-        layer_budgets (`str`, *optional*, defaults to `"uniform"`): `"uniform"`: every (layer, KV head) keeps
-            `keep_for(held)` tokens. `"global"`: KVzip's own ranking across layers. The (pooled) scores of every
-            (layer, KV head, token) are ranked together, and each layer keeps as many tokens per head as its heads
-            have, on average, in the top `keep_for(held)` times the number of (layer, head) pairs (the sinks and the
-            last `recent_tokens` are kept anyway and not ranked). The heads of a layer share its blocks, so they
-            keep the same number. Each full-attention layer is then a retention tier, a layer group of its own
-            with its own block tables (`score_budgets`), and the cache needs ``config=``. The layers' budgets are
-            rounded to whole blocks below the largest, and their total never exceeds the uniform total.
-        safeguard (`float`, *optional*, defaults to 0.0): with ``layer_budgets="global"``, in [0, 1]: each (layer,
-            KV head) first gets its best ``int(safeguard * ranked)`` tokens, `ranked` being the tokens a uniform
-            budget ranks per head, and the ranking across layers fills the rest (AdaKV's safeguard: Feng et al.,
-            "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation", arXiv 2407.11550, which guards
-            a fifth); 1 gives the uniform budgets, 0 the plain ranking.
-        share_heads (`bool`, *optional*, defaults to `False`): `True`: the KV heads of a layer keep the same tokens,
-            ranked by the mean of their scores over the heads, then pooled (for ``pooling="avg"`` the same as the
-            mean of the pooled scores; for ``"max"`` the best neighbour of the mean), so a layer sees one consistent
-            part of the context instead of each head a different one (on SmolLM2's passkey task a head-masked run
-            answered when the needle was kept whole in every head and missed when each head kept a different half
-            of it). With ``layer_budgets="global"`` the layers' budgets come from the same means. How many tokens
-            a layer keeps, and so the bytes held, follow the same rules as without it.
-        value_weighted (`bool`, *optional*, defaults to `False`): `True`: each token's score is multiplied by the
-            L2 norm of its value in that KV head, divided by the mean norm over the context's real tokens in that
-            (row, layer, KV head), before the pooling and the ranking (`weigh`). A token's contribution to the
-            attention output is its weight times its value, so a token attended to but with a small value matters
-            less: Guo et al., "Attention Score is not All You Need for Token Importance Indicator in KV Cache
-            Reduction: Value Also Matters" (VATP, arXiv 2406.12335). The bytes held do not change, and
-            `compress_context` still returns the pass's own scores.
-        value_power (`float`, *optional*, defaults to 1.0): with ``value_weighted=True``, the exponent of the
-            relative value norm (``scores * (norm / mean_norm) ** value_power``), a number in (0, 8]; 2 weighs the
-            values more (on SmolLM2's passkey task, with ``kernel_size=3``, it kept more keys than 1 in a head-masked
-            simulation, `docs/retention.md`). Without ``value_weighted`` it must stay 1.
+        scoring (`str` or `KVzipScoring`, *optional*, defaults to `"weighted"`): how the scores rank the tokens, a
+            preset of `KVZIP_PRESETS` or a `KVzipScoring` for another setting. `"weighted"` (the best measured on
+            SmolLM2's passkey task, `docs/retention.md`): scores avg-pooled over 3 tokens, weighted by the squared
+            relative value norm and ranked across layers (each layer its own budget, so the cache needs
+            ``config=``). `"global"`: max-pooled over 7 tokens, ranked across layers. `"plain"`: Kim et al.'s raw
+            scores with the same budget in every (layer, KV head). `settings` is the `KVzipScoring` in force;
+            `with_scoring(...)` changes some of its fields.
 
     Raises:
-        ValueError: as `ImportancePolicy`; `chunk_tokens` not an int >= 1; `kernel_size` not an odd int >= 1;
-            `pooling` not one of `POOLINGS`; `layer_budgets` not one of `LAYER_BUDGETS`; `safeguard` not a number
-            in [0, 1]; `share_heads` or `value_weighted` not a bool; `value_power` not a number in (0, 8], or not 1
-            without ``value_weighted``.
+        ValueError: as `ImportancePolicy`; `chunk_tokens` not an int >= 1; `scoring` neither a preset name nor a
+            `KVzipScoring` (whose own checks are listed there).
 
     Example:
 
     ```python
-    >>> from hf_pagedkv import KVzip, PagedCache, cache_kwargs, compress_context
+    >>> from hf_pagedkv import PagedCache, cache_kwargs, compress_context
+    >>> from hf_pagedkv.retention import KVzip
     >>> model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="hf_pagedkv")
     >>> cache = PagedCache(config=model.config, retention=KVzip(compression_ratio=0.5))
     >>> model(context_ids, **cache_kwargs(cache))                  # prefill the context
@@ -105,14 +71,8 @@ class KVzip(ImportancePolicy):
     """
 
     recent_tokens: int = 16
-    chunk_tokens: int = 1024
-    kernel_size: int = 1
-    pooling: str = "max"
-    layer_budgets: str = "uniform"
-    safeguard: float = 0.0
-    share_heads: bool = False
-    value_weighted: bool = False
-    value_power: float = 1.0
+    chunk_tokens: int = 1024  # reconstruction tokens per forward step
+    scoring: str | KVzipScoring = DEFAULT_PRESET  # a preset name (`KVZIP_PRESETS`) or a KVzipScoring
 
     name = "kv_zip"
     reconstructs = True
@@ -120,34 +80,23 @@ class KVzip(ImportancePolicy):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_int("chunk_tokens", self.chunk_tokens, 1)
-        check_pooling(self.kernel_size, self.pooling)
-        if self.layer_budgets not in LAYER_BUDGETS:
-            raise ValueError(f"`layer_budgets` must be one of {LAYER_BUDGETS} (\"global\": KVzip's ranking of the "
-                             f"scores across layers), got {self.layer_budgets!r}.")
-        if isinstance(self.safeguard, bool) or not isinstance(self.safeguard, numbers.Real) \
-                or not 0 <= self.safeguard <= 1:
-            raise ValueError(f"`safeguard` must be a number in [0, 1] (the share of each head's uniform budget it "
-                             f"keeps before the ranking across layers), got {self.safeguard!r}.")
-        if not isinstance(self.share_heads, bool):
-            raise ValueError(f"`share_heads` must be a bool (True: the KV heads of a layer keep the same tokens), got "
-                             f"{self.share_heads!r}.")
-        if not isinstance(self.value_weighted, bool):
-            raise ValueError(f"`value_weighted` must be a bool (True: scores times the tokens' value norms), got "
-                             f"{self.value_weighted!r}.")
-        if isinstance(self.value_power, bool) or not isinstance(self.value_power, numbers.Real) \
-                or not 0 < self.value_power <= MAX_VALUE_POWER:  # (False for NaN)
-            raise ValueError(f"`value_power` must be a number in (0, {MAX_VALUE_POWER}] (the exponent of the relative "
-                             f"value norm; 1 is VATP's weighting, 2 the passkey eval's best), "
-                             f"got {self.value_power!r}.")
-        if self.value_power != 1 and not self.value_weighted:
-            raise ValueError(f"`value_power` is the exponent of the value weighting: pass value_weighted=True with it "
-                             f"(got value_power={self.value_power!r}, value_weighted=False).")
-        if self.safeguard and not self.is_tiered():
-            raise ValueError(f"`safeguard` applies to the ranking across layers only: pass layer_budgets=\"global\" "
-                             f"with it (got layer_budgets={self.layer_budgets!r}, safeguard={self.safeguard!r}).")
+        settings = resolve_scoring(self.scoring)  # (raises on an unknown name)
+        # one spelling per setting, so that equal policies compare equal: a preset's settings by the preset's name
+        named = [name for name, preset in KVZIP_PRESETS.items() if preset == settings]
+        object.__setattr__(self, "scoring", named[0] if named else settings)
+
+    @property
+    def settings(self) -> KVzipScoring:
+        """The ranking in force: the `scoring` preset looked up, or the `KVzipScoring` given."""
+        return resolve_scoring(self.scoring)
+
+    def with_scoring(self, **changes) -> KVzip:
+        """This policy with some fields of its `KVzipScoring` changed, e.g. ``KVzip(compression_ratio=0.5,
+        scoring="plain").with_scoring(kernel_size=3)``. Raises `ValueError` as `KVzipScoring` does."""
+        return dataclasses.replace(self, scoring=dataclasses.replace(self.settings, **changes))
 
     def is_tiered(self) -> bool:
-        return self.layer_budgets == "global"
+        return self.settings.layer_budgets == "global"
 
     def layer_tiers(self, num_layers: int) -> list[int]:
         """With ``layer_budgets="global"`` every full-attention layer is a tier of its own; else all in tier 0."""
@@ -188,7 +137,7 @@ class KVzip(ImportancePolicy):
         ranked = [[rank(s) for s in tier] for tier in scores]
         pairs = sum(s.shape[1] for tier in ranked for s in tier)
         per_head = max(0, min(keep - protected, hi - lo))  # the ranked tokens a uniform budget keeps per head
-        guard = int(self.safeguard * per_head)
+        guard = int(self.settings.safeguard * per_head)
         if guard:  # each head's best `guard` tokens first (AdaKV's safeguard), then the ranking across layers
             ranked = [[torch.where(s.isneginf(), s, s.scatter(-1, s.topk(guard, dim=-1).indices, float("inf")))
                        for s in tier] for tier in ranked]
@@ -269,42 +218,11 @@ class KVzip(ImportancePolicy):
         return self._pooled(observed, None if valid is None else valid.to(observed.device)[:, None, :])
 
     def weigh(self, scores: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
-        """The reconstruction scores that rank the tokens: `scores` as they are, or with ``value_weighted=True``
-        times each token's relative value norm to the power `value_power` (VATP, arXiv 2406.12335).
-
-        Args:
-            scores (`torch.Tensor` of shape `[rows, num_kv_heads, held]`): one layer's `ContextScores`.
-            values (`torch.Tensor` of shape `[rows, num_kv_heads, held, head_dim]`): the layer's held values.
-            valid (`torch.BoolTensor` of shape `[rows, held]`, *optional*): False at left padding, left out of the
-                mean norm (padding scores 0 either way).
-
-        Returns:
-            `torch.Tensor` of shape `[rows, num_kv_heads, held]`, float32: ``scores * (norm / mean_norm) **
-            value_power``, the norm the L2 norm of each token's value and the mean over the row's real tokens, per
-            (row, KV head).
-        """
-        if not self.value_weighted:
-            return scores
-        norms = values.float().norm(dim=-1).to(scores.device)  # [rows, num_kv_heads, held]
-        if valid is None:
-            mean = norms.mean(dim=-1, keepdim=True)
-        else:
-            real = valid.to(scores.device)[:, None, :].float()  # [rows, 1, held]
-            mean = (norms * real).sum(-1, keepdim=True) / real.sum(-1, keepdim=True).clamp_min(1)
-        mean = mean.clamp_min(torch.finfo(torch.float32).tiny)
-        if self.value_power == 1:  # VATP's weighting, rounded as before value_power existed (the committed runs)
-            return scores.float() * norms / mean
-        relative = norms / mean
-        # saturate instead of overflowing: a relative norm can reach `held` (one token holding all of the norm),
-        # and inf would rank as noise (and 0 * inf is NaN); in the usual range both clamps change nothing
-        largest = torch.finfo(torch.float32).max
-        weight = relative.clamp_max(largest ** (1 / self.value_power) / 2) ** self.value_power
-        return (scores.float() * weight).clamp_max(largest)
+        """The reconstruction scores that rank the tokens (`KVzipScoring.weigh`: with ``value_weighted``, times the
+        relative value norm to the power `value_power`; else `scores` itself). Shapes: `scores` `[rows,
+        num_kv_heads, held]`, `values` `[rows, num_kv_heads, held, head_dim]`, `valid` `[rows, held]` bool."""
+        return self.settings.weigh(scores, values, valid)
 
     def _pooled(self, scores: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-        """`scores` (`[rows, num_kv_heads, held]`) pooled over `kernel_size` tokens, float32; with `share_heads` each
-        head's row is the mean over the layer's heads (so every head ranks the tokens alike)."""
-        if not self.share_heads:
-            return pool_scores(scores.float(), self.kernel_size, self.pooling, valid)
-        mean = scores.float().mean(dim=1, keepdim=True)  # [rows, 1, held]: pooled once, then given to every head
-        return pool_scores(mean, self.kernel_size, self.pooling, valid).expand(scores.shape).contiguous()
+        """`scores` (`[rows, num_kv_heads, held]`) pooled as `KVzipScoring.pool` pools them, float32."""
+        return self.settings.pool(scores, valid)

@@ -45,7 +45,8 @@ class PyramidKV(SnapKV):
     Example:
 
     ```python
-    >>> from hf_pagedkv import PagedCache, PyramidKV
+    >>> from hf_pagedkv import PagedCache
+    >>> from hf_pagedkv.retention import PyramidKV
     >>> model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="hf_pagedkv")
     >>> policy = PyramidKV(compression_ratio=0.5, tiers=4)
     >>> policy.tier_budgets(512, 1024, [8, 8, 7, 7], 16)   # what each tier keeps of a 1024-token prompt

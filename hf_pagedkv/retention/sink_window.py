@@ -36,7 +36,8 @@ class SinkWindow(RetentionPolicy):
     Example:
 
     ```python
-    >>> from hf_pagedkv import PagedCache, SinkWindow, cache_kwargs
+    >>> from hf_pagedkv import PagedCache, cache_kwargs
+    >>> from hf_pagedkv.retention import SinkWindow
     >>> cache = PagedCache(config=model.config, retention=SinkWindow(sink_tokens=4, window=1024))
     >>> out = model.generate(input_ids, **cache_kwargs(cache), max_new_tokens=4096)
     >>> cache.retention_stats()   # tokens seen vs held

@@ -51,7 +51,8 @@ class SnapKV(ImportancePolicy):
     Example:
 
     ```python
-    >>> from hf_pagedkv import PagedCache, SnapKV
+    >>> from hf_pagedkv import PagedCache
+    >>> from hf_pagedkv.retention import SnapKV
     >>> model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="hf_pagedkv")
     >>> cache = PagedCache(config=model.config, retention=SnapKV(compression_ratio=0.5))
     >>> out = model.generate(input_ids, past_key_values=cache, max_new_tokens=32)

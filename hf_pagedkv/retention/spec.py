@@ -14,27 +14,24 @@ _IMPORTANCE = {"key_norm": KeyNorm, "key_diff": KeyDiff, "snapkv": SnapKV, "snap
                "kvzip": KVzip}
 _IMPORTANCE.update(pyramidkv=PyramidKV, pyramid_kv=PyramidKV, kv_zip_global=KVzip, kvzip_global=KVzip,
                    kv_zip_weighted=KVzip, kvzip_weighted=KVzip)
-# the settings a name adds: kv_zip_global is the passkey eval's `kv_zip_global` with its defaults (max-pooled);
-# kv_zip_weighted the eval's best: `--kv-zip-pooling avg --kv-zip-value-weighted --kv-zip-kernel 3
-# --kv-zip-value-power 2` (docs/retention.md, passkey results)
-_GLOBAL = {"layer_budgets": "global", "kernel_size": 7}
-_WEIGHTED = {"layer_budgets": "global", "kernel_size": 3, "pooling": "avg", "value_weighted": True, "value_power": 2.0}
-_SETTINGS = {"kv_zip_global": _GLOBAL, "kvzip_global": _GLOBAL, "kv_zip_weighted": _WEIGHTED,
-             "kvzip_weighted": _WEIGHTED}
+# the `KVzip` preset a name asks for (`KVZIP_PRESETS`): kv_zip is Kim et al.'s plain scoring, kv_zip_global and
+# kv_zip_weighted the passkey eval's `kv_zip_global` and its best setting (docs/retention.md, passkey results)
+_SETTINGS = {"kv_zip": {"scoring": "plain"}, "kvzip": {"scoring": "plain"},
+             "kv_zip_global": {"scoring": "global"}, "kvzip_global": {"scoring": "global"},
+             "kv_zip_weighted": {"scoring": "weighted"}, "kvzip_weighted": {"scoring": "weighted"}}
 
 
 def parse_retention(spec: str) -> RetentionPolicy:
     """``"sink_window:4:1024"`` -> `SinkWindow(4, 1024)`; ``"key_norm:512"`` -> `KeyNorm(budget=512)`;
     ``"key_diff:0.5"`` -> `KeyDiff(compression_ratio=0.5)`; ``"snapkv:0.5"`` (or ``"snap_kv:0.5"``) ->
     `SnapKV(compression_ratio=0.5)`; ``"pyramidkv:0.5"`` (or ``"pyramid_kv:0.5"``) ->
-    `PyramidKV(compression_ratio=0.5)`; ``"kv_zip:0.5"`` (or ``"kvzip:0.5"``) -> `KVzip(compression_ratio=0.5)`;
-    ``"kv_zip:0.5:0.25"`` -> `KVzip(compression_ratio=0.5, recent_share=0.25)` (a third part, for any importance
-    policy: its `recent_share`); ``"kv_zip_global:0.5"`` -> `KVzip(compression_ratio=0.5, kernel_size=7,
-    layer_budgets="global")` (the passkey eval's `kv_zip_global`; its cache needs ``config=``);
-    ``"kv_zip_weighted:0.5"`` -> `KVzip(compression_ratio=0.5, kernel_size=3, pooling="avg",
-    layer_budgets="global", value_weighted=True, value_power=2.0)` (the passkey eval's best, `kv_zip_global` with
-    ``--kv-zip-pooling avg --kv-zip-value-weighted --kv-zip-kernel 3 --kv-zip-value-power 2``). Whitespace around
-    the spec is ignored.
+    `PyramidKV(compression_ratio=0.5)`; ``"kv_zip:0.5"`` (or ``"kvzip:0.5"``) ->
+    `KVzip(compression_ratio=0.5, scoring="plain")`; ``"kv_zip:0.5:0.25"`` -> `KVzip(compression_ratio=0.5,
+    scoring="plain", recent_share=0.25)` (a third part, for any importance policy: its `recent_share`);
+    ``"kv_zip_global:0.5"`` -> `KVzip(compression_ratio=0.5, scoring="global")` (the passkey eval's
+    `kv_zip_global`; its cache needs ``config=``); ``"kv_zip_weighted:0.5"`` -> `KVzip(compression_ratio=0.5,
+    scoring="weighted")` (the passkey eval's best, `KVzip`'s default; its cache needs ``config=``). Whitespace
+    around the spec is ignored.
 
     Raises:
         ValueError: naming the part that is wrong and its form: an unknown policy name, the wrong number of parts or

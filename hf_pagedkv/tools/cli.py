@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import set_seed
@@ -205,12 +206,18 @@ def _prefill_notice(model, prompt_tokens: int, args: argparse.Namespace) -> str:
 
 
 def _eval(argv: list[str]) -> int:
-    """`hf-pagedkv eval ...`: the drift suite, `python -m eval.drift ...` (the `eval` package of the repository)."""
+    """`hf-pagedkv eval ...`: the drift suite, `python -m eval.drift ...`. eval/ is a folder of the repository, not an
+    installed package: it is found beside hf_pagedkv/ (a clone, or an editable install of one), else in the working
+    directory (a clone's root)."""
+    for root in (Path(__file__).resolve().parents[2], Path.cwd()):
+        if (root / "eval" / "drift.py").is_file() and str(root) not in sys.path:
+            sys.path.append(str(root))
+            break
     try:
         from eval.drift import main as eval_main
     except ImportError as exc:
-        raise ImportError(f"`hf-pagedkv eval` needs the repository's eval/ package and its extra ({exc}): run it "
-                          "from a clone with `pip install -e '.[eval]'`.") from exc
+        raise ImportError(f"`hf-pagedkv eval` needs the repository's eval/ folder and its extra ({exc}): run it "
+                          "from a clone with `pip install -e '.[eval]'`, or `python -m eval.drift` there.") from exc
     return eval_main(argv, prog="hf-pagedkv eval")
 
 

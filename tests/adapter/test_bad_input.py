@@ -287,7 +287,7 @@ RELEASED_CACHE_CALLS = {
 def test_cache_released_before_its_first_use_refuses_every_entry_point(call, built):
     """A cache released before it ever stored a token raises CacheReleasedError at each entry point, whether its
     layers are built lazily at the first update (no config) or up front; the pool stays empty and usable."""
-    from hf_pagedkv import SinkWindow
+    from hf_pagedkv.retention import SinkWindow
 
     model = tiny_model("llama")
     pool = BlockPool(block_size=4, debug=True, quant="k8v4" if built == "quant" else None,

@@ -5,7 +5,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_pagedkv import BlockPool, InvariantError, PagedCache
+from hf_pagedkv import BlockPool, PagedCache
+from hf_pagedkv.errors import InvariantError
 from tests.conftest import ids, tiny_model
 from tests.fake_kv import kv
 

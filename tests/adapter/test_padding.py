@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_pagedkv import BlockPool, PagedCache, SinkWindow, cache_kwargs
+from hf_pagedkv import BlockPool, PagedCache, cache_kwargs
+from hf_pagedkv.retention import SinkWindow
 from hf_pagedkv.errors import InvariantError
 from tests.adapter.test_equivalence import left_padded
 from tests.conftest import tiny_model

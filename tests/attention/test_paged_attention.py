@@ -278,7 +278,7 @@ def run_cache(model, impl, make_cache, input_ids, **gen):
 @pytest.mark.parametrize("quant", [None, "k8v4", "k4v4"])
 def test_sink_window_retention(quant, counted):
     """A retention policy evicts middle blocks before steps: the in-place read follows the evicted tables."""
-    from hf_pagedkv import SinkWindow
+    from hf_pagedkv.retention import SinkWindow
 
     model = tiny_model("llama")
     x = torch.randint(3, VOCAB, (2, 19), generator=torch.Generator().manual_seed(9))

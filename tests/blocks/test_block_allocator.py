@@ -7,6 +7,8 @@ import pytest
 
 from hf_pagedkv.blocks.block_allocator import BlockAllocator
 
+pytestmark = pytest.mark.bookkeeping
+
 
 def refcounts(alloc: BlockAllocator) -> list[int]:
     return [alloc.refcount(b) for b in range(alloc.num_blocks)]

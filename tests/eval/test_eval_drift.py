@@ -172,6 +172,11 @@ def test_sharded_run_equals_single_process(tmp_path):
 def test_every_paged_preset_builds_here(tmp_path):
     cfg, config = _cfg(tmp_path), tiny_model()[0].config
     assert {name: unavailable_reason(name, cfg, config) for name in PAGED_CONFIGS} == dict.fromkeys(PAGED_CONFIGS)
+    for name in PAGED_CONFIGS:  # and each really builds, quantized as named
+        cache = build(name, cfg, config)
+        assert type(cache).__name__ == "PagedCache"
+        assert cache.pool.quant.name == name and cache.pool.quant.is_quantized == (name != "fp")
+        release(cache)
 
 
 def test_an_interrupted_run_resumes_after_its_last_finished_window(tmp_path, monkeypatch):

@@ -94,36 +94,38 @@ def test_passkey_examples_and_run(tiny, tmp_path):
                                                                            for r in zipped]
     assert policy_for("kv_zip_recent", cfg, ratio=0.5, context=256).recent_share == cfg.recent_share == 0.5
     pooled = policy_for("kv_zip_pooled", cfg, ratio=0.5, context=256)
-    assert (pooled.kernel_size, pooled.pooling) == (cfg.kv_zip_kernel, cfg.kv_zip_pooling) == (7, "max")
+    settings = pooled.settings
+    assert (settings.kernel_size, settings.pooling) == (cfg.kv_zip_kernel, cfg.kv_zip_pooling) == (7, "max")
     avg = LongContextConfig(**{**cfg.to_dict(), "kv_zip_pooling": "avg"})
-    assert policy_for("kv_zip_pooled", avg, ratio=0.5, context=256).pooling == "avg"
+    assert policy_for("kv_zip_pooled", avg, ratio=0.5, context=256).settings.pooling == "avg"
     assert "kv_zip_pooled: kernel 7, avg-pooling" in report_text(avg, {"environment": {"seconds": 1.0}, "passkey": {}})
     assert pooled.recent_share == cfg.kv_zip_recent_share == 0  # by default the pooled scores choose alone
     split = LongContextConfig(**{**cfg.to_dict(), "kv_zip_recent_share": 0.25})
     split_pooled = policy_for("kv_zip_pooled", split, ratio=0.5, context=256)
-    assert (split_pooled.recent_share, split_pooled.kernel_size, split_pooled.pooling) == (0.25, 7, "max")
+    assert (split_pooled.recent_share, split_pooled.settings.kernel_size, split_pooled.settings.pooling) == (
+        0.25, 7, "max")
     assert policy_for("kv_zip_recent", split, ratio=0.5, context=256).recent_share == 0.5  # its own share
     assert "kv_zip_pooled: kernel 7, recent share 0.25" in report_text(split, {"environment": {"seconds": 1.0},
                                                                                "passkey": {}})
     shared = LongContextConfig(**{**cfg.to_dict(), "kv_zip_share_heads": True})
-    assert policy_for("kv_zip_global", shared, ratio=0.5, context=256).share_heads
-    assert not policy_for("kv_zip_global", cfg, ratio=0.5, context=256).share_heads
+    assert policy_for("kv_zip_global", shared, ratio=0.5, context=256).settings.share_heads
+    assert not policy_for("kv_zip_global", cfg, ratio=0.5, context=256).settings.share_heads
     assert shared.run_dir() != cfg.run_dir()  # a new setting, and the runs before it keep their names
     assert "heads share their tokens" in report_text(shared, {"environment": {"seconds": 1.0}, "passkey": {}})
     with pytest.raises(ValueError, match="kv_zip_share_heads"):
         LongContextConfig(**{**cfg.to_dict(), "kv_zip_share_heads": "yes"})
     weighted = LongContextConfig(**{**cfg.to_dict(), "kv_zip_value_weighted": True})
-    assert policy_for("kv_zip_global", weighted, ratio=0.5, context=256).value_weighted
-    assert policy_for("kv_zip_pooled", weighted, ratio=0.5, context=256).value_weighted
-    assert not policy_for("kv_zip_global", cfg, ratio=0.5, context=256).value_weighted
+    assert policy_for("kv_zip_global", weighted, ratio=0.5, context=256).settings.value_weighted
+    assert policy_for("kv_zip_pooled", weighted, ratio=0.5, context=256).settings.value_weighted
+    assert not policy_for("kv_zip_global", cfg, ratio=0.5, context=256).settings.value_weighted
     assert weighted.run_dir() != cfg.run_dir()  # a new setting, and the runs before it keep their names
     assert "scores weighted by value norms" in report_text(weighted, {"environment": {"seconds": 1.0},
                                                                       "passkey": {}})
     with pytest.raises(ValueError, match="kv_zip_value_weighted"):
         LongContextConfig(**{**cfg.to_dict(), "kv_zip_value_weighted": 1})
     squared = LongContextConfig(**{**weighted.to_dict(), "kv_zip_value_power": 2.0})
-    assert policy_for("kv_zip_global", squared, ratio=0.5, context=256).value_power == 2.0
-    assert policy_for("kv_zip_global", weighted, ratio=0.5, context=256).value_power == 1.0
+    assert policy_for("kv_zip_global", squared, ratio=0.5, context=256).settings.value_power == 2.0
+    assert policy_for("kv_zip_global", weighted, ratio=0.5, context=256).settings.value_power == 1.0
     assert squared.run_dir() != weighted.run_dir()  # and at 1 the runs before it keep their names
     assert "value norms to the power 2.0" in report_text(squared, {"environment": {"seconds": 1.0}, "passkey": {}})
     for bad in (0, -2.0, float("nan"), True, 9.0):
@@ -132,7 +134,7 @@ def test_passkey_examples_and_run(tiny, tmp_path):
     with pytest.raises(ValueError, match="set kv_zip_value_weighted"):  # the exponent of a weighting that is off
         LongContextConfig(**{**cfg.to_dict(), "kv_zip_value_power": 2.0})
     plain = policy_for("kv_zip", cfg, ratio=0.5, context=256)
-    assert (plain.recent_share, plain.kernel_size) == (0, 1)
+    assert (plain.recent_share, plain.settings.kernel_size) == (0, 1)
     assert "kv_zip_recent: recent share 0.5; kv_zip_pooled: kernel 7" in (cfg.run_dir() / "report.md").read_text()
     assert "kvpress's convention" in (cfg.run_dir() / "report.md").read_text()
     inside = LongContextConfig(**{**cfg.to_dict(), "question_in_prompt": True, "methods": ["full", "snap_kv"]})

@@ -10,7 +10,8 @@ import torch
 from transformers import DynamicCache
 
 import hf_pagedkv
-from hf_pagedkv import BlockPool, CacheOffloadedError, InvariantError, PagedCache, PoolExhaustedError, cache_kwargs
+from hf_pagedkv import BlockPool, PagedCache, PoolExhaustedError, cache_kwargs
+from hf_pagedkv.errors import CacheOffloadedError, InvariantError
 from hf_pagedkv.storage.host_store import HostStore
 from tests.conftest import ids, tiny_model
 from tests.prefix_utils import GEN, run_in_threads, tiny_single_thread  # noqa: F401 (autouse fixture)

@@ -280,7 +280,7 @@ def test_fault_story_freeing_one_block_too_many(monkeypatch):
     for step in range(8):
         try:
             req.step()
-        except hf_pagedkv.InvariantError:
+        except hf_pagedkv.errors.InvariantError:
             caught_at = step
             break
         if torch.isnan(req.logits[-1]).any():
@@ -302,5 +302,5 @@ def test_fault_story_freeing_one_block_too_many(monkeypatch):
     assert faults
     drift = max((torch.stack(r.logits) - ref[1]).abs().max().item() for r, ref in zip(reqs, refs))
     assert drift > 1e-2, f"expected visible drift, got {drift:.3g}"
-    with pytest.raises(hf_pagedkv.InvariantError, match="invariant"):
+    with pytest.raises(hf_pagedkv.errors.InvariantError, match="invariant"):
         pool.check_invariants()  # what debug=True would have run after every step

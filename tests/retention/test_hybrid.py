@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_pagedkv import (BlockPool, KeyDiff, KeyNorm, KVzip, PagedCache, PoolExhaustedError, PyramidKV, SinkWindow,
-                        SnapKV, cache_kwargs)
+from hf_pagedkv import BlockPool, PagedCache, PoolExhaustedError, cache_kwargs
+from hf_pagedkv.retention import KVzip, KeyDiff, KeyNorm, PyramidKV, SinkWindow, SnapKV
 from hf_pagedkv.adapter.window_realign import WindowRealign
 from tests.conftest import ids, tiny_model
 from tests.retention.reference import compacted_dynamic_reference, run_steps, sink_window_visible, snapkv_reference
@@ -193,7 +193,7 @@ def test_a_full_pool_refuses_the_copy_before_anything_changes(hybrid):
 
 def test_kvzip_is_refused_on_sliding_window_models(hybrid):
     with pytest.raises(ValueError, match="reconstruction pass"):
-        PagedCache(config=hybrid.config, retention=KVzip(compression_ratio=0.5))
+        PagedCache(config=hybrid.config, retention=KVzip(compression_ratio=0.5, scoring="plain"))
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_pagedkv import BlockPool, KeyDiff, KeyNorm, KVzip, PagedCache, SinkWindow, cache_kwargs
+from hf_pagedkv import BlockPool, PagedCache, cache_kwargs
+from hf_pagedkv.retention import KVzip, KVzipScoring, KeyDiff, KeyNorm, SinkWindow
 from hf_pagedkv.blocks.block_table import num_blocks_for
 from tests.conftest import ids, tiny_model
 from tests.retention.reference import compacted_dynamic_reference, run_steps
@@ -183,8 +184,9 @@ def test_bad_budgets_are_refused():
 
 def test_numpy_scalars_are_the_numbers_they_hold_and_numpy_bools_are_refused():
     # a budget or setting read from an array (np.int64, np.float32) is Python's int / float, as a ratio always was
-    for policy, plain in ((KVzip(budget=np.int64(100), chunk_tokens=np.int32(8), kernel_size=np.uint8(3)),
-                           KVzip(budget=100, chunk_tokens=8, kernel_size=3)),
+    for policy, plain in ((KVzip(budget=np.int64(100), chunk_tokens=np.int32(8),
+                                 scoring=KVzipScoring(kernel_size=np.uint8(3))),
+                           KVzip(budget=100, chunk_tokens=8, scoring=KVzipScoring(kernel_size=3))),
                           (KeyNorm(compression_ratio=np.float32(0.5), recent_share=np.float64(0.25)),
                            KeyNorm(compression_ratio=0.5, recent_share=0.25)),
                           (SinkWindow(np.int64(4), np.int16(64)), SinkWindow(4, 64))):
@@ -193,7 +195,7 @@ def test_numpy_scalars_are_the_numbers_they_hold_and_numpy_bools_are_refused():
                    if hasattr(plain, f))
     for bad in (np.bool_(True), np.float64(100.0), True):  # a bool, or a float budget, is not silently a count
         with pytest.raises(ValueError, match="`budget` must be an int"):
-            KVzip(budget=bad)
+            KVzip(budget=bad, scoring="plain")
     with pytest.raises(ValueError, match="`window` must be an int"):
         SinkWindow(4, np.bool_(True))
 
@@ -215,7 +217,7 @@ def test_a_full_pool_refuses_a_compaction_and_changes_nothing(llama):
 
 
 def test_a_compressed_cache_publishes_only_what_it_still_holds_uncompressed(llama):
-    from hf_pagedkv import SinkWindow
+    from hf_pagedkv.retention import SinkWindow
 
     x = ids(1, 40, seed=6)
     for policy, intact in ((SinkWindow(sink_tokens=4, window=8), 1), (KeyNorm(budget=12, recent_tokens=4), 0)):

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_pagedkv import KVzip, PagedCache, cache_kwargs, compress_context
+from hf_pagedkv import PagedCache, cache_kwargs, compress_context
+from hf_pagedkv.retention import KVzip, KVzipScoring
 from tests.conftest import ids
 from tests.tolerances import CROSS_STEP_LOGIT_ATOL
 
@@ -48,7 +49,7 @@ def ask(model, cache, question, mask=None) -> torch.Tensor:
 # as alone; (a max is not changed by padding's 0)
 @pytest.mark.parametrize("pooling", [dict(), dict(kernel_size=9, pooling="avg"), dict(kernel_size=9, pooling="max")])
 def test_a_padded_row_scores_keeps_and_answers_as_alone(llama, pads, pooling):
-    policy = KVzip(budget=10, sink_tokens=1, recent_tokens=3, **pooling)
+    policy = KVzip(budget=10, sink_tokens=1, recent_tokens=3, scoring=KVzipScoring(**pooling))
     real = [ids(1, N, seed=31)[0], ids(1, N - pads, seed=32)[0]]
     x = torch.stack([real[0], torch.cat([torch.full((pads,), PAD), real[1]])])  # [2, N]
     mask = (x != PAD).long()
@@ -82,7 +83,7 @@ def test_a_padded_row_scores_keeps_and_answers_as_alone(llama, pads, pooling):
 def test_padding_is_kept_last_by_the_ranking_across_layers(llama):
     # layer_budgets="global": the per-layer budgets are ranked over both rows; whatever a layer keeps, a row with
     # more real tokens than that keeps no padding (the pad keys are all alike: one token at one position)
-    policy = KVzip(compression_ratio=0.5, sink_tokens=2, recent_tokens=2, layer_budgets="global")
+    policy = KVzip(compression_ratio=0.5, sink_tokens=2, recent_tokens=2, scoring=KVzipScoring(layer_budgets="global"))
     x = ids(2, N, seed=34)
     x[1, :6] = PAD
     mask = (x != PAD).long()
@@ -113,7 +114,7 @@ def test_a_wrong_mask_is_refused_and_nothing_is_evicted(llama, bad, message):
     x[1, :5] = PAD
     mask = (x != PAD).long()
     mask[0] = 1
-    cache = prefill(llama, x, KVzip(budget=10, sink_tokens=2, recent_tokens=3), mask)
+    cache = prefill(llama, x, KVzip(budget=10, sink_tokens=2, recent_tokens=3, scoring="plain"), mask)
     before = [layer.keys.clone() for layer in cache.layers]
     with pytest.raises(ValueError, match=message):
         compress_context(llama, cache, x, prompt_ids=PROMPT, attention_mask=bad(mask))
@@ -129,7 +130,7 @@ def test_a_wrong_mask_is_refused_and_nothing_is_evicted(llama, bad, message):
 
 def test_a_mask_without_padding_changes_nothing(llama):
     x = ids(2, N, seed=37)
-    policy = KVzip(budget=10, sink_tokens=2, recent_tokens=3)
+    policy = KVzip(budget=10, sink_tokens=2, recent_tokens=3, scoring="plain")
     plain, masked = prefill(llama, x, policy), prefill(llama, x, policy)
     a = compress_context(llama, plain, x, prompt_ids=PROMPT)
     b = compress_context(llama, masked, x, prompt_ids=PROMPT, attention_mask=torch.ones_like(x))
@@ -143,7 +144,7 @@ def test_generate_after_a_padded_compression_answers_as_each_row_alone(llama):
     # the user's path: prefill, compress_context with the mask, then generate(context + question, mask + 1s); generate
     # gives the question its positions from the mask. Greedy tokens of each row equal the row compressed alone (the
     # logits agree to 1e-4, far inside the gaps between a random model's top logits)
-    policy = KVzip(budget=10, sink_tokens=2, recent_tokens=3)
+    policy = KVzip(budget=10, sink_tokens=2, recent_tokens=3, scoring="plain")
     real = [ids(1, N, seed=38)[0], ids(1, N - 7, seed=39)[0]]
     x = torch.stack([real[0], torch.cat([torch.full((7,), PAD), real[1]])])
     mask = (x != PAD).long()

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_pagedkv import BlockPool, KVzip, PagedCache, cache_kwargs, compress_context
+from hf_pagedkv import BlockPool, PagedCache, cache_kwargs, compress_context
+from hf_pagedkv.retention import KVzip
 from tests.eval_helpers import passkey_example
 from tests.tolerances import CROSS_STEP_LOGIT_ATOL
 
@@ -28,7 +29,8 @@ def test_generate_after_compress_context_continues_from_the_kept_tokens(smollm):
         pools, caches, scores = [], [], []
         for _ in range(2):  # one for generate, one fed by hand
             pools.append(BlockPool(block_size=16))
-            caches.append(PagedCache(pool=pools[-1], config=model.config, retention=KVzip(compression_ratio=0.5),
+            caches.append(PagedCache(pool=pools[-1], config=model.config, retention=KVzip(compression_ratio=0.5,
+                                                                                          scoring="plain"),
                                      debug=True))
             with torch.no_grad():
                 model(context, **cache_kwargs(caches[-1]))
@@ -71,7 +73,7 @@ def test_a_left_padded_batch_answers_as_each_document_alone(smollm):
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     context = torch.tensor([[pad] * (n - len(d["context_ids"])) + d["context_ids"] for d in docs])  # [2, n]
     mask = torch.tensor([[0] * (n - len(d["context_ids"])) + [1] * len(d["context_ids"]) for d in docs])
-    policy = KVzip(budget=128)
+    policy = KVzip(budget=128, scoring="plain")
     before = model.config._attn_implementation
     model.set_attn_implementation("hf_pagedkv")
     try:

@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_pagedkv import BlockPool, PagedCache, PyramidKV, SnapKV, cache_kwargs
+from hf_pagedkv import BlockPool, PagedCache, cache_kwargs
+from hf_pagedkv.retention import PyramidKV, SnapKV
 from hf_pagedkv.blocks.block_table import num_blocks_for
 from tests.conftest import VOCAB, ids, tiny_model
 from tests.retention.reference import run_steps, snapkv_reference

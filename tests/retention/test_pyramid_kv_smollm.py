@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_pagedkv import BlockPool, PagedCache, PyramidKV, cache_kwargs
+from hf_pagedkv import BlockPool, PagedCache, cache_kwargs
+from hf_pagedkv.retention import PyramidKV
 from hf_pagedkv.blocks.block_table import num_blocks_for
 from tests.eval_helpers import passkey_example
 

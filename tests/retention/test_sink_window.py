@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_pagedkv import BlockPool, PagedCache, SinkWindow, cache_kwargs
+from hf_pagedkv import BlockPool, PagedCache, cache_kwargs
+from hf_pagedkv.retention import SinkWindow
 from hf_pagedkv.blocks.block_table import num_blocks_for
 from tests.conftest import ids, tiny_model
 from tests.retention.reference import masked_reference, run_steps, sink_window_visible

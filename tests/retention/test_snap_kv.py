@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_pagedkv import BlockPool, KeyNorm, PagedCache, SnapKV, cache_kwargs
+from hf_pagedkv import BlockPool, PagedCache, cache_kwargs
+from hf_pagedkv.retention import KeyNorm, SnapKV
 from hf_pagedkv.blocks.block_table import num_blocks_for
 from tests.conftest import ids
 from tests.retention.reference import reference_snapkv_scores, run_steps, snapkv_reference

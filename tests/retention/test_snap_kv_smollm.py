@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_pagedkv import BlockPool, PagedCache, SnapKV, cache_kwargs
+from hf_pagedkv import BlockPool, PagedCache, cache_kwargs
+from hf_pagedkv.retention import SnapKV
 from tests.eval_helpers import passkey_example
 
 pytestmark = pytest.mark.model

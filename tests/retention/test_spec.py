@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from hf_pagedkv import KeyDiff, KeyNorm, KVzip, PyramidKV, SinkWindow, SnapKV
+from hf_pagedkv.retention import KVzip, KeyDiff, KeyNorm, PyramidKV, SinkWindow, SnapKV
 from hf_pagedkv.retention.spec import parse_retention
 from hf_pagedkv.tools.cli import main
 
@@ -19,16 +19,15 @@ def test_specs_parse_to_their_policies():
     assert parse_retention("snapkv:256") == SnapKV(budget=256)
     assert parse_retention("pyramidkv:0.5") == parse_retention("pyramid_kv:0.5") == PyramidKV(compression_ratio=0.5)
     assert parse_retention("pyramidkv:512") == PyramidKV(budget=512) != SnapKV(budget=512)
-    assert parse_retention(" kv_zip:512:0.25 ") == KVzip(budget=512, recent_share=0.25)  # whitespace around: fine
-    assert parse_retention("KV_Zip : 0.5") == KVzip(compression_ratio=0.5)  # around each part, and in any case
-    glob = KVzip(compression_ratio=0.5, kernel_size=7, layer_budgets="global")  # max-pooled, the eval's default
+    assert parse_retention(" kv_zip:512:0.25 ") == KVzip(budget=512, recent_share=0.25,
+                                                         scoring="plain")  # whitespace around: fine
+    assert parse_retention("KV_Zip : 0.5") == KVzip(compression_ratio=0.5,
+                                                    scoring="plain")  # around each part, and in any case
+    glob = KVzip(compression_ratio=0.5, scoring="global")  # max-pooled, the eval's default
     assert parse_retention("kv_zip_global:0.5") == parse_retention("kvzip_global:0.5") == glob
-    best = KVzip(compression_ratio=0.5, kernel_size=3, layer_budgets="global", pooling="avg", value_weighted=True,
-                 value_power=2.0)  # the passkey eval's best (docs/retention.md)
+    best = KVzip(compression_ratio=0.5, scoring="weighted")  # the passkey eval's best (docs/retention.md)
     assert parse_retention("kv_zip_weighted:0.5") == parse_retention("kvzip_weighted:0.5") == best != glob
-    assert parse_retention("kv_zip_weighted:512:0.25") == KVzip(budget=512, recent_share=0.25, kernel_size=3,
-                                                                layer_budgets="global", pooling="avg",
-                                                                value_weighted=True, value_power=2.0)
+    assert parse_retention("kv_zip_weighted:512:0.25") == KVzip(budget=512, recent_share=0.25, scoring="weighted")
 
 
 @pytest.mark.parametrize("spec, message", [

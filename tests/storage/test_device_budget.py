@@ -43,8 +43,8 @@ def test_device_shares_count_each_layer_on_its_own_device():
 def test_budget_may_exceed_one_device_when_the_layers_are_spread(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     sizes = memory_of({CUDA0: 80 * GB, CUDA1: 80 * GB})
-    # 150 GB over two 80 GB devices: more than one device has, so the old check (against layer 0's device alone)
-    # refused it; the pool is sized over both: 150e9 // (65,536 x 3 layers) blocks
+    # 150 GB over two 80 GB devices: more than one device has (a check against layer 0's device alone would refuse
+    # it); the pool is sized over both: 150e9 // (65,536 x 3 layers) blocks
     assert blocks_for_budget(150 * GB, spec(CUDA0), 3, block_bytes, sizes) == 150 * GB // (65_536 * 3) == 762_939
     with pytest.raises(ValueError, match=r"max_memory=170000000000 bytes is more than the 2 cuda devices have "
                                          r"together \(160000000000 bytes in all\)"):

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_pagedkv import InvariantError, PagedCache, QuantConfig
+from hf_pagedkv import PagedCache, QuantConfig
+from hf_pagedkv.errors import InvariantError
 from hf_pagedkv.storage.page_store import LayerSpec
 from hf_pagedkv.storage.quantized_store import QuantizedPageStore
 from tests.conftest import ids, tiny_model

@@ -330,9 +330,9 @@ def test_generate_with_a_query_aware_retention_policy(monkeypatch, capsys, spec,
         assert cli.main(argv) == 0
         out = capsys.readouterr().out
         assert f"retention {name}(" in out and "(1 evictions)" in out  # the prompt was compressed once
-        assert ("layer_budgets='global'" in out) == spec.startswith(("kv_zip_global", "kv_zip_weighted"))
-        assert ("value_weighted=True" in out) == spec.startswith("kv_zip_weighted")
-        assert ("value_power=2.0" in out) == spec.startswith("kv_zip_weighted")
+        preset = {"kv_zip:": "plain", "kv_zip_global:": "global", "kv_zip_weighted:": "weighted"}
+        for prefix, scoring in preset.items():  # the KVzip preset the name asks for, by its name
+            assert (f"scoring='{scoring}'" in out) == spec.startswith(prefix)
         assert ("s of it the prefill and KVzip's reconstruction pass)" in out) == spec.startswith("kv_zip")
         assert model.config._attn_implementation == "hf_pagedkv"  # the CLI switched to the attention SnapKV needs
     finally:
@@ -405,7 +405,8 @@ def _planned_sink_window_pool(tmp_path, capsys, *extra) -> tuple[int, BlockPool,
 def test_plan_with_sink_window_holds_a_whole_prompt_prefill(tmp_path, capsys):
     """A prefill stores the whole prompt before SinkWindow's first eviction: the planned pool takes a prompt of
     --max-seq-len tokens in one step; a pool sized for the sinks and window alone (the policy's bound) does not."""
-    from hf_pagedkv import PoolExhaustedError, SinkWindow
+    from hf_pagedkv import PoolExhaustedError
+    from hf_pagedkv.retention import SinkWindow
     from hf_pagedkv.tools.planning import ModelShape, plan_capacity
 
     model = tiny_model("llama")
@@ -430,7 +431,7 @@ def test_plan_with_sink_window_holds_a_whole_prompt_prefill(tmp_path, capsys):
 def test_plan_with_sink_window_and_a_chunked_prefill(tmp_path, capsys):
     """--prefill-chunk: SinkWindow evicts between the chunks of generate(..., prefill_chunk_size=N), so the pool for
     sinks, window and one chunk takes the same 400-token prompt, in fewer blocks than a whole-prompt prefill."""
-    from hf_pagedkv import SinkWindow
+    from hf_pagedkv.retention import SinkWindow
 
     model = tiny_model("llama")
     blocks, pool, out = _planned_sink_window_pool(tmp_path, capsys, "--prefill-chunk", "64")

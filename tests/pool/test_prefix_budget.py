@@ -7,7 +7,7 @@ import pytest
 
 import hf_pagedkv
 from hf_pagedkv import BlockPool, PagedCache
-from hf_pagedkv.blocks.prefix_budget import DEFAULT_GROWABLE_BYTES, PrefixCacheBudget
+from hf_pagedkv.blocks.prefix_budget import DEFAULT_GROWABLE_BYTES
 from tests.conftest import ids, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -102,14 +102,6 @@ def test_bad_budgets_are_refused_by_name(bad, match):
 def test_a_budget_without_prefix_caching_is_refused():
     with pytest.raises(ValueError, match="needs BlockPool\\(prefix_caching=True\\)"):
         BlockPool(prefix_cache_memory="1GiB")
-
-
-def test_budget_arithmetic():
-    assert PrefixCacheBudget("1MiB", growable=True).max_idle_blocks(10, 1000) == 1048
-    assert PrefixCacheBudget(None, growable=True).max_idle_blocks(10, 2**20) == 1024
-    assert PrefixCacheBudget(None, growable=False).max_idle_blocks(37, 5) == 37
-    assert PrefixCacheBudget(0.5, growable=True).max_idle_blocks(37, 5) == 18
-    assert PrefixCacheBudget("1GiB", growable=True).max_idle_blocks(10, 0) is None  # no layer known yet
 
 
 def test_the_planner_adds_the_prefix_cache_to_the_pool_in_whole_blocks():

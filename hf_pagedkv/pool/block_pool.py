@@ -7,35 +7,30 @@ import functools
 import logging
 import os
 import threading
-from collections import Counter, deque
 
 import torch
 
 from hf_pagedkv.blocks.block_allocator import BlockAllocator
-from hf_pagedkv.pool.block_group import BlockGroup
 from hf_pagedkv.blocks.block_table import BlockTable
-from hf_pagedkv.config import DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, QuantConfig, check_positive_int, parse_bytes
-from hf_pagedkv.storage.device_budget import blocks_for_budget, check_device_share
-from hf_pagedkv.errors import InvariantError, PoolExhaustedError
-from hf_pagedkv.observe.events import EventLog
-from hf_pagedkv.pool.host_tiers import HostTiers
-from hf_pagedkv.pool.idle_shrink import IdleShrink
-from hf_pagedkv.pool.invariants import check_group_invariants
-from hf_pagedkv.blocks.owner_registry import IdleOwner, OwnerRegistry
-from hf_pagedkv.observe.alerts import Health
-from hf_pagedkv.observe.metrics import PoolMetrics
-from hf_pagedkv.storage.page_store import LayerSpec
-from hf_pagedkv.observe.pool_stats import GroupStats, PoolStats
-from hf_pagedkv.blocks.compaction import num_trapped_free, plan_moves
+from hf_pagedkv.blocks.owner_registry import IdleOwner
 from hf_pagedkv.blocks.prefix_budget import PrefixCacheBudget
 from hf_pagedkv.blocks.prefix_index import BlockHash, PrefixIndex
+from hf_pagedkv.config import DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, QuantConfig, check_positive_int, parse_bytes
+from hf_pagedkv.errors import InvariantError
+from hf_pagedkv.observe.alerts import Health
+from hf_pagedkv.observe.events import EventLog
+from hf_pagedkv.observe.metrics import PoolMetrics
+from hf_pagedkv.observe.pool_stats import PoolStats
+from hf_pagedkv.pool.block_group import BlockGroup
+from hf_pagedkv.pool.host_tiers import HostTiers
+from hf_pagedkv.pool.idle_shrink import IdleShrink
+from hf_pagedkv.pool.pool_owners import PoolOwners
+from hf_pagedkv.pool.stats_snapshot import snapshot_stats
+from hf_pagedkv.storage.device_budget import blocks_for_budget, check_device_share
+from hf_pagedkv.storage.page_store import LayerSpec
 
 logger = logging.getLogger(__name__)
 
-# A growable pool grows by what a step is missing plus a headroom of a quarter of its size, at least
-# _MIN_GROWTH_BLOCKS: sized to need (a pool that one prefill sized holds about that prefill), and still amortised.
-_MIN_GROWTH_BLOCKS = 16
-_GROWTH_FRACTION = 4  # headroom = num_blocks // _GROWTH_FRACTION
 _MAX_SHRINK_AFTER = 1e9  # seconds (about 30 years): a timer's delay must fit the platform's time_t
 
 
@@ -144,6 +139,7 @@ class BlockPool:
     def __init__(
         self,
         block_size: int | None = None,
+        *,
         num_blocks: int | None = None,
         max_memory: int | str | None = None,
         debug: bool = False,
@@ -190,17 +186,19 @@ class BlockPool:
         self.groups: list[BlockGroup] = []  # layer groups; group 0 is full attention; appended by group_for only
         # sliding window (None: full attention), or (window, tier) for a retention tier > 0 -> group index
         self._group_of: dict = {}
-        self.owners = OwnerRegistry()  # live owner tokens, their last use, busy marks, swap hooks; the methods below
-        self._pending_release: deque[int] = deque()  # owners garbage-collected without release(); freed by _drain
         self._prefix_keys: dict[bytes, None] = {}  # keys published blocks were hashed under; note_prefix_key only
         self.last_loaded_blocks = 0  # blocks the last load_prefix_cache published; set by it only
         # the host tier (`cache.offload()`, evicted prefix blocks), or None; fixed
         self.host = None if host_memory is None else HostTiers(self, parse_bytes(host_memory, name="host_memory"))
+        # owner tokens, their tables in each group, last uses, busy marks, swap hooks (`pool_owners.py`)
+        self.owners = PoolOwners(self.groups, self.host, self.lock)
         self.group_for(None)
         self.num_moved_blocks = 0  # blocks moved by `compact`, all groups; changed there only
         self.bytes_returned = 0  # storage bytes given back by `shrink`; changed there only
         self.metrics = PoolMetrics(self)  # counters, step latency, alerts (metrics.py); updated by the hooks below
-        self.events = EventLog(self)  # block event log, off by default (events.py)
+        # block event log, off by default (events.py); made after group 0, whose refcounts HF_PAGEDKV_EVENTS records
+        self.events = EventLog(self)
+        self.groups[0].events = self.events
 
     # -- configuration ---------------------------------------------------------------------------------------------
     @property
@@ -250,20 +248,19 @@ class BlockPool:
             gi = self._group_of.get(key)
             if gi is None:
                 gi = len(self.groups)
-                group = BlockGroup(gi, window, self.block_size, self.quant, self._debug, self._prefix_caching,
-                                   tier=tier)
+                group = BlockGroup(gi, window, self.block_size, self.quant, debug=self._debug,
+                                   prefix_caching=self._prefix_caching, tier=tier, growable=self.growable,
+                                   host=self.host)
+                if gi:  # group 0 is made before the event log (`__init__`)
+                    group.events = self.events
                 self.groups.append(group)
                 self._group_of[key] = gi
                 sized = self._fixed_blocks if self._fixed_blocks is not None else self._budget_blocks
                 if sized is not None:
-                    self._add_blocks(group, sized)
+                    group.add_blocks(sized)
                 if gi and self.events.enabled:
                     logger.debug("BlockPool: new layer group %d (%s)", gi, group.name)
             return gi
-
-    def _add_blocks(self, group: BlockGroup, n: int) -> None:
-        group.store.grow(group.allocator.num_blocks + n)
-        group.allocator.add_blocks(n)
 
     def check_layer_group(self, layer_idx: int, group: int) -> None:
         """Raise `ValueError` if the pool already holds layer `layer_idx` in a layer group other than `group` (a cache
@@ -326,25 +323,21 @@ class BlockPool:
                     self._budget_blocks = n
                     for g in self.groups:
                         if g.allocator.num_blocks == 0:
-                            self._add_blocks(g, n)
+                            g.add_blocks(n)
             target.store.add_layer(layer_idx, spec)
             if target.pad_block is not None:  # the new layer's storage of the pad block holds zeros too
                 target.store.zero_blocks([target.pad_block], layer_idx)
 
-    # -- allocation --------------------------------------------------------------------------------------------------
+    # -- allocation (the group's operations, under the lock, with the metrics and idle shrinking) -------------------
     def can_reserve(self, n: int, group: int = 0) -> bool:
         """Whether `reserve(n, group)` would succeed. No side effects."""
         with self.lock:
-            alloc = self.groups[group].allocator
-            return self.growable or n <= alloc.num_free_blocks + alloc.num_idle_blocks
+            return self.groups[group].can_reserve(n)
 
     def reserve(self, n: int, group: int = 0, rows: int = 1, run: int = 0) -> None:
         """Make sure `n` blocks of `group` are free: a fixed pool evicts cached-idle blocks (LRU) or raises, a
         growable one grows (its idle blocks stay, within the prefix cache's budget). Changes no refcount.
-        `rows`: how many rows the blocks are for; a growth keeps at least one more free block per row, so that the
-        rows' next blocks come from the same storage segment (a batch gather from one segment copies once).
-        `run`: when a growable pool grows, its new segment also holds `run` consecutive free blocks (for
-        `allocate_rows`) unless a segment has them already; it never grows for that alone.
+        `rows`, `run`: see `BlockGroup.reserve` (room for the rows' next blocks, a run for `allocate_rows`).
 
         Raises:
             PoolExhaustedError: a fixed pool has fewer than `n` free plus cached-idle blocks (nothing changed).
@@ -354,38 +347,17 @@ class BlockPool:
             if self.idle_shrink is not None:
                 self.idle_shrink.touch()
             g = self.groups[group]
-            free = g.allocator.num_free_blocks
-            if n <= free:
-                return
-            idle = g.allocator.num_idle_blocks
-            if not self.growable and n > free + idle:
-                idle_note = f" and {idle} cached-idle" if g.prefix_index is not None else ""
-                where = "" if len(self.groups) == 1 else f" in its {g.name} layer group"
+            if not g.can_reserve(n):
                 self.metrics.count_failure(n)
-                raise PoolExhaustedError(
-                    f"BlockPool is full{where}: {n} blocks needed, {free} free{idle_note} of "
-                    f"{g.allocator.num_blocks} (block_size={self.block_size}). Raise num_blocks / max_memory, "
-                    "release finished caches, or use num_blocks=None to let the pool grow."
-                )
-            if idle and not self.growable:  # evict before raising: idle blocks are only a cache
-                self._evict(g, min(n - free, idle))
-                return
-            # NOTE: a growable pool grows rather than evicting: its idle blocks are within the prefix cache's
-            # budget (`free` trims them to it), and evicting them first would keep no prefix across requests.
-            cur = g.allocator.num_blocks
-            headroom = max(cur // _GROWTH_FRACTION, _MIN_GROWTH_BLOCKS, rows)
-            want_run = run > n - free + headroom and self._free_run(g, run) is None
-            self._add_blocks(g, (run if want_run else n - free) + headroom)
-            logger.debug("BlockPool %s group grew from %d to %d blocks", g.name, cur, g.allocator.num_blocks)
+                raise g.exhausted_error(n, named=len(self.groups) > 1)
+            g.reserve(n, rows, run)
 
     def allocate(self, n: int, after: int | None = None, group: int = 0) -> list[int]:
         """Allocate `n` blocks of `group` (refcount 1 each), growing or raising `PoolExhaustedError` first if needed."""
         with self.lock:
             self.reserve(n, group)
-            blocks = self.groups[group].allocator.allocate(n, after)
-            assert blocks is not None
+            blocks = self.groups[group].allocate(n, after)
             self.metrics.count_allocation(n, self.num_used_blocks)
-            self.events.emit("allocate", blocks, **_group_field(group))
             return blocks
 
     def allocate_rows(self, rows: int, n: int, stride: int, group: int = 0) -> list[list[int]] | None:
@@ -396,27 +368,11 @@ class BlockPool:
         (`PageStore.read`) instead of a gather. Returns the blocks per row (refcount 1 each), or `None` (nothing
         changed) when no such run is free: the caller allocates row by row instead. Call `reserve` first (with
         ``run=rows * stride``, so that a growth makes room for the run)."""
-        assert 0 < n <= stride
         with self.lock:
-            g = self.groups[group]
-            start = self._free_run(g, rows * stride)
-            if start is None:
-                return None
-            out = [list(range(start + r * stride, start + r * stride + n)) for r in range(rows)]
-            flat = [b for row in out for b in row]
-            g.allocator.allocate_ids(flat)
-            self.metrics.count_allocation(len(flat), self.num_used_blocks)
-            self.events.emit("allocate", flat, **_group_field(group))
+            out = self.groups[group].allocate_rows(rows, n, stride)
+            if out is not None:
+                self.metrics.count_allocation(rows * n, self.num_used_blocks)
             return out
-
-    @staticmethod
-    def _free_run(g: BlockGroup, length: int) -> int | None:
-        """The lowest start of `length` consecutive free blocks of group `g` inside one storage segment, or None."""
-        ranges, lo = [], 0
-        for size in g.store.segment_blocks:
-            ranges.append((lo, lo + size))
-            lo += size
-        return g.allocator.free_run(length, (r for r in ranges if r[1] - r[0] >= length))
 
     def pad_block(self, group: int = 0) -> int | None:
         """The pad block of `group`, or None if none was reserved yet (see `ensure_pad_block`). No side effects."""
@@ -430,7 +386,7 @@ class BlockPool:
         never written (a step drops the writes of padding tokens that fall in it, and copies it before writing a
         real token into it after a crop), never published, never moved to the host tier, and holds no token (fill
         0). Reads gather it like any block: attention masks its positions, and zeros keep the masked softmax exact.
-        Counted once in `stats().blocks_in_use` and `bytes_in_use`. Invariant 10 (`pool/invariants.py`).
+        Counted once in `stats().blocks_in_use` and `bytes_in_use`. Invariant 10 (`BlockGroup`).
 
         Raises:
             PoolExhaustedError: a fixed pool has no free (or cached-idle) block for it (nothing changed).
@@ -438,10 +394,7 @@ class BlockPool:
         with self.lock:
             g = self.groups[group]
             if g.pad_block is None:
-                block = self.allocate(1, group=group)[0]  # the pool's own reference: never dropped
-                g.store.zero_blocks([block])
-                g.pad_block = block
-                logger.debug("BlockPool: block %d is the pad block of its %s group", block, g.name)
+                g.set_pad_block(self.allocate(1, group=group)[0])  # the pool's own reference: never dropped
             return g.pad_block
 
     @property
@@ -451,24 +404,18 @@ class BlockPool:
 
     def incref(self, blocks: list[int], group: int = 0) -> None:
         with self.lock:
-            self.events.emit("fork", blocks, **_group_field(group))
-            self.groups[group].allocator.incref(blocks)
+            self.groups[group].incref(blocks)
 
     def free(self, blocks: list[int], group: int = 0) -> None:
         """Drop one reference from each block of `group`; blocks that reach refcount 0 return to the free set (and
-        are poisoned in debug mode), or, when published in the prefix index, become cached-idle. The references are
-        dropped first, in plain Python: an error raised later (releasing the freed blocks' storage, trimming the
-        prefix cache) leaves them dropped and every invariant holding."""
+        are poisoned in debug mode), or, when published in the prefix index, become cached-idle, within the prefix
+        cache's budget. The references are dropped first, in plain Python: an error raised later (releasing the
+        freed blocks' storage, trimming the prefix cache) leaves them dropped and every invariant holding."""
         with self.lock:
             g = self.groups[group]
-            self.events.emit("free", blocks, **_group_field(group))
-            if g.prefix_index is None:
-                freed = g.allocator.decref(blocks)
-            else:
-                freed = g.prefix_index.release(blocks, g.allocator)
-            g.store.release(freed)
-            if g.prefix_index is not None:
-                self._trim_prefix_cache(g)
+            freed = g.free(blocks)
+            if g.prefix_index is not None:  # (the budget is computed after: a torch call, which may fail)
+                g.trim_prefix_cache(self.max_idle_blocks(group))
             if freed and self.idle_shrink is not None:
                 self.idle_shrink.arm()
 
@@ -487,34 +434,20 @@ class BlockPool:
         per_block = sum(g.store.bytes_per_block for g in self.groups)
         return self.prefix_budget.max_idle_blocks(self.groups[group].allocator.num_blocks, per_block)
 
-    def _trim_prefix_cache(self, g: BlockGroup) -> None:
-        """Evict the least recently used idle blocks of `g` beyond the prefix cache's budget."""
-        limit = self.max_idle_blocks(g.index)
-        excess = 0 if limit is None else g.allocator.num_idle_blocks - limit
-        if excess > 0:
-            self._evict(g, excess)
-
     def mark_written(self, blocks: list[int], fills: list[int], group: int = 0) -> None:
         """`blocks[i]` of `group` now hold their first `fills[i]` slots (for `stats().tokens_stored`, kept O(1))."""
-        alloc = self.groups[group].allocator
-        for b, n in zip(blocks, fills):
-            alloc.set_fill(b, n)
+        self.groups[group].mark_written(blocks, fills)
 
     def copy_on_write(self, src: list[int], dst: list[int], group: int = 0) -> None:
         """Copy whole blocks `src[i]` -> `dst[i]` in every layer of `group` (before writing to a shared or published
         block)."""
         with self.lock:
-            g = self.groups[group]
-            g.store.copy_blocks(src, dst)
-            for s, d in zip(src, dst):
-                g.allocator.set_fill(d, g.allocator.fill(s))
-            g.num_cow_copies += len(src)
+            self.groups[group].copy_on_write(src, dst)
 
     # -- prefix caching --------------------------------------------------------------------------------------------
     def is_published(self, block: int, group: int = 0) -> bool:
         """Whether `block` holds a published full prefix (it must then be copied before any write)."""
-        index = self.groups[group].prefix_index
-        return index is not None and block in index
+        return self.groups[group].is_published(block)
 
     def acquire_prefix(self, hashes: list[BlockHash], num_tokens: int, group: int = 0, count: bool = True) -> list[int]:
         """Take one reference to each block of the longest published prefix of `hashes` (reviving idle ones).
@@ -531,14 +464,12 @@ class BlockPool:
         """
         with self.lock:
             self._drain()
-            blocks = self.groups[group].prefix_index.acquire(hashes, self.groups[group].allocator, num_tokens, count)
-            self.events.emit("hit", blocks, tokens=num_tokens, **_group_field(group))
-            return blocks
+            return self.groups[group].acquire_prefix(hashes, num_tokens, count)
 
     def match_prefix(self, hashes: list[BlockHash], group: int = 0) -> list[int]:
         """The blocks of `group` of the longest published prefix of `hashes`. Changes nothing."""
         with self.lock:
-            return self.groups[group].prefix_index.match(hashes)
+            return self.groups[group].match_prefix(hashes)
 
     def publish_blocks(self, hashes: list[BlockHash], blocks: list[int], group: int = 0) -> int:
         """Publish `blocks[i]` of `group` under `hashes[i]` (blocks held by the caller, fully written in every layer).
@@ -547,19 +478,7 @@ class BlockPool:
             `int`: blocks newly published (a hash already published by another block is skipped).
         """
         with self.lock:
-            g = self.groups[group]
-            assert all(g.allocator.refcount(b) > 0 for b in blocks), "publish of a block the caller does not hold"
-            assert g.pad_block is None or g.pad_block not in blocks, "publish of the pad block (padding)"
-            self.events.emit("publish", blocks, **_group_field(group))
-            return sum(g.prefix_index.publish(h, b) for h, b in zip(hashes, blocks))
-
-    def _evict(self, group: BlockGroup, n: int) -> None:
-        if self.host is not None:  # the host tier keeps what the device drops (host_tiers.py)
-            self.host.demote(group.index, group.prefix_index.oldest_idle(n))
-        evicted = group.prefix_index.evict(n, group.allocator)
-        self.events.emit("evict", evicted, **_group_field(group.index))
-        group.store.release(evicted)
-        logger.debug("BlockPool evicted %d cached-idle blocks of its %s group", n, group.name)
+            return self.groups[group].publish(hashes, blocks)
 
     # -- compaction and shrinking ------------------------------------------------------------------------------------
     def compact(self, max_blocks: int = 64) -> int:
@@ -588,48 +507,10 @@ class BlockPool:
             self._drain()
             moved = 0
             for g in self.groups:
-                # the pad block is shared by every padded row: not part of any row's run (it may pack down loose)
-                rows = [[b for b in row.blocks if b != g.pad_block] for row in g.rows()]
-                moves = plan_moves(g.allocator, max_blocks, rows, g.store.segment_blocks)
-                if not moves:
-                    continue
-                src, dst = list(moves), list(moves.values())
-                # NOTE: all or nothing per group: what may fail (torch calls: the storage copy, the caches' new
-                # mirrors) comes first and changes no bookkeeping; then plain Python renames everything at once
-                try:
-                    g.store.copy_blocks(src, dst)  # storage first: dst are free, src stay valid until renamed
-                    renames = [self._renamer(g, token, rows, moves) for token, rows in g.tables.items()]
-                except BaseException:
-                    g.store.release(dst)  # still free: drop what the copy gave them (a quantized block's stages)
-                    raise
-                for s, d in moves.items():
-                    g.allocator.move(s, d)
-                if g.prefix_index is not None:
-                    g.prefix_index.rename(moves)
-                if g.pad_block in moves:  # its zeros were copied with it
-                    g.pad_block = moves[g.pad_block]
-                for rename in renames:
-                    rename()
-                moved += len(moves)
-                self.num_moved_blocks += len(moves)
-                g.store.release(src)  # now free: stages returned, state dropped, poisoned in debug mode
-                logger.debug("BlockPool compacted %d blocks of its %s group", len(moves), g.name)
+                n = g.compact(max_blocks)
+                moved += n
+                self.num_moved_blocks += n
             return moved
-
-    @staticmethod
-    def _renamer(g: BlockGroup, token: int, rows: list[BlockTable], moves: dict[int, int]):
-        """For `compact`: the function (plain Python) that renames owner `token`'s tables in group `g`; the cache
-        builds its new mirror here, through its hook (which may fail)."""
-        mover = g.movers.get(token)
-        rename = mover() if mover is not None else None
-        if rename is not None:
-            return rename(g.index, moves)  # the cache renames its rows and their mirror
-
-        def rename_rows() -> None:  # an owner without a hook (or collected, not yet drained): its rows only
-            for row in rows:
-                row.rename(moves)
-
-        return rename_rows
 
     def shrink(self) -> int:
         """Give back the storage segments at the end of each layer group whose blocks are all free (a growable
@@ -643,78 +524,50 @@ class BlockPool:
             self._drain()
             if not self.growable:
                 return 0
-            returned = 0
-            for g in self.groups:
-                free = g.allocator.free_blocks()
-                top = next((b for b in range(g.allocator.num_blocks - 1, -1, -1) if b not in free), -1)
-                before = g.store.bytes_reserved()
-                kept = g.store.shrink(top + 1)
-                g.allocator.remove_blocks(g.allocator.num_blocks - kept)
-                returned += before - g.store.bytes_reserved()
+            returned = sum(g.shrink() for g in self.groups)
             self.bytes_returned += returned
             return returned
 
-    # -- owners (live block tables) --------------------------------------------------------------------------------
+    # -- owners (live block tables; `PoolOwners`) ---------------------------------------------------------------------
     def register_owner(self, rows: list[BlockTable] | None = None, group: int = 0) -> int:
         """A new owner token; `rows` (a list object the owner keeps filling) are its tables in `group`."""
         with self.lock:
             self._drain()
-            token = self.owners.new()
-            if rows is not None:
-                self.groups[group].tables[token] = rows
-            return token
+            return self.owners.register(rows, group)
 
     def add_rows(self, token: int, group: int, rows: list[BlockTable], mover=None) -> None:
         """Register an owner's tables in another layer group; `mover` (a `weakref.WeakMethod`, optional) is called
         as ``mover()(group, {old: new})`` when `compact` moves blocks they name: it prepares what may fail (a new
         mirror) and returns a function, plain Python, that renames the tables and swaps the mirror in."""
-        with self.lock:
-            assert token in self.owners.live and token not in self.groups[group].tables
-            self.groups[group].tables[token] = rows
-            if mover is not None:
-                self.groups[group].movers[token] = mover
+        self.owners.add_rows(token, group, rows, mover)
 
     def unregister_owner(self, token: int) -> None:
         """Forget an owner whose rows are already empty (an explicit `PagedCache.release()`)."""
-        with self.lock:
-            self.owners.forget(token)
-            for group in self.groups:
-                rows = group.tables.pop(token, None)
-                group.movers.pop(token, None)
-                assert not rows, "unregister of an owner that still holds blocks"
+        self.owners.unregister(token)
 
     def release_owner(self, token: int) -> None:
         """Free every block of one owner's rows and forget them (the cache was released or garbage collected).
 
         NOTE: this runs from a `weakref.finalize`, which the garbage collector may call in any thread at any point,
         even inside a pool method holding `lock` (an RLock lets it in). So it only queues the owner; the blocks are
-        freed at the start of the next pool operation (`_drain`), never in the middle of one.
+        freed at the start of the next pool operation (`PoolOwners.drain`), never in the middle of one.
         """
-        self._pending_release.append(token)  # deque.append is atomic
+        self.owners.release(token)
 
     def touch_owner(self, token: int) -> None:
         """Record a use of owner `token` now (`PagedCache` calls it at each forward step, attach and prefetch); the
         order of uses is what `idle_owners` sorts by."""
-        with self.lock:
-            self.owners.touch(token)
+        self.owners.touch(token)
 
     def set_owner_swapper(self, token: int, hook) -> None:
         """Let `idle_owners` offer owner `token` for swapping out: `hook()` returns a function that moves it to the
         host tier (``weakref.WeakMethod(cache.offload)``), or None once the owner is gone."""
-        with self.lock:
-            self.owners.set_swapper(token, hook)
+        self.owners.set_swapper(token, hook)
 
-    @contextlib.contextmanager
     def owner_busy(self, token: int):
         """``with pool.owner_busy(cache.seq_id):`` marks the cache busy (a request is running it), so
         `idle_owners` does not offer it for swapping out meanwhile. Marks nest."""
-        with self.lock:
-            self.owners.mark(token)
-        try:
-            yield
-        finally:
-            with self.lock:
-                self.owners.unmark(token)
+        return self.owners.busy(token)
 
     def idle_owners(self, exclude=()) -> list[IdleOwner]:
         """The caches of this pool that could be swapped out to the host tier now, least recently used first: live,
@@ -726,30 +579,11 @@ class BlockPool:
         """
         with self.lock:
             self._drain()
-            out = []
-            for token, tick, seconds, offload in self.owners.idle(set(exclude)):
-                held = Counter((g.index, b) for g in self.groups for row in g.tables.get(token, ()) for b in row.blocks)
-                if held:  # a block is exclusive when every reference to it is one of this owner's table entries
-                    mine = sum(self.groups[gi].allocator.refcount(b) == n for (gi, b), n in held.items())
-                    out.append(IdleOwner(token, tick, seconds, len(held), mine, offload))
-            return out
+            return self.owners.idle(exclude)
 
     def _drain(self) -> None:
-        """Free the blocks of owners queued by `release_owner`. Called with `lock` held. Each owner's tables and
-        references are all dropped before the first call that may fail (releasing the freed blocks' storage)."""
-        while self._pending_release:
-            token = self._pending_release.popleft()
-            self.owners.forget(token)
-            if self.host is not None:  # an offloaded cache holds host blocks instead
-                self.host.release(token)
-            held = {}
-            for group in self.groups:
-                rows = group.tables.pop(token, None)
-                group.movers.pop(token, None)
-                if rows:
-                    held[group.index] = [b for row in rows for b in row.blocks]
-                    rows.clear()
-            self.free_groups(held)
+        """Free the blocks of owners queued by `release_owner` (`PoolOwners.drain`). Called with `lock` held."""
+        self.owners.drain(self.free_groups)
 
     # -- observation -------------------------------------------------------------------------------------------------
     def stats(self) -> PoolStats:
@@ -757,75 +591,22 @@ class BlockPool:
         with one `GroupStats` per group in `groups`."""
         with self.lock:
             self._drain()
-            per_group = tuple(
-                GroupStats(
-                    window=g.window,
-                    layers=tuple(g.layers),
-                    num_blocks=g.allocator.num_blocks,
-                    blocks_in_use=g.allocator.num_used_blocks,
-                    tokens_stored=g.allocator.num_filled_slots,
-                    bytes_per_block=g.store.bytes_per_block,
-                    bytes_in_use=g.store.bytes_in_use(g.allocator.num_used_blocks),
-                    bytes_reserved=g.store.bytes_reserved(),
-                )
-                for g in self.groups
-            )
-            indexes = [g.prefix_index for g in self.groups if g.prefix_index is not None]
-            host = self.host.stats() if self.host is not None else None
-            return PoolStats(
-                block_size=self.block_size,
-                num_blocks=self.num_blocks,
-                blocks_in_use=self.num_used_blocks,
-                blocks_free=sum(g.allocator.num_free_blocks for g in self.groups),
-                tokens_stored=sum(g.tokens_stored for g in per_group),
-                bytes_per_block=sum(g.bytes_per_block for g in per_group),
-                num_sequences=max(g.num_rows() for g in self.groups),
-                bytes_in_use=sum(g.bytes_in_use for g in per_group),
-                bytes_reserved=sum(g.bytes_reserved for g in per_group),
-                blocks_cached=sum(g.allocator.num_idle_blocks for g in self.groups),
-                bytes_cached=sum(g.allocator.num_idle_blocks * g.store.bytes_per_block for g in self.groups),
-                prefix_cache_budget=self._prefix_budget_bytes(),
-                blocks_trapped=sum(num_trapped_free(g.allocator) for g in self.groups),
-                num_segments=sum(len(g.store.segment_blocks) for g in self.groups),
-                blocks_moved=self.num_moved_blocks,
-                bytes_returned=self.bytes_returned,
-                # NOTE: each request's lookup is counted by one group's index (its cache's first), so these add up
-                lookups=sum(i.num_lookups for i in indexes),
-                lookup_tokens=sum(i.num_lookup_tokens for i in indexes),
-                hit_tokens=sum(i.num_hit_tokens for i in indexes),
-                evictions=sum(i.num_evictions for i in indexes),
-                cow_copies=self.num_cow_copies,
-                groups=per_group,
-                **({} if host is None else dict(
-                    host_memory=host.host_memory, host_blocks=host.num_blocks,
-                    host_blocks_in_use=host.blocks_in_use, host_blocks_cached=host.blocks_cached,
-                    host_blocks_free=host.blocks_free, host_bytes_reserved=host.bytes_reserved,
-                    blocks_to_host=host.blocks_to_host, blocks_from_host=host.blocks_from_host,
-                    bytes_to_host=host.bytes_to_host, bytes_from_host=host.bytes_from_host)),
-            )
-
-    def _prefix_budget_bytes(self) -> int | None:
-        """Bytes the cached-idle blocks may take, all groups (None without prefix caching or before a layer)."""
-        limits = [self.max_idle_blocks(g.index) for g in self.groups]
-        if self.prefix_budget is None or None in limits:
-            return None
-        return sum(n * g.store.bytes_per_block for n, g in zip(limits, self.groups))
+            return snapshot_stats(self)
 
     def health(self) -> Health:
         """Check the alerts now (occupancy, allocation failures, prefix hit rate, step latency; see `metrics.py`)."""
         return self.metrics.check_alerts()
 
     def check_invariants(self) -> None:
-        """Check the pool invariants in every layer group; raise `InvariantError` naming the broken one (by its
-        number), the group and the blocks. The list, with what each checks, is in `pool/invariants.py`: 1 block
-        states, 2 refcounts, 3 blocks per table, 4 encode-once, 5 the free queue, 6 quantized stages, 8 the
-        written-slot counter, 9 the host tier, 10 the pad block, 11 the owner registry (7, a cache's tables against
+        """Check the pool invariants; raise `InvariantError` naming the broken one (by its number), the group and
+        the blocks. Each is stated where its state lives (`pool/invariants.py` lists them): 1-6, 8 and 10 in
+        `BlockGroup` (checked per group), 9 in `HostTiers`, 11 in `OwnerRegistry` (7, a cache's tables against
         their mirror, is `PagedCache.check_invariants()`'s)."""
         with self.lock:
             self._drain()
             tiered = any(group.window is None and group.tier for group in self.groups)
             for group in self.groups:
-                check_group_invariants(group, tiered)
+                group.check_invariants(tiered)
             if self.host is not None:
                 self.host.check()
             problems = self.owners.check()

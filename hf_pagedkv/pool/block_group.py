@@ -60,18 +60,6 @@ class BlockGroup:
     10. the pad block (`pad_block`, once reserved by `BlockPool.ensure_pad_block`): one block of zeros that every
         whole block of left padding names (as vLLM's null block). The pool holds one reference to it, so it is
         never freed; it is never written, never published and holds no token (fill 0).
-
-    Args:
-        index (`int`): its position in `BlockPool.groups`.
-        window (`int` or `None`): the sliding window in tokens, None for full attention.
-        block_size (`int`): tokens per block.
-        quant (`QuantConfig`): the storage format (a quantized one gets a `QuantizedPageStore`).
-        debug (`bool`, *optional*, defaults to `False`): poison freed blocks.
-        prefix_caching (`bool`, *optional*, defaults to `False`): keep a prefix index.
-        tier (`int`, *optional*, defaults to 0): the retention tier of full-attention layers it holds.
-        growable (`bool`, *optional*, defaults to `True`): grow when a reservation needs more blocks (else evict
-            cached-idle blocks, then raise `PoolExhaustedError`).
-        host (`HostTiers`, *optional*): the pool's host tier, which keeps the prefix blocks this group evicts.
     """
 
     def __init__(self, index: int, window: int | None, block_size: int, quant: QuantConfig, *, debug: bool = False,
@@ -126,10 +114,6 @@ class BlockGroup:
     def num_blocks(self) -> int:
         """Blocks this group holds storage for (free, in use and cached-idle)."""
         return self.allocator.num_blocks
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.allocator.num_used_blocks
 
     @property
     def is_quantized(self) -> bool:
@@ -230,8 +214,13 @@ class BlockGroup:
         return blocks
 
     def allocate_rows(self, rows: int, n: int, stride: int) -> list[list[int]] | None:
-        """`n` blocks for each of `rows` new rows laid out evenly in one storage segment (see
-        `BlockPool.allocate_rows`), or `None` (nothing changed) when no such run is free."""
+        """Allocate `n` blocks for each of `rows` new rows, laid out evenly: row `r` gets the consecutive ids
+        ``s + r * stride .. s + r * stride + n - 1`` of the lowest free run ``s .. s + rows * stride - 1`` that lies
+        in one storage segment, and the ``stride - n`` ids after each row stay free for its next blocks
+        (`BlockAllocator.allocate` prefers them). Rows so placed are read by a page store as one strided view
+        (`PageStore.read`) instead of a gather. Returns the blocks per row (refcount 1 each), or `None` (nothing
+        changed) when no such run is free: the caller allocates row by row instead. Call `reserve` first (with
+        ``run=rows * stride``, so that a growth makes room for the run)."""
         assert 0 < n <= stride
         start = self.free_run(rows * stride)
         if start is None:
@@ -251,8 +240,15 @@ class BlockGroup:
         return self.allocator.free_run(length, (r for r in ranges if r[1] - r[0] >= length))
 
     def set_pad_block(self, block: int) -> None:
-        """Make `block` (just allocated: the pool's own reference, never dropped) the pad block: zeros in every
-        layer, never written, freed or published (invariant 10)."""
+        """Make `block` (just allocated: the pool's own reference, never dropped) the pad block: one block of zeros
+        (finite, in every layer of the group) that every whole block of a row's left padding names instead of a
+        block of its own, as vLLM's null block.
+
+        Its refcount is the table entries naming it + 1, so it is never freed; it is never written (a step drops
+        the writes of padding tokens that fall in it, and copies it before writing a real token into it after a
+        crop), never published, never moved to the host tier, and holds no token (fill 0). Reads gather it like any
+        block: attention masks its positions, and zeros keep the masked softmax exact. Counted once in
+        `stats().blocks_in_use` and `bytes_in_use`. Invariant 10."""
         assert self.pad_block is None, "a layer group has one pad block"
         self.store.zero_blocks([block])
         self.pad_block = block
@@ -309,7 +305,17 @@ class BlockGroup:
         return self.prefix_index is not None and block in self.prefix_index
 
     def acquire_prefix(self, hashes: list[BlockHash], num_tokens: int, count: bool = True) -> list[int]:
-        """One reference to each block of the longest published prefix of `hashes` (see `BlockPool.acquire_prefix`)."""
+        """Take one reference to each block of the longest published prefix of `hashes` (reviving idle ones).
+
+        Args:
+            hashes (`list[BlockHash]`): chain hashes of the full blocks a request may reuse.
+            num_tokens (`int`): tokens of the request (for `hit_rate`).
+            count (`bool`, *optional*, defaults to `True`): count the lookup and its hit (once per request: the
+                other layer groups of the same request pass `False`).
+
+        Returns:
+            `list[int]`: the hit blocks, in order; the caller's block table must name them (one reference each).
+        """
         blocks = self.prefix_index.acquire(hashes, self.allocator, num_tokens, count)
         self._emit("hit", blocks, tokens=num_tokens)
         return blocks
@@ -327,8 +333,16 @@ class BlockGroup:
 
     # -- compaction and shrinking ------------------------------------------------------------------------------------
     def compact(self, max_blocks: int) -> int:
-        """Move up to `max_blocks` live blocks to free ids below them, all or nothing (see `BlockPool.compact`);
-        returns the blocks moved."""
+        """Move up to `max_blocks` live blocks (in use or cached-idle) to free ids below them (`blocks/compaction.py`):
+        each row whole to the lowest place where its blocks are consecutive in one storage segment, then blocks no
+        row names to the lowest free ids, so the free blocks gather at the end, where `shrink` can return them.
+        Returns the blocks moved.
+
+        Exact: a moved block's storage is copied whole (K/V, or codes, scales, its stage and sink stage), its
+        refcount, fill, prefix hash and LRU place move with it, and every block table naming it is renamed (a
+        `PagedCache` renames its tables and their mirror through the hook it registered, `movers`), so outputs are
+        unchanged for live caches, forks, beams, prefix-cached and quantized blocks. All or nothing: an error or
+        interrupt leaves the group as it was."""
         # the pad block is shared by every padded row: not part of any row's run (it may pack down loose)
         rows = [[b for b in row.blocks if b != self.pad_block] for row in self.rows()]
         moves = plan_moves(self.allocator, max_blocks, rows, self.store.segment_blocks)

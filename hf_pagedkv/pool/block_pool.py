@@ -1,37 +1,54 @@
-"""`BlockPool`: the public face of a pool of KV blocks (its layer groups: bookkeeping plus storage), shareable by caches."""
+"""`BlockPool`: the public face of a pool of KV blocks, shareable by caches: a face over its layer groups.
+
+Each `BlockGroup` owns its blocks (ids, refcounts, storage, prefix index, tables), the operations on them and their
+invariants; the pool adds what spans groups, under one lock: settings (`PoolSettings`), the layers each group holds
+and its size (`LayerRegistry`), the owners and their release queue (`PoolOwners`), metrics, the event log, idle
+shrinking, the host tier (`HostTiers`) and prefix files (`prefix_persistence.py`).
+
+Exception safety: an operation that fails, by an error (a failed allocation or copy) or an interrupt
+(`KeyboardInterrupt`), leaves every invariant holding and loses nothing: it makes the torch calls that may fail
+before it changes the bookkeeping (plain Python), or undoes what they did; only releasing freed blocks' storage
+(debug poisoning) and trimming the prefix cache come after, and they leave the bookkeeping done
+(`tests/property/test_fault_injection.py` injects a failure at every torch call of each operation).
+
+Determinism (tensor parallel ranks must stay in step): which block ids are handed out, when the pool grows and which
+cached-idle blocks are evicted depend only on the sequence of calls and on K/V values, never on time, thread timing,
+`hash()` of a str or set iteration order: free ids come from a min-heap (the lowest, or ``after + 1``), eviction from
+an insertion-ordered LRU, prefix hashes are blake2b of token ids. Ranks running the same `generate` calls keep
+identical block tables (`tests/integration/test_tensor_parallel.py` compares their event logs, under different
+``PYTHONHASHSEED``s). A cache dropped without `release()` is freed when its last reference goes (it holds no
+reference cycle), at the pool's next operation. One thing can still differ between ranks: rows share blocks when
+their K/V are bit-identical on this rank's heads, so rows with different tokens whose K/V happen to match on one
+rank's heads would share there only. Outputs stay exact either way; only memory differs, so at the limit of a fixed
+pool one rank could raise `PoolExhaustedError` where another does not (and the others then wait in their next
+collective).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import logging
-import os
 import threading
-
-import torch
 
 from hf_pagedkv.blocks.block_allocator import BlockAllocator
 from hf_pagedkv.blocks.block_table import BlockTable
 from hf_pagedkv.blocks.owner_registry import IdleOwner
-from hf_pagedkv.blocks.prefix_budget import PrefixCacheBudget
 from hf_pagedkv.blocks.prefix_index import BlockHash, PrefixIndex
-from hf_pagedkv.config import DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, QuantConfig, check_positive_int, parse_bytes
-from hf_pagedkv.errors import InvariantError
+from hf_pagedkv.config import QuantConfig, check_positive_int
 from hf_pagedkv.observe.alerts import Health
 from hf_pagedkv.observe.events import EventLog
 from hf_pagedkv.observe.metrics import PoolMetrics
 from hf_pagedkv.observe.pool_stats import PoolStats
-from hf_pagedkv.pool.block_group import BlockGroup
 from hf_pagedkv.pool.host_tiers import HostTiers
 from hf_pagedkv.pool.idle_shrink import IdleShrink
+from hf_pagedkv.pool.layer_registry import LayerRegistry
 from hf_pagedkv.pool.pool_owners import PoolOwners
+from hf_pagedkv.pool.pool_settings import PoolSettings
 from hf_pagedkv.pool.stats_snapshot import snapshot_stats
-from hf_pagedkv.storage.device_budget import blocks_for_budget, check_device_share
 from hf_pagedkv.storage.page_store import LayerSpec
 
 logger = logging.getLogger(__name__)
-
-_MAX_SHRINK_AFTER = 1e9  # seconds (about 30 years): a timer's delay must fit the platform's time_t
 
 
 class _PoolOrClassMethod:
@@ -49,13 +66,10 @@ class _PoolOrClassMethod:
 class BlockPool:
     """A pool of fixed-size KV blocks shared by one or more `PagedCache` objects of the same model.
 
-    Layers are split into **layer groups** by how much history they keep (`groups`: group 0 for full attention,
-    one per distinct sliding window), as in vLLM's hybrid KV-cache manager. A block of a group holds `block_size`
-    consecutive tokens of one sequence in every layer of that group (one block id names the same slot range in
-    each of them), so a sequence needs one block table per group, not one per layer; a sliding-window group frees
-    the blocks that leave its window, so hybrid models (Gemma 2/3, gpt-oss, ...) hold only their windows there.
-    Blocks are refcounted: `fork()`, beam reordering and `num_return_sequences` share block ids, and a shared block
-    is copied before it is written (copy-on-write).
+    Layers are split into **layer groups** (`groups`, each a `BlockGroup`: group 0 for full attention, one per
+    distinct sliding window), as in vLLM's hybrid KV-cache manager: a sequence needs one block table per group,
+    and a sliding-window group frees the blocks that leave its window. Blocks are refcounted: `fork()`, beam
+    reordering and `num_return_sequences` share block ids, and a shared block is copied before it is written.
 
     Args:
         block_size (`int`, *optional*, defaults to 16, 32 when quantized): tokens per block (for a quantized pool,
@@ -63,60 +77,33 @@ class BlockPool:
         num_blocks (`int`, *optional*): a fixed number of blocks per layer group, preallocated once per layer.
             When a group's blocks are all in use, allocation raises `PoolExhaustedError`.
         max_memory (`int` or `str`, *optional*): a fixed budget in bytes (``"4GiB"``, ``"512MB"``) for all
-            layers' keys and values, on all the devices they sit on together (`device_map`); turned into
-            `num_blocks` (the same for every layer group) when the first cache writes its first layer, which needs
-            the number of layers: create that cache with ``PagedCache(pool=pool, config=model.config)`` (without
-            `config` its first `update` raises `ValueError`). Each device holds every block of the layers on it,
-            and that share is checked against the device's memory (`device_budget.py`). Under tensor parallel it
-            is one rank's budget, for that rank's KV heads. Exclusive with `num_blocks`.
+            layers' keys and values, on all their devices together; turned into `num_blocks` (the same for every
+            layer group) when the first cache writes its first layer, which needs the number of layers: create
+            that cache with ``PagedCache(pool=pool, config=model.config)``. Each device's share is checked against
+            its memory (`device_budget.py`). Under tensor parallel, one rank's budget. Exclusive with `num_blocks`.
         debug (`bool`, *optional*, defaults to `False`): poison freed blocks with NaN.
-        prefix_caching (`bool`, *optional*, defaults to `False`): keep a prefix index (`PrefixIndex`) so that
-            requests sharing a prompt prefix share its full blocks (`PagedCache.from_prefix`, `cache.publish`,
-            `hf_pagedkv.generate`). Published blocks whose refcount drops to 0 stay cached-idle, within
-            `prefix_cache_memory`, evicted least-recently-used beyond it (and, in a fixed pool, when an allocation
-            needs their space).
+        prefix_caching (`bool`, *optional*, defaults to `False`): keep a prefix index so that requests sharing a
+            prompt prefix share its full blocks (`PagedCache.from_prefix`, `cache.publish`, `hf_pagedkv.generate`).
+            Published blocks whose refcount drops to 0 stay cached-idle, within `prefix_cache_memory`.
         quant (`QuantConfig` or `str`, *optional*): store K/V quantized (`QuantConfig`, or a preset such as
             ``"k8v4"``); `None` or ``"fp"`` for full precision. Fixed for the pool's lifetime.
         host_memory (`int` or `str`, *optional*): a host-memory (CPU, pinned under CUDA) tier of this many bytes
             (``"8GiB"``), where `PagedCache.offload()` moves a cache and `prefetch()` brings it back
-            (`host_tiers.py`); sized at the first offload, when the layers are known. `pool.stats()` (its
-            ``host_*`` fields, `blocks_to_host`, `bytes_to_host`, ...) and `pool.host.stats()` tell its occupancy
-            and the copies made.
+            (`host_tiers.py`); `pool.stats()` (``host_*``, `bytes_to_host`, ...) tells its occupancy and copies.
         prefix_cache_memory (`int`, `str` or `float`, *optional*): with `prefix_caching`, the budget of cached-idle
             blocks: a size (``"1GiB"``, bytes as an int; all layers, keys + values) or a fraction in ``(0, 1]`` of
             the pool's blocks (`PrefixCacheBudget`). Defaults to 1 GiB for a growable pool, which grows rather than
-            evicting within it, and to the whole pool for a fixed one. `stats().bytes_cached` and
-            `stats().prefix_cache_budget` report it.
+            evicting within it, and to the whole pool for a fixed one (`stats().prefix_cache_budget`).
         shrink_after (`float`, *optional*): a growable pool gives its free trailing storage segments back by itself
             (`shrink()`, from a daemon timer, `idle_shrink.py`) once this many seconds pass without an allocation;
             None (default): only when `shrink()` is called. Not for tensor-parallel ranks (block ids may differ).
 
-    With neither `num_blocks` nor `max_memory`, the pool grows on demand by chunks: what is needed plus a headroom
-    of a quarter of its size (at least 16 blocks), so growth is amortised O(1) and the storage stays close to what
-    is used.
-    A fixed pool evicts cached-idle blocks before it raises `PoolExhaustedError`; a growable one grows instead
-    and evicts only beyond `prefix_cache_memory`.
+    With neither `num_blocks` nor `max_memory`, the pool grows on demand by chunks (amortised O(1), storage close
+    to what is used; `BlockGroup.reserve`). A fixed pool evicts cached-idle blocks before it raises
+    `PoolExhaustedError`; a growable one grows instead and evicts only beyond `prefix_cache_memory`.
 
     Thread safety: every bookkeeping change happens under `lock` (an `RLock`), so several threads may each run
-    their own caches on one pool. A cache itself is used by one thread at a time.
-
-    Exception safety: an operation that fails, by an error (a failed allocation or copy) or an interrupt
-    (`KeyboardInterrupt`), leaves every invariant holding and loses nothing: it makes the torch calls that may fail
-    before it changes the bookkeeping (plain Python), or undoes what they did; only releasing freed blocks'
-    storage (debug poisoning) and trimming the prefix cache come after, and they leave the bookkeeping done
-    (`tests/property/test_fault_injection.py` injects a failure at every torch call of each operation).
-
-    Determinism (tensor parallel ranks must stay in step): which block ids are handed out, when the pool grows and
-    which cached-idle blocks are evicted depend only on the sequence of calls and on K/V values, never on time,
-    thread timing, `hash()` of a str or set iteration order: free ids come from a min-heap (the lowest, or
-    ``after + 1``), eviction from an insertion-ordered LRU, prefix hashes are blake2b of token ids. Ranks running the
-    same `generate` calls keep identical block tables (`tests/integration/test_tensor_parallel.py` compares their
-    event logs, under different ``PYTHONHASHSEED``s). A cache dropped without `release()` is freed when its last
-    reference goes (it holds no reference cycle), at the pool's next operation. One thing can still differ between
-    ranks: rows share blocks when their K/V are bit-identical on this rank's heads, so rows with different tokens
-    whose K/V happen to match on one rank's heads would share there only. Outputs stay exact either way; only memory differs, so at the limit
-    of a fixed pool one rank could raise `PoolExhaustedError` where another does not (and the others then wait in
-    their next collective).
+    their own caches on one pool (a cache, one thread at a time). Exception safety, determinism: module docstring.
 
     Raises:
         ValueError: `block_size` or `num_blocks` not a positive int; both `num_blocks` and `max_memory`
@@ -149,47 +136,25 @@ class BlockPool:
         prefix_cache_memory: int | str | float | None = None,
         shrink_after: float | None = None,
     ) -> None:
-        for name, flag in (("debug", debug), ("prefix_caching", prefix_caching)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"BlockPool({name}={flag!r}): give True or False.")
-        self.quant = QuantConfig.resolve(quant)  # storage format; fixed
-        if prefix_cache_memory is not None and not prefix_caching:
-            raise ValueError(f"prefix_cache_memory={prefix_cache_memory!r} sizes the prefix cache; it needs "
-                             "BlockPool(prefix_caching=True).")
-        if block_size is None:
-            block_size = DEFAULT_QUANT_BLOCK_SIZE if self.quant.is_quantized else DEFAULT_BLOCK_SIZE
-        check_positive_int("block_size", block_size)
-        if num_blocks is not None:
-            check_positive_int("num_blocks", num_blocks)
-        if num_blocks is not None and max_memory is not None:
-            raise ValueError("Give `num_blocks` or `max_memory`, not both.")
-        self.block_size = block_size  # tokens per block; fixed
-        self.max_memory = None if max_memory is None else parse_bytes(max_memory)  # byte budget, or None
-        self.growable = num_blocks is None and max_memory is None  # grow on demand instead of raising
-        if shrink_after is not None:
-            if (isinstance(shrink_after, bool) or not isinstance(shrink_after, (int, float))
-                    or not 0 < shrink_after <= _MAX_SHRINK_AFTER):
-                raise ValueError(f"shrink_after={shrink_after!r}: give the idle time in seconds, a number > 0 and at "
-                                 f"most {_MAX_SHRINK_AFTER:.0e} (or None to shrink only when pool.shrink() is called).")
-            if not self.growable:
-                raise ValueError("shrink_after= is for a growable pool (num_blocks=None and max_memory=None): a fixed "
-                                 "pool keeps its preallocation.")
-        # gives free segments back after `shrink_after` idle seconds (idle_shrink.py), or None; fixed
-        self.idle_shrink = None if shrink_after is None else IdleShrink(self, float(shrink_after))
-        self.lock = threading.RLock()  # guards all bookkeeping; held by a cache for a whole step's extension
-        self._fixed_blocks = num_blocks  # blocks each layer group gets when it is created, or None
-        self._budget_blocks: int | None = None  # with max_memory: the blocks per group, once the first layer sized it
-        self._prefix_caching = prefix_caching  # whether groups keep a prefix index; fixed
+        settings = PoolSettings.of(block_size, num_blocks, max_memory, debug, prefix_caching, quant, host_memory,
+                                   prefix_cache_memory, shrink_after)  # ValueError naming a wrong argument
+        self.settings = settings  # the checked arguments; fixed
+        self.quant = settings.quant  # storage format; fixed
+        self.block_size = settings.block_size  # tokens per block; fixed
+        self.max_memory = settings.max_memory  # byte budget, or None; fixed
+        self.growable = settings.growable  # grow on demand instead of raising; fixed
         # how many cached-idle blocks a group keeps (None without prefix caching); fixed
-        self.prefix_budget = PrefixCacheBudget(prefix_cache_memory, self.growable) if prefix_caching else None
-        self._debug = debug  # poison freed blocks; applied to every group's store
-        self.groups: list[BlockGroup] = []  # layer groups; group 0 is full attention; appended by group_for only
-        # sliding window (None: full attention), or (window, tier) for a retention tier > 0 -> group index
-        self._group_of: dict = {}
+        self.prefix_budget = settings.prefix_budget
+        # gives free segments back after `shrink_after` idle seconds (idle_shrink.py), or None; fixed
+        self.idle_shrink = None if settings.shrink_after is None else IdleShrink(self, settings.shrink_after)
+        self.lock = threading.RLock()  # guards all bookkeeping; held by a cache for a whole step's extension
         self._prefix_keys: dict[bytes, None] = {}  # keys published blocks were hashed under; note_prefix_key only
         self.last_loaded_blocks = 0  # blocks the last load_prefix_cache published; set by it only
         # the host tier (`cache.offload()`, evicted prefix blocks), or None; fixed
-        self.host = None if host_memory is None else HostTiers(self, parse_bytes(host_memory, name="host_memory"))
+        self.host = None if settings.host_memory is None else HostTiers(self, settings.host_memory)
+        # the layer groups, made on first use by `group_for`, the layers each holds, and the blocks each gets
+        self.layers = LayerRegistry(settings, self.host)
+        self.groups = self.layers.groups  # layer groups; group 0 is full attention; the registry's list; read only
         # owner tokens, their tables in each group, last uses, busy marks, swap hooks (`pool_owners.py`)
         self.owners = PoolOwners(self.groups, self.host, self.lock)
         self.group_for(None)
@@ -198,28 +163,26 @@ class BlockPool:
         self.metrics = PoolMetrics(self)  # counters, step latency, alerts (metrics.py); updated by the hooks below
         # block event log, off by default (events.py); made after group 0, whose refcounts HF_PAGEDKV_EVENTS records
         self.events = EventLog(self)
-        self.groups[0].events = self.events
+        self.layers.events = self.events
 
     # -- configuration ---------------------------------------------------------------------------------------------
     @property
     def debug(self) -> bool:
         """Whether freed blocks are poisoned with NaN."""
-        return self._debug
+        return self.layers.debug
 
     @debug.setter
     def debug(self, value: bool) -> None:
-        self._debug = bool(value)
-        for group in self.groups:
-            group.store.debug = self._debug
+        self.layers.set_debug(bool(value))
 
     @property
     def prefix_caching(self) -> bool:
         """Whether this pool keeps a prefix index (`BlockPool(prefix_caching=True)`)."""
-        return self._prefix_caching
+        return self.settings.prefix_caching
 
-    # The full-attention group (group 0): what a pool of a model without sliding windows consists of.
     @property
     def allocator(self) -> BlockAllocator:
+        """The full-attention group's (group 0: all a model without sliding windows has), as `store`, `prefix_index`."""
         return self.groups[0].allocator
 
     @property
@@ -240,110 +203,33 @@ class BlockPool:
         return sum(group.allocator.num_blocks for group in self.groups)
 
     def group_for(self, window: int | None, tier: int = 0) -> int:
-        """The index of the layer group of layers with this sliding window (`None`: full attention), created on
-        first use; a fixed pool gives a new group its `num_blocks` blocks. `tier` > 0 names a separate group of
-        full-attention layers that a tiered retention policy (`PyramidKV`) gives its own budget."""
-        key = window if not tier else (window, tier)
+        """The index of the layer group of layers with this sliding window (`None`: full attention), made on first
+        use; `tier` > 0: a group of full-attention layers a tiered retention policy (`PyramidKV`) budgets apart."""
         with self.lock:
-            gi = self._group_of.get(key)
-            if gi is None:
-                gi = len(self.groups)
-                group = BlockGroup(gi, window, self.block_size, self.quant, debug=self._debug,
-                                   prefix_caching=self._prefix_caching, tier=tier, growable=self.growable,
-                                   host=self.host)
-                if gi:  # group 0 is made before the event log (`__init__`)
-                    group.events = self.events
-                self.groups.append(group)
-                self._group_of[key] = gi
-                sized = self._fixed_blocks if self._fixed_blocks is not None else self._budget_blocks
-                if sized is not None:
-                    group.add_blocks(sized)
-                if gi and self.events.enabled:
-                    logger.debug("BlockPool: new layer group %d (%s)", gi, group.name)
-            return gi
+            return self.layers.group_for(window, tier)
 
     def check_layer_group(self, layer_idx: int, group: int) -> None:
-        """Raise `ValueError` if the pool already holds layer `layer_idx` in a layer group other than `group` (a cache
-        of another model, or with other retention tiers). No side effects."""
+        """`ValueError` if another group than `group` holds layer `layer_idx` (`LayerRegistry.check_group`)."""
         with self.lock:
-            target = self.groups[group]
-            for other in self.groups:
-                if other is target or layer_idx not in other.store.specs:
-                    continue
-                if (other.tier or target.tier) and other.window == target.window:
-                    raise ValueError(
-                        f"This BlockPool holds layer {layer_idx} in its {other.name} layer group, but a cache uses "
-                        f"it as {target.name}: a tiered retention policy (PyramidKV, KVzip with global layer budgets) "
-                        "gives each tier of layers its own layer group, so the caches sharing a pool must all use the same tiers; use a separate "
-                        "BlockPool for caches with other tiers."
-                    )
-                raise ValueError(
-                    f"This BlockPool holds layer {layer_idx} in its {other.name} layer group, but a cache uses "
-                    f"it as {target.name}; a pool is shared only by caches of one model (build each cache with "
-                    "the same config=, or none)."
-                )
+            self.layers.check_group(layer_idx, group)
 
     def register_layer(self, layer_idx: int, spec: LayerSpec, num_layers: int | None = None, group: int = 0) -> None:
-        """Make sure the pool has storage for `layer_idx` with this spec in layer group `group`.
-
-        With `max_memory`, the first layer sizes the pool (`device_budget.blocks_for_budget`) and every layer's
-        device share is checked against that device's memory before its storage is allocated
-        (`device_budget.check_device_share`): with `device_map`, layers on different devices count against their
-        own device.
-
-        Raises:
-            ValueError: the pool already holds this layer with another shape, dtype or device (a pool shared
-                between different models) or in another group; `max_memory` cannot be resolved without the number of layers, is
-                below one block, is more than the devices have, or would put more on this layer's device than it
-                has (nothing is allocated for this layer then).
-        """
+        """`LayerRegistry.register`: storage for `layer_idx` in `group` (a `max_memory` pool is sized by its first
+        layer); `ValueError` for a layer of another model or one that does not fit the devices."""
         with self.lock:
-            target = self.groups[group]
-            for other in self.groups:
-                known = other.store.specs.get(layer_idx)
-                if known is None:
-                    continue
-                if known != spec:
-                    raise ValueError(
-                        f"This BlockPool holds layer {layer_idx} as {_describe(known)}, but got {_describe(spec)}. "
-                        "A pool is shared only by caches of one model (same layer shapes and dtype); use a "
-                        "separate BlockPool for each model."
-                    )
-                self.check_layer_group(layer_idx, group)
-                return
-            if self.max_memory is not None:  # sized by the first layer; each layer's device share checked
-                # NOTE: every group gets the same number of blocks, so the groups together stay within the budget
-                # (each layer belongs to one group); a sliding group rarely needs them all.
-                n = self._budget_blocks or blocks_for_budget(self.max_memory, spec, num_layers,
-                                                             target.store.block_bytes, device_memory)
-                known = [s for g in self.groups for s in g.store.specs.values()]
-                check_device_share(layer_idx, spec, known, target.store.block_bytes, n, self.max_memory,
-                                   device_memory)
-                if self._budget_blocks is None:  # every group gets its blocks now: a step reserves in all of them
-                    self._budget_blocks = n
-                    for g in self.groups:
-                        if g.allocator.num_blocks == 0:
-                            g.add_blocks(n)
-            target.store.add_layer(layer_idx, spec)
-            if target.pad_block is not None:  # the new layer's storage of the pad block holds zeros too
-                target.store.zero_blocks([target.pad_block], layer_idx)
+            self.layers.register(layer_idx, spec, num_layers, group)
 
-    # -- allocation (the group's operations, under the lock, with the metrics and idle shrinking) -------------------
+    # -- blocks: each a `BlockGroup` operation under the lock, plus what spans groups: draining the owners collected
+    # since the last operation (`PoolOwners.drain`), metrics, idle shrinking --------------------------------------
     def can_reserve(self, n: int, group: int = 0) -> bool:
         """Whether `reserve(n, group)` would succeed. No side effects."""
         with self.lock:
             return self.groups[group].can_reserve(n)
 
     def reserve(self, n: int, group: int = 0, rows: int = 1, run: int = 0) -> None:
-        """Make sure `n` blocks of `group` are free: a fixed pool evicts cached-idle blocks (LRU) or raises, a
-        growable one grows (its idle blocks stay, within the prefix cache's budget). Changes no refcount.
-        `rows`, `run`: see `BlockGroup.reserve` (room for the rows' next blocks, a run for `allocate_rows`).
-
-        Raises:
-            PoolExhaustedError: a fixed pool has fewer than `n` free plus cached-idle blocks (nothing changed).
-        """
+        """`BlockGroup.reserve`: `n` free blocks in `group`, evicting or growing, else `PoolExhaustedError`."""
         with self.lock:
-            self._drain()
+            self.owners.drain(self.free_groups)
             if self.idle_shrink is not None:
                 self.idle_shrink.touch()
             g = self.groups[group]
@@ -361,13 +247,7 @@ class BlockPool:
             return blocks
 
     def allocate_rows(self, rows: int, n: int, stride: int, group: int = 0) -> list[list[int]] | None:
-        """Allocate `n` blocks for each of `rows` new rows, laid out evenly: row `r` gets the consecutive ids
-        ``s + r * stride .. s + r * stride + n - 1`` of the lowest free run ``s .. s + rows * stride - 1`` that lies
-        in one storage segment, and the ``stride - n`` ids after each row stay free for its next blocks
-        (`BlockAllocator.allocate` prefers them). Rows so placed are read by a page store as one strided view
-        (`PageStore.read`) instead of a gather. Returns the blocks per row (refcount 1 each), or `None` (nothing
-        changed) when no such run is free: the caller allocates row by row instead. Call `reserve` first (with
-        ``run=rows * stride``, so that a growth makes room for the run)."""
+        """`BlockGroup.allocate_rows`: rows of `n` blocks `stride` apart, or None (reserve ``run=rows*stride``)."""
         with self.lock:
             out = self.groups[group].allocate_rows(rows, n, stride)
             if out is not None:
@@ -379,18 +259,7 @@ class BlockPool:
         return self.groups[group].pad_block
 
     def ensure_pad_block(self, group: int = 0) -> int:
-        """The pad block of `group`, reserved on first use: one block of zeros (finite, in every layer of the group)
-        that every whole block of a row's left padding names instead of a block of its own, as vLLM's null block.
-
-        The pool holds one reference to it, so it is never freed (refcount = table entries naming it + 1); it is
-        never written (a step drops the writes of padding tokens that fall in it, and copies it before writing a
-        real token into it after a crop), never published, never moved to the host tier, and holds no token (fill
-        0). Reads gather it like any block: attention masks its positions, and zeros keep the masked softmax exact.
-        Counted once in `stats().blocks_in_use` and `bytes_in_use`. Invariant 10 (`BlockGroup`).
-
-        Raises:
-            PoolExhaustedError: a fixed pool has no free (or cached-idle) block for it (nothing changed).
-        """
+        """The pad block of `group` (`BlockGroup.set_pad_block`), reserved on first use (may raise as `allocate`)."""
         with self.lock:
             g = self.groups[group]
             if g.pad_block is None:
@@ -407,10 +276,7 @@ class BlockPool:
             self.groups[group].incref(blocks)
 
     def free(self, blocks: list[int], group: int = 0) -> None:
-        """Drop one reference from each block of `group`; blocks that reach refcount 0 return to the free set (and
-        are poisoned in debug mode), or, when published in the prefix index, become cached-idle, within the prefix
-        cache's budget. The references are dropped first, in plain Python: an error raised later (releasing the
-        freed blocks' storage, trimming the prefix cache) leaves them dropped and every invariant holding."""
+        """`BlockGroup.free` (references dropped first), then the prefix cache trimmed to its budget."""
         with self.lock:
             g = self.groups[group]
             freed = g.free(blocks)
@@ -427,84 +293,46 @@ class BlockPool:
                 frees.callback(self.free, ids, group)
 
     def max_idle_blocks(self, group: int = 0) -> int | None:
-        """Cached-idle blocks `group` keeps at most (`prefix_cache_memory`); None without prefix caching, or before
-        any layer is known (a size budget needs the bytes of a block)."""
-        if self.prefix_budget is None:
-            return None
-        per_block = sum(g.store.bytes_per_block for g in self.groups)
-        return self.prefix_budget.max_idle_blocks(self.groups[group].allocator.num_blocks, per_block)
+        """Cached-idle blocks `group` keeps at most (`LayerRegistry.max_idle_blocks`)."""
+        return self.layers.max_idle_blocks(group)
 
     def mark_written(self, blocks: list[int], fills: list[int], group: int = 0) -> None:
-        """`blocks[i]` of `group` now hold their first `fills[i]` slots (for `stats().tokens_stored`, kept O(1))."""
         self.groups[group].mark_written(blocks, fills)
 
     def copy_on_write(self, src: list[int], dst: list[int], group: int = 0) -> None:
-        """Copy whole blocks `src[i]` -> `dst[i]` in every layer of `group` (before writing to a shared or published
-        block)."""
         with self.lock:
             self.groups[group].copy_on_write(src, dst)
 
-    # -- prefix caching --------------------------------------------------------------------------------------------
     def is_published(self, block: int, group: int = 0) -> bool:
-        """Whether `block` holds a published full prefix (it must then be copied before any write)."""
         return self.groups[group].is_published(block)
 
     def acquire_prefix(self, hashes: list[BlockHash], num_tokens: int, group: int = 0, count: bool = True) -> list[int]:
-        """Take one reference to each block of the longest published prefix of `hashes` (reviving idle ones).
-
-        Args:
-            hashes (`list[BlockHash]`): chain hashes of the full blocks a request may reuse.
-            num_tokens (`int`): tokens of the request (for `hit_rate`).
-            group (`int`, *optional*, defaults to 0): the layer group.
-            count (`bool`, *optional*, defaults to `True`): count the lookup and its hit (once per request: the
-                other layer groups of the same request pass `False`).
-
-        Returns:
-            `list[int]`: the hit blocks, in order; the caller's block table must name them (one reference each).
-        """
         with self.lock:
-            self._drain()
+            self.owners.drain(self.free_groups)
             return self.groups[group].acquire_prefix(hashes, num_tokens, count)
 
     def match_prefix(self, hashes: list[BlockHash], group: int = 0) -> list[int]:
-        """The blocks of `group` of the longest published prefix of `hashes`. Changes nothing."""
         with self.lock:
             return self.groups[group].match_prefix(hashes)
 
     def publish_blocks(self, hashes: list[BlockHash], blocks: list[int], group: int = 0) -> int:
-        """Publish `blocks[i]` of `group` under `hashes[i]` (blocks held by the caller, fully written in every layer).
-
-        Returns:
-            `int`: blocks newly published (a hash already published by another block is skipped).
-        """
         with self.lock:
             return self.groups[group].publish(hashes, blocks)
 
     # -- compaction and shrinking ------------------------------------------------------------------------------------
     def compact(self, max_blocks: int = 64) -> int:
-        """Move up to `max_blocks` live blocks (in use or cached-idle) of each layer group to free ids below them
-        (`blocks/compaction.py`): each row whole to the lowest place where its blocks are consecutive in one storage
-        segment (a single-row cache then reads views, not gathers), then blocks no row names to the lowest free
-        ids, so the free blocks gather at the end, where `shrink` can return their segments. Bounded per call: call
-        it again (e.g. once per step) until it returns 0.
+        """Move up to `max_blocks` live blocks of each layer group to free ids below them, so that rows become
+        consecutive (read as views) and free blocks gather at the end, where `shrink` can return their segments;
+        exact, all or nothing per group (`BlockGroup.compact`; the groups before a failed one stay compacted, which
+        changes no output either). Bounded per call: call it again (e.g. once per step) until it returns 0. Call it
+        between forward steps: never while a forward pass runs on a cache of this pool (say, from another thread).
 
-        Exact: a moved block's storage is copied whole (K/V, or codes, scales, its stage and sink stage), its
-        refcount, fill, prefix hash and LRU place move with it, and every block table naming it is renamed (a
-        `PagedCache` renames its tables and their mirror through the hook it registered), so outputs are unchanged
-        for live caches, forks, beams, prefix-cached and quantized blocks. Call it between forward steps: never
-        while a forward pass runs on a cache of this pool (say, from another thread). Each layer group's moves are
-        all or nothing: an error or interrupt while a group is compacted leaves that group as it was (the groups
-        before it stay compacted, which changes no output either).
-
-        Raises:
-            ValueError: `max_blocks` not a positive int.
-
-        Returns:
-            `int`: blocks moved, all groups (also counted in `stats().blocks_moved`).
+        Returns the blocks moved, all groups (also counted in `stats().blocks_moved`); `ValueError` when
+        `max_blocks` is not a positive int.
         """
         check_positive_int("max_blocks", max_blocks)
         with self.lock:
-            self._drain()
+            self.owners.drain(self.free_groups)
             moved = 0
             for g in self.groups:
                 n = g.compact(max_blocks)
@@ -514,83 +342,55 @@ class BlockPool:
 
     def shrink(self) -> int:
         """Give back the storage segments at the end of each layer group whose blocks are all free (a growable
-        pool; a fixed one keeps its preallocation and returns 0). Free blocks below a live one stay; `compact`
-        first moves live blocks down.
-
-        Returns:
-            `int`: bytes returned (also summed in `stats().bytes_returned`).
-        """
+        pool; a fixed one keeps its preallocation and returns 0); `compact` first moves live blocks down. Returns
+        the bytes returned (also summed in `stats().bytes_returned`)."""
         with self.lock:
-            self._drain()
+            self.owners.drain(self.free_groups)
             if not self.growable:
                 return 0
             returned = sum(g.shrink() for g in self.groups)
             self.bytes_returned += returned
             return returned
 
-    # -- owners (live block tables; `PoolOwners`) ---------------------------------------------------------------------
+    # -- owners (live block tables): `PoolOwners` says what each does ----------------------------------------------
     def register_owner(self, rows: list[BlockTable] | None = None, group: int = 0) -> int:
         """A new owner token; `rows` (a list object the owner keeps filling) are its tables in `group`."""
         with self.lock:
-            self._drain()
+            self.owners.drain(self.free_groups)
             return self.owners.register(rows, group)
 
     def add_rows(self, token: int, group: int, rows: list[BlockTable], mover=None) -> None:
-        """Register an owner's tables in another layer group; `mover` (a `weakref.WeakMethod`, optional) is called
-        as ``mover()(group, {old: new})`` when `compact` moves blocks they name: it prepares what may fail (a new
-        mirror) and returns a function, plain Python, that renames the tables and swaps the mirror in."""
         self.owners.add_rows(token, group, rows, mover)
 
     def unregister_owner(self, token: int) -> None:
-        """Forget an owner whose rows are already empty (an explicit `PagedCache.release()`)."""
         self.owners.unregister(token)
 
     def release_owner(self, token: int) -> None:
-        """Free every block of one owner's rows and forget them (the cache was released or garbage collected).
-
-        NOTE: this runs from a `weakref.finalize`, which the garbage collector may call in any thread at any point,
-        even inside a pool method holding `lock` (an RLock lets it in). So it only queues the owner; the blocks are
-        freed at the start of the next pool operation (`PoolOwners.drain`), never in the middle of one.
-        """
+        """Queue a released or collected owner; its blocks are freed at the start of the next pool operation."""
         self.owners.release(token)
 
     def touch_owner(self, token: int) -> None:
-        """Record a use of owner `token` now (`PagedCache` calls it at each forward step, attach and prefetch); the
-        order of uses is what `idle_owners` sorts by."""
         self.owners.touch(token)
 
     def set_owner_swapper(self, token: int, hook) -> None:
-        """Let `idle_owners` offer owner `token` for swapping out: `hook()` returns a function that moves it to the
-        host tier (``weakref.WeakMethod(cache.offload)``), or None once the owner is gone."""
         self.owners.set_swapper(token, hook)
 
     def owner_busy(self, token: int):
-        """``with pool.owner_busy(cache.seq_id):`` marks the cache busy (a request is running it), so
-        `idle_owners` does not offer it for swapping out meanwhile. Marks nest."""
+        """``with pool.owner_busy(cache.seq_id):``: `idle_owners` does not offer the cache meanwhile."""
         return self.owners.busy(token)
 
     def idle_owners(self, exclude=()) -> list[IdleOwner]:
-        """The caches of this pool that could be swapped out to the host tier now, least recently used first: live,
-        not busy (`owner_busy`), not offloaded, holding device blocks, and not in `exclude` (owner tokens).
-
-        Returns:
-            `list[IdleOwner]`: each with its token, last use (a logical clock, and `time.monotonic()` seconds), the
-            device blocks it names (and how many of them no other owner names) and its `offload` function.
-        """
+        """The caches that could be swapped out to the host tier now, least recently used first (`PoolOwners.idle`)."""
         with self.lock:
-            self._drain()
+            self.owners.drain(self.free_groups)
             return self.owners.idle(exclude)
-
-    def _drain(self) -> None:
-        """Free the blocks of owners queued by `release_owner` (`PoolOwners.drain`). Called with `lock` held."""
-        self.owners.drain(self.free_groups)
 
     # -- observation -------------------------------------------------------------------------------------------------
     def stats(self) -> PoolStats:
         """A consistent snapshot of occupancy and prefix-cache counters (see `PoolStats`), summed over layer groups,
         with one `GroupStats` per group in `groups`."""
         with self.lock:
-            self._drain()
+            self.owners.drain(self.free_groups)
             return snapshot_stats(self)
 
     def health(self) -> Health:
@@ -603,20 +403,17 @@ class BlockPool:
         `BlockGroup` (checked per group), 9 in `HostTiers`, 11 in `OwnerRegistry` (7, a cache's tables against
         their mirror, is `PagedCache.check_invariants()`'s)."""
         with self.lock:
-            self._drain()
+            self.owners.drain(self.free_groups)
             tiered = any(group.window is None and group.tier for group in self.groups)
             for group in self.groups:
                 group.check_invariants(tiered)
             if self.host is not None:
                 self.host.check()
-            problems = self.owners.check()
-            if problems:
-                raise InvariantError(f"invariant 11 (owner registry) broken: {'; '.join(problems)}")
+            self.owners.check()
 
     # -- prefix cache on disk (prefix_persistence.py, storage/prefix_file.py) -------------------------------------
     def note_prefix_key(self, key: bytes) -> None:
-        """Record the prefix key (`pool/fingerprint.py` `prefix_key`: model fingerprint + storage format) that
-        blocks published in this pool are hashed under; `PagedCache.publish` calls it, `save_prefix_cache` reads it."""
+        """Record the prefix key (`fingerprint.prefix_key`) blocks published here are hashed under (for saving)."""
         with self.lock:
             self._prefix_keys.setdefault(bytes(key))
 
@@ -626,10 +423,9 @@ class BlockPool:
             return list(self._prefix_keys)
 
     def save_prefix_cache(self, path, model=None, config=None) -> int:
-        """Save every published block (in use or cached-idle, all layer groups) with its chain hash, the model key
-        and the storage format to one safetensors file whose header holds a JSON index (`storage/prefix_file.py`),
-        written atomically: an interrupted save leaves the previous file intact. Quantized blocks are saved as
-        stored (codes and scales), never re-quantized.
+        """Save every published block (in use or cached-idle, all layer groups, both tiers) with its chain hash, the
+        model key and the storage format to one safetensors file (`storage/prefix_file.py`), written atomically.
+        Quantized blocks are saved as stored (codes and scales), never re-quantized. See docs/sharing.md.
 
         Args:
             path (`str` or `os.PathLike`): the file to write (replaced if it exists).
@@ -637,21 +433,9 @@ class BlockPool:
                 was published through a `PagedCache` here (else checked against the key noted at publish).
             config (`PretrainedConfig`, *optional*): for caches keyed by config alone (`from_prefix(config=...)`).
 
-        Returns:
-            `int`: blocks saved.
-
-        Raises:
-            ValueError: no prefix caching; the model unknown or not the one the blocks were published for; blocks
-                of two model keys in this pool.
-            OSError: the file cannot be written (the previous one is unchanged).
-
-        Example:
-
-        ```python
-        >>> pool.save_prefix_cache("prompts.safetensors")      # process 1, after serving requests
-        >>> pool = BlockPool.load_prefix_cache("prompts.safetensors", model=model)   # process 2
-        >>> cache = PagedCache.from_prefix(pool, input_ids, model=model)         # hits the loaded blocks
-        ```
+        Returns the blocks saved. Raises `ValueError` without prefix caching, for an unknown model or one the blocks
+        were not published for, or blocks of two model keys; `OSError` when the file cannot be written (the
+        previous one is unchanged).
         """
         from hf_pagedkv.pool.prefix_persistence import save_prefix_cache
 
@@ -661,11 +445,8 @@ class BlockPool:
     def load_prefix_cache(pool_or_cls, path, model=None, *, config=None, device=None, **pool_kwargs) -> BlockPool:
         """Load a file of `save_prefix_cache` into this pool (``pool.load_prefix_cache(path, model=model)``), or into
         a new pool with the file's block size and quantization (``BlockPool.load_prefix_cache(path, model=model,
-        num_blocks=...)``). Its blocks become cached-idle prefix blocks: `PagedCache.from_prefix` hits them. Those
-        the device tier has no room for go to the host tier when the pool has one (`host_memory`).
-
-        Nothing is loaded, and the error says why, when the file is truncated or corrupted (checksums), of another
-        format, block size or quantization, for another architecture, or for other weights (model fingerprint).
+        num_blocks=...)``). Its blocks become cached-idle prefix blocks (the overflow goes to the host tier, if any):
+        `PagedCache.from_prefix` hits them. A file that is corrupted, or for another format or model, loads nothing.
 
         Args:
             path (`str` or `os.PathLike`): a file written by `save_prefix_cache`.
@@ -676,49 +457,9 @@ class BlockPool:
             pool_kwargs: `BlockPool` arguments for a new pool (`num_blocks`, `max_memory`, `debug`); called on a pool,
                 none are allowed.
 
-        Returns:
-            `BlockPool`: this pool, or the new one. `pool.last_loaded_blocks` tells how many blocks were published.
-
-        Raises:
-            FileNotFoundError, ValueError, PoolExhaustedError: see `prefix_persistence.load_prefix_cache`.
+        Returns this pool, or the new one (`pool.last_loaded_blocks`: blocks published). Raises `FileNotFoundError`,
+        `ValueError`, `PoolExhaustedError`: see `prefix_persistence.load_prefix_cache`.
         """
-        from hf_pagedkv.pool.prefix_persistence import load_prefix_cache
-        from hf_pagedkv.storage.prefix_file import read_prefix_index
+        from hf_pagedkv.pool.prefix_persistence import open_prefix_cache
 
-        if isinstance(pool_or_cls, BlockPool):
-            if pool_kwargs:
-                raise ValueError(f"pool.load_prefix_cache got pool settings {sorted(pool_kwargs)}; they size a new "
-                                 "pool (BlockPool.load_prefix_cache(path, ..., num_blocks=...)).")
-            pool = pool_or_cls
-        else:
-            index = read_prefix_index(path)
-            try:
-                quant = QuantConfig(**index["quant_fields"]) if index.get("quant_fields") else None
-            except (TypeError, ValueError):
-                raise ValueError(f"{path}: the index records an unreadable quantization "
-                                 f"{index.get('quant_fields')!r}.") from None
-            pool = pool_or_cls(block_size=index.get("block_size"), prefix_caching=True, quant=quant, **pool_kwargs)
-        pool.last_loaded_blocks = load_prefix_cache(pool, path, model, config, device)
-        return pool
-
-
-def _group_field(group: int) -> dict:
-    """Event fields naming a layer group other than the full-attention one (group 0 events stay as before)."""
-    return {} if group == 0 else {"group": group}
-
-
-def _describe(spec: LayerSpec) -> str:
-    return (f"[num_kv_heads={spec.num_kv_heads}, head_dim={spec.key_dim}/{spec.value_dim}] "
-            f"{str(spec.dtype).removeprefix('torch.')} on {spec.device}")
-
-
-def device_memory(device: torch.device) -> int | None:
-    """Total bytes of memory on `device` (physical RAM for the CPU), or None when it cannot be told."""
-    try:
-        if device.type == "cuda":
-            return torch.cuda.mem_get_info(device)[1]
-        if device.type == "cpu":
-            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, RuntimeError, AttributeError):
-        pass
-    return None
+        return open_prefix_cache(pool_or_cls, path, model, config, device, pool_kwargs)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from hf_pagedkv.blocks.block_table import BlockTable
 from hf_pagedkv.blocks.owner_registry import IdleOwner, OwnerRegistry
+from hf_pagedkv.errors import InvariantError
 
 if TYPE_CHECKING:
     from hf_pagedkv.pool.block_group import BlockGroup
@@ -57,7 +58,9 @@ class PoolOwners:
             return token
 
     def add_rows(self, token: int, group: int, rows: list[BlockTable], mover=None) -> None:
-        """Register `token`'s tables in another layer group, with its `compact` hook (see `BlockPool.add_rows`)."""
+        """Register an owner's tables in another layer group; `mover` (a `weakref.WeakMethod`, optional) is called
+        as ``mover()(group, {old: new})`` when `compact` moves blocks they name: it prepares what may fail (a new
+        mirror) and returns a function, plain Python, that renames the tables and swaps the mirror in."""
         with self.lock:
             assert token in self.registry.live and token not in self.groups[group].tables
             self.groups[group].tables[token] = rows
@@ -74,7 +77,12 @@ class PoolOwners:
                 assert not rows, "unregister of an owner that still holds blocks"
 
     def release(self, token: int) -> None:
-        """Queue a collected owner: `drain` frees its blocks. Safe from a finalizer at any point (no lock taken)."""
+        """Queue an owner that was released or garbage collected: `drain` frees its blocks and forgets it.
+
+        NOTE: this runs from a `weakref.finalize`, which the garbage collector may call in any thread at any point,
+        even inside a pool method holding `lock` (an RLock lets it in). So it only queues the owner; the blocks are
+        freed at the start of the next pool operation (`drain`), never in the middle of one.
+        """
         self._pending.append(token)  # deque.append is atomic
 
     def drain(self, free_groups: Callable[[dict[int, list[int]]], None]) -> None:
@@ -96,18 +104,21 @@ class PoolOwners:
                 free_groups(held)
 
     def touch(self, token: int) -> None:
-        """Record a use of `token` now (the order `idle` sorts by)."""
+        """Record a use of `token` now (`PagedCache` calls it at each forward step, attach and prefetch); the order
+        of uses is what `idle` sorts by."""
         with self.lock:
             self.registry.touch(token)
 
     def set_swapper(self, token: int, hook) -> None:
-        """`hook()` returns the function moving owner `token` to the host tier, or None once it is gone."""
+        """Let `idle` offer owner `token` for swapping out: `hook()` returns a function that moves it to the host
+        tier (``weakref.WeakMethod(cache.offload)``), or None once the owner is gone."""
         with self.lock:
             self.registry.set_swapper(token, hook)
 
     @contextlib.contextmanager
     def busy(self, token: int):
-        """Mark `token` busy (not offered by `idle`) for the ``with`` block. Marks nest."""
+        """``with owners.busy(cache.seq_id):`` marks the cache busy (a request is running it), so `idle` does not
+        offer it for swapping out meanwhile. Marks nest."""
         with self.lock:
             self.registry.mark(token)
         try:
@@ -117,8 +128,13 @@ class PoolOwners:
                 self.registry.unmark(token)
 
     def idle(self, exclude=()) -> list[IdleOwner]:
-        """The owners that could be swapped out now, least recently used first (see `BlockPool.idle_owners`);
-        `drain` first."""
+        """The owners that could be swapped out to the host tier now, least recently used first: live, not `busy`,
+        not offloaded, holding device blocks, and not in `exclude` (owner tokens). `drain` first.
+
+        Returns:
+            `list[IdleOwner]`: each with its token, last use (a logical clock, and `time.monotonic()` seconds), the
+            device blocks it names (and how many of them no other owner names) and its `offload` function.
+        """
         with self.lock:
             out = []
             for token, tick, seconds, offload in self.registry.idle(set(exclude)):
@@ -128,6 +144,8 @@ class PoolOwners:
                     out.append(IdleOwner(token, tick, seconds, len(held), mine, offload))
             return out
 
-    def check(self) -> list[str]:
-        """Problems with the registry (invariant 11; empty when fine)."""
-        return self.registry.check()
+    def check(self) -> None:
+        """Raise `InvariantError` when the registry's invariant (11) is broken."""
+        problems = self.registry.check()
+        if problems:
+            raise InvariantError(f"invariant 11 (owner registry) broken: {'; '.join(problems)}")

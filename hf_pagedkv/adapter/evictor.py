@@ -314,7 +314,7 @@ class Evictor:
         pos = torch.arange(keep)
         blocks = torch.tensor([fresh[w] for w in writers], dtype=torch.long)  # [writers, nb]
         slots = (blocks[:, pos // B] * B + pos % B).reshape(-1)  # [writers * keep], row-major
-        store = pool.groups[g].store
+        group = pool.groups[g]
         targets, planned = {}, False
         for layer in layers:
             if not layer.is_initialized:
@@ -335,10 +335,10 @@ class Evictor:
             k = k.gather(2, idx[..., None].expand(-1, -1, -1, k.shape[-1]))  # [writers, num_kv_heads, keep, dim]
             v = v.gather(2, idx[..., None].expand(-1, -1, -1, v.shape[-1]))
             if device not in targets:  # (a quantized store encodes the kept tokens in their new blocks)
-                targets[device] = store.prepare_write(slots, device, new_step=not planned, start=dropped * B,
+                targets[device] = group.prepare_write(slots, device, new_step=not planned, start=dropped * B,
                                                       num_new=keep)
                 planned = True
-            store.write(layer.layer_idx, targets[device], k.contiguous(), v.contiguous())
+            group.write(layer.layer_idx, targets[device], k.contiguous(), v.contiguous())
         fills = [min(B, keep - j * B) for j in range(nb)]
         return install_fresh_rows(pool, rt, by_table, fresh, fills, dropped, span)
 

@@ -65,14 +65,14 @@ def offload_cache(pool, owner: int, groups: list[RowTables]) -> list[OffloadedGr
     hosts = pool.host.offload(owner, {rt.group: unique for rt, unique in plans if unique})  # all or nothing
     out = []
     for rt, unique in plans:
-        alloc = pool.groups[rt.group].allocator
+        group = pool.groups[rt.group]
         to_host = dict(zip(unique, hosts.get(rt.group, [])))
         if pool.pad_block(rt.group) is not None:
             to_host[pool.pad_block(rt.group)] = PAD
         out.append(OffloadedGroup(
             group=rt.group, num_dropped=rt.num_dropped, num_tokens=rt.rows[0].num_tokens if rt.rows else 0,
             rows=tuple(tuple(to_host[b] for b in row.blocks) for row in rt.rows),
-            fills={to_host[b]: alloc.fill(b) for b in unique}))
+            fills={to_host[b]: group.fill(b) for b in unique}))
     return out
 
 
@@ -110,7 +110,7 @@ def prefetch_cache(pool, owner: int, groups: list[RowTables], offloaded: list[Of
             host = list(og.fills)
             if host:
                 dev[og.group] = pool.allocate(len(host), group=og.group)
-                pool.groups[og.group].store.import_blocks(dev[og.group], pool.host.read(og.group, host))
+                pool.groups[og.group].import_blocks(dev[og.group], pool.host.read(og.group, host))
                 pool.mark_written(dev[og.group], [og.fills[h] for h in host], group=og.group)
             pad = pool.ensure_pad_block(og.group) if any(PAD in hosts for hosts in og.rows) else None
             rows = _rows_on_device(og, dict(zip(host, dev.get(og.group, []))), pad)

@@ -85,12 +85,12 @@ class StepPlanner:
         for rt in groups:
             rows, cow = rt.rows, []
             if start % B:
-                alloc = pool.groups[rt.group].allocator
+                group = pool.groups[rt.group]
                 dropped = Counter(rows[r].blocks[-1] for r in dup_of)  # duplicates let go of their blocks
                 holders: dict[int, int] = {}
                 for r in writers:
                     last = rows[r].blocks[-1]
-                    holders.setdefault(last, alloc.refcount(last) - dropped[last])
+                    holders.setdefault(last, group.refcount(last) - dropped[last])
                     # another holder still reads it, or the prefix index names its content: copy before writing
                     if holders[last] > 1 or pool.is_published(last, rt.group):
                         cow.append(r)
@@ -165,7 +165,7 @@ class StepPlanner:
         block_size)`` (at least 1) free blocks after them, which its decode blocks take (`allocate` prefers the id
         after a row's last block), so the whole batch stays one strided view of the pool (`RowTables.view_rows`)
         until a row outgrows its room; then its blocks come from anywhere, and the batch is gathered as before."""
-        if (len(writers) < 2 or not n_new or padded or self.pool.groups[rt.group].store.is_quantized
+        if (len(writers) < 2 or not n_new or padded or self.pool.groups[rt.group].is_quantized
                 or any(rt.rows[r].blocks or rt.rows[r].num_dropped for r in writers)):
             return 0
         return n_new + min(n_new, max(1, ROW_HEADROOM_TOKENS // self.block_size))

@@ -132,7 +132,7 @@ class WindowRealign:
         blocks = torch.tensor([fresh[w] for w in writers], dtype=torch.long)  # [writers, nb]
         slots = (blocks[:, local // B] * B + local % B).reshape(-1)  # [writers * (new - first * B)], row-major
         rows_idx = torch.tensor(writers)
-        store, targets = pool.groups[g].store, {}
+        group, targets = pool.groups[g], {}
         for layer in cache.sliding_layers():
             if layer.group != g or not layer.is_initialized:
                 continue
@@ -144,8 +144,8 @@ class WindowRealign:
                 v = torch.cat([v[:, :, :1].expand(-1, -1, lead, -1), v], 2)
             device = layer.spec.device
             if device not in targets:  # (a quantized store encodes the copied tokens in their new blocks)
-                targets[device] = store.prepare_write(slots, device, new_step=not targets, start=first * B,
+                targets[device] = group.prepare_write(slots, device, new_step=not targets, start=first * B,
                                                       num_new=new - first * B)
-            store.write(layer.layer_idx, targets[device], k.contiguous(), v.contiguous())
+            group.write(layer.layer_idx, targets[device], k.contiguous(), v.contiguous())
         fills = [min(B, new - (first + j) * B) for j in range(nb)]
         return install_fresh_rows(pool, rt, by_table, fresh, fills, first, new)

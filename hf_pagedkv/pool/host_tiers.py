@@ -132,7 +132,7 @@ class HostTiers:
     # -- the host prefix cache: evicted device prefix blocks, and hits on them ------------------------------------
     def demote(self, group: int, blocks: list[int]) -> None:
         """Copy cached-idle device blocks the device tier is about to evict (oldest first) into cached host blocks,
-        under their hashes, dropping older host-cached blocks for room. Called by `BlockPool._evict` before the
+        under their hashes, dropping older host-cached blocks for room. Called by `BlockGroup.evict` before the
         device blocks are freed (and possibly reused)."""
         index = self.pool.groups[group].prefix_index
         try:

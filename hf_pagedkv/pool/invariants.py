@@ -1,5 +1,7 @@
-"""The pool invariants, checked per layer group by `BlockPool.check_invariants()` (the tests call it after every
-step; a `debug=True` cache after every change). Each error names its number:
+"""The pool invariants, checked per layer group by `BlockGroup.check_invariants()`, from
+`BlockPool.check_invariants()` (the tests call it after every step; a `debug=True` cache after every change). Each
+is stated where its state lives (1-6, 8, 10: `BlockGroup`; 7: `PagedCache`; 9: `HostTiers`; 11: `OwnerRegistry`);
+this is the index, with what each check covers. Each error names its number:
 
 1. every block is in exactly one state: free, in use (refcount >= 1) or cached-idle (published, refcount 0); the
    prefix index is consistent (hash <-> block maps inverse) and names no free block;

@@ -17,12 +17,13 @@ import os
 import torch
 
 from hf_pagedkv._compat import layer_plan
+from hf_pagedkv.config import QuantConfig
 from hf_pagedkv.pool.fingerprint import prefix_key
 from hf_pagedkv.errors import PoolExhaustedError
 from hf_pagedkv.blocks.prefix_index import BlockHash
 from hf_pagedkv.storage.page_store import LayerSpec
 from hf_pagedkv.storage.host_store import select_blocks
-from hf_pagedkv.storage.prefix_file import read_prefix_file, write_prefix_file
+from hf_pagedkv.storage.prefix_file import read_prefix_file, read_prefix_index, write_prefix_file
 
 _SPEC_FIELDS = ("num_kv_heads", "key_dim", "value_dim")  # per-layer shape fields of the index
 
@@ -72,6 +73,32 @@ def save_prefix_cache(pool, path: str | os.PathLike, model=None, config=None) ->
             tensors.update({p + name: t.cpu() for name, t in export.items()})
     write_prefix_file(path, index, tensors)
     return sum(grp["num_blocks"] for grp in index["groups"])
+
+
+def open_prefix_cache(pool_or_cls, path: str | os.PathLike, model, config, device, pool_kwargs: dict):
+    """`BlockPool.load_prefix_cache`: load `path` into the pool `pool_or_cls`, or into a new pool of the class
+    `pool_or_cls` with the file's block size and quantization, built with `pool_kwargs`. Returns that pool, its
+    `last_loaded_blocks` set.
+
+    Raises:
+        ValueError: `pool_kwargs` given with a pool; the file's index records an unreadable quantization; and as
+            `load_prefix_cache`.
+    """
+    if not isinstance(pool_or_cls, type):
+        if pool_kwargs:
+            raise ValueError(f"pool.load_prefix_cache got pool settings {sorted(pool_kwargs)}; they size a new "
+                             "pool (BlockPool.load_prefix_cache(path, ..., num_blocks=...)).")
+        pool = pool_or_cls
+    else:
+        index = read_prefix_index(path)
+        try:
+            quant = QuantConfig(**index["quant_fields"]) if index.get("quant_fields") else None
+        except (TypeError, ValueError):
+            raise ValueError(f"{path}: the index records an unreadable quantization "
+                             f"{index.get('quant_fields')!r}.") from None
+        pool = pool_or_cls(block_size=index.get("block_size"), prefix_caching=True, quant=quant, **pool_kwargs)
+    pool.last_loaded_blocks = load_prefix_cache(pool, path, model, config, device)
+    return pool
 
 
 def load_prefix_cache(pool, path: str | os.PathLike, model=None, config=None, device=None) -> int:

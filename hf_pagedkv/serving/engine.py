@@ -363,8 +363,8 @@ class Engine:
             ValueError: the pool's `max_memory` holds less than one block of this model.
         """
         groups = [self.pool.groups[g] for g in self._scheduler.groups]
-        unsized = not self.pool.growable and not all(g.allocator.num_blocks for g in groups)
-        if unsized or (self.pool.quant.is_quantized and not all(g.store.specs for g in groups)):
+        unsized = not self.pool.growable and not all(g.num_blocks for g in groups)
+        if unsized or (self.pool.quant.is_quantized and not all(g.layers for g in groups)):
             self._forward.size_pool(self.pool)
 
     # -- background thread --------------------------------------------------------------------------------------------

@@ -123,7 +123,7 @@ class Scheduler:
         if self.pool.growable:
             return None
         g = self.pool.groups[group]
-        return g.allocator.num_blocks - (g.pad_block is not None)
+        return g.num_blocks - (g.pad_block is not None)
 
     def too_large(self, req: Request) -> str | None:
         """Why `req` can never run in this pool (its prompt and new tokens need more blocks than it holds), or

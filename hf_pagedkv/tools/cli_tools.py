@@ -9,7 +9,7 @@ import math
 import os
 import sys
 
-from hf_pagedkv.pool.block_pool import device_memory
+from hf_pagedkv.pool.layer_registry import device_memory
 from hf_pagedkv.config import DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, parse_bytes
 from hf_pagedkv.errors import install_hint
 from hf_pagedkv.tools.models import DEFAULT_MODEL

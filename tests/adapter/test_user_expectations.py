@@ -187,10 +187,10 @@ def test_del_cache_frees_its_blocks_without_cyclic_gc(quant):
             dead = [weakref.ref(dyn), weakref.ref(paged)]
             del dyn, paged
             assert [r() for r in dead] == [None, None]  # both caches freed at once, DynamicCache and PagedCache
-            assert len(pool._pending_release) == 1  # queued by the finalizer, freed by the pool's next operation
+            assert pool.owners.num_pending == 1  # queued by the finalizer, freed by the pool's next operation
             assert pool.allocator.num_used_blocks == 3
             block = pool.allocate(1)  # the next allocation drains the queue first
-            assert len(pool._pending_release) == 0 and pool.allocator.num_used_blocks == 1
+            assert pool.owners.num_pending == 0 and pool.allocator.num_used_blocks == 1
             pool.free(block)
             pool.check_invariants()
     finally:

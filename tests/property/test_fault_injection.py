@@ -240,7 +240,7 @@ def test_release_and_freeing_collected_caches_are_all_or_nothing(kind):
         caches[1].offload()  # its blocks in the host tier
         if collected:
             del caches  # dropped without release(): their blocks are freed at the next pool operation
-            assert len(pool._pending_release) == 2
+            assert pool.owners.num_pending == 2
             return {"pool": pool, "caches": []}
         return {"pool": pool, "caches": caches}
 

@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig
 
 from hf_pagedkv import BlockPool, PagedCache
-from hf_pagedkv.pool import block_pool
+from hf_pagedkv.pool import layer_registry
 from hf_pagedkv.storage.device_budget import blocks_for_budget, check_device_share, device_shares
 from hf_pagedkv.storage.page_store import LayerSpec
 
@@ -81,7 +81,7 @@ def test_paged_cache_stores_each_layer_on_its_device_and_checks_its_share(monkey
 
     # meta has room for exactly its share, 100 blocks x 2 layers (the CPU, layer 0's device type, for the whole
     # budget, as the fail-fast check of blocks_for_budget wants)
-    monkeypatch.setattr(block_pool, "device_memory", memory_of({devices[0]: budget, devices[1]: 200 * per_layer_block}))
+    monkeypatch.setattr(layer_registry, "device_memory", memory_of({devices[0]: budget, devices[1]: 200 * per_layer_block}))
     cache = PagedCache(config=cfg, block_size=4, max_memory=budget, debug=True)
     for i, d in enumerate(devices):
         keys, values = cache.update(k.to(d), k.to(d), i)
@@ -96,7 +96,7 @@ def test_paged_cache_stores_each_layer_on_its_device_and_checks_its_share(monkey
     cache.release()
 
     # one block less on meta: layer 2 is refused before its storage exists, layers 0 and 1 are untouched
-    monkeypatch.setattr(block_pool, "device_memory", memory_of({devices[0]: budget,
+    monkeypatch.setattr(layer_registry, "device_memory", memory_of({devices[0]: budget,
                                                                 devices[1]: 200 * per_layer_block - 1}))
     cache = PagedCache(config=cfg, block_size=4, max_memory=budget)
     cache.update(k, k, 0)
@@ -109,7 +109,7 @@ def test_paged_cache_stores_each_layer_on_its_device_and_checks_its_share(monkey
 
 
 def test_max_memory_on_one_device_is_refused_before_anything_is_allocated(monkeypatch):
-    monkeypatch.setattr(block_pool, "device_memory", memory_of({torch.device("cpu"): 10**6}))
+    monkeypatch.setattr(layer_registry, "device_memory", memory_of({torch.device("cpu"): 10**6}))
     pool = BlockPool(block_size=4, max_memory=10**6 + 1)
     cache = PagedCache(pool=pool, config=LlamaConfig(num_hidden_layers=2, num_attention_heads=4,
                                                      num_key_value_heads=2, hidden_size=64, vocab_size=96))

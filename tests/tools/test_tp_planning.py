@@ -89,7 +89,7 @@ def test_cli_plan_tp_on_cpu_splits_the_ram(monkeypatch, tmp_path, capsys):
                 vocab_size=96).save_pretrained(tmp_path)
     assert main(["plan", "--model", str(tmp_path), "--max-seq-len", "8", "--batch", "1", "--tp", "2", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    from hf_pagedkv.pool.block_pool import device_memory
+    from hf_pagedkv.pool.layer_registry import device_memory
 
     assert plan["memory"] == device_memory(torch.device("cpu")) // 2
     assert main(["plan", "--model", str(tmp_path), "--max-seq-len", "8", "--batch", "1", "--tp", "2"]) == 0

@@ -1,0 +1,72 @@
+"""`PoolSettings`: the checked arguments of a `BlockPool`, fixed for its lifetime."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hf_pagedkv.blocks.prefix_budget import PrefixCacheBudget
+from hf_pagedkv.config import DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, QuantConfig, check_positive_int, parse_bytes
+
+_MAX_SHRINK_AFTER = 1e9  # seconds (about 30 years): a timer's delay must fit the platform's time_t
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    """What `BlockPool(...)` was asked for, checked and resolved (see `BlockPool` for each argument): sizes in
+    bytes, the storage format a `QuantConfig`, the block size defaulted from it.
+
+    Build it with `PoolSettings.of(...)`, which takes `BlockPool`'s arguments and raises `ValueError` naming the
+    first wrong one (the errors `BlockPool` documents).
+    """
+
+    block_size: int  # tokens per block
+    num_blocks: int | None  # blocks per layer group of a fixed pool, or None
+    max_memory: int | None  # byte budget of all layers' keys and values, or None
+    debug: bool  # poison freed blocks (initially; `BlockPool.debug` may change it)
+    prefix_caching: bool  # keep a prefix index
+    quant: QuantConfig  # the storage format
+    host_memory: int | None  # bytes of the host tier, or None
+    prefix_budget: PrefixCacheBudget | None  # how many cached-idle blocks a group keeps; None without prefix caching
+    shrink_after: float | None  # idle seconds before a growable pool shrinks by itself, or None
+
+    @property
+    def growable(self) -> bool:
+        """Whether the pool grows on demand (neither `num_blocks` nor `max_memory`) instead of raising."""
+        return self.num_blocks is None and self.max_memory is None
+
+    @classmethod
+    def of(cls, block_size=None, num_blocks=None, max_memory=None, debug=False, prefix_caching=False, quant=None,
+           host_memory=None, prefix_cache_memory=None, shrink_after=None) -> PoolSettings:
+        """Check `BlockPool`'s arguments, in its order, and resolve them.
+
+        Raises:
+            ValueError: as `BlockPool` documents, for the first wrong argument.
+        """
+        for name, flag in (("debug", debug), ("prefix_caching", prefix_caching)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"BlockPool({name}={flag!r}): give True or False.")
+        quant = QuantConfig.resolve(quant)
+        if prefix_cache_memory is not None and not prefix_caching:
+            raise ValueError(f"prefix_cache_memory={prefix_cache_memory!r} sizes the prefix cache; it needs "
+                             "BlockPool(prefix_caching=True).")
+        if block_size is None:
+            block_size = DEFAULT_QUANT_BLOCK_SIZE if quant.is_quantized else DEFAULT_BLOCK_SIZE
+        check_positive_int("block_size", block_size)
+        if num_blocks is not None:
+            check_positive_int("num_blocks", num_blocks)
+        if num_blocks is not None and max_memory is not None:
+            raise ValueError("Give `num_blocks` or `max_memory`, not both.")
+        max_memory = None if max_memory is None else parse_bytes(max_memory)
+        growable = num_blocks is None and max_memory is None
+        if shrink_after is not None:
+            if (isinstance(shrink_after, bool) or not isinstance(shrink_after, (int, float))
+                    or not 0 < shrink_after <= _MAX_SHRINK_AFTER):
+                raise ValueError(f"shrink_after={shrink_after!r}: give the idle time in seconds, a number > 0 and at "
+                                 f"most {_MAX_SHRINK_AFTER:.0e} (or None to shrink only when pool.shrink() is called).")
+            if not growable:
+                raise ValueError("shrink_after= is for a growable pool (num_blocks=None and max_memory=None): a fixed "
+                                 "pool keeps its preallocation.")
+        prefix_budget = PrefixCacheBudget(prefix_cache_memory, growable) if prefix_caching else None
+        host_memory = None if host_memory is None else parse_bytes(host_memory, name="host_memory")
+        return cls(block_size, num_blocks, max_memory, debug, prefix_caching, quant, host_memory, prefix_budget,
+                   None if shrink_after is None else float(shrink_after))

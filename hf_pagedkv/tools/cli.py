@@ -8,24 +8,27 @@ import os
 import sys
 import time
 
-import torch
-from transformers import set_seed
-
-from hf_pagedkv.adapter.paged_cache import PagedCache
-from hf_pagedkv.pool.block_pool import BlockPool
-from hf_pagedkv._compat import cache_kwargs
 from hf_pagedkv.tools.cli_tools import add_tool_commands, run_tool
 from hf_pagedkv.tools.serve_command import add_serve_command
 from hf_pagedkv.config import PRESETS, QuantConfig
 from hf_pagedkv.errors import EMPTY_PROMPT
 from hf_pagedkv.tools.models import DEFAULT_MODEL, chat_prompt, default_document, load_model
-from hf_pagedkv.tools.verify import dynamic_cache_bytes
+
+# NOTE: torch and transformers are imported where a command needs them, not here: `hf-pagedkv --help`, a
+# subcommand's --help and an argument error answer in a fraction of a second instead of after seconds of imports.
 
 MiB = 2**20
 PREFILL_NOTICE_TOKENS = 1024  # prompts at least this long get a "prefilling N tokens" line on stderr first
 
 
 def _generate(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import set_seed
+
+    from hf_pagedkv._compat import cache_kwargs
+    from hf_pagedkv.adapter.paged_cache import PagedCache
+    from hf_pagedkv.tools.verify import dynamic_cache_bytes
+
     if args.file is not None and not os.path.isfile(args.file):
         print(f"hf-pagedkv generate: --file {args.file!r} is not a readable file", file=sys.stderr)
         return 2
@@ -273,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.seed < 2**32:  # what numpy's seeding (transformers' set_seed) accepts
         parser.error(f"--seed must be in [0, 2**32), got {args.seed}")
     # the storage format and the policy, checked before the model loads (it takes a while)
+    from hf_pagedkv.pool.block_pool import BlockPool
+
     try:
         BlockPool(block_size=args.block_size, quant=args.quant)
     except ValueError as e:

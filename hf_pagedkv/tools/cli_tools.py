@@ -9,20 +9,13 @@ import math
 import os
 import sys
 
-from hf_pagedkv.pool.block_pool import device_memory
-from hf_pagedkv.config import DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, parse_bytes
+from hf_pagedkv.config import DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, PRESETS, parse_bytes
 from hf_pagedkv.errors import install_hint
 from hf_pagedkv.tools.models import DEFAULT_MODEL
-from hf_pagedkv.tools.planning import (
-    _DTYPES,
-    BLOCK_SIZE_CANDIDATES,
-    PRESETS,
-    ModelShape,
-    kv_heads_per_rank,
-    load_config,
-    plan_capacity,
-    tune_block_size,
-)
+
+# NOTE: torch, transformers and the planner (which imports both) are imported by the commands that use them, not
+# here: `hf-pagedkv --help` and an argument error answer without loading them.
+BLOCK_SIZE_CANDIDATES = (4, 8, 16, 32, 64, 128)  # `tune-block-size --candidates`; planning.BLOCK_SIZE_CANDIDATES
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +102,8 @@ def _machine_memory(tp: int = 1) -> tuple[int, str]:
     machine's RAM divided by `tp` (CPU ranks share it)."""
     import torch
 
+    from hf_pagedkv.pool.block_pool import device_memory
+
     if torch.cuda.is_available():
         return device_memory(torch.device("cuda", 0)), f"{torch.cuda.get_device_name(0)} memory"
     ram = device_memory(torch.device("cpu"))
@@ -117,6 +112,8 @@ def _machine_memory(tp: int = 1) -> tuple[int, str]:
 
 def _auto_dtype(model: str) -> str:
     """float32 for the bundled model (`load_model` de-quantizes the GGUF to float32), else the config's dtype."""
+    from hf_pagedkv.tools.planning import load_config
+
     if model in (None, DEFAULT_MODEL):
         return "float32"
     try:
@@ -127,6 +124,8 @@ def _auto_dtype(model: str) -> str:
 
 
 def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from hf_pagedkv.tools.planning import _DTYPES, ModelShape, kv_heads_per_rank, load_config, plan_capacity
+
     for name in ("max_seq_len", "batch", "block_size", "value_group_size", "tp", "prefill_chunk"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be a positive int, got {getattr(args, name)}")
@@ -382,6 +381,8 @@ def _tokenizer(name: str):
 
 
 def _tune(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from hf_pagedkv.tools.planning import tune_block_size
+
     try:
         candidates = tuple(int(c) for c in args.candidates.split(","))
         if args.lengths:

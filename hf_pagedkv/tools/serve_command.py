@@ -37,7 +37,8 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
                                          "instead of recomputed, and prefix blocks evicted from the device kept")
     s.add_argument("--prefix-cache-file", help="a prefix-cache file (safetensors): loaded at start if it exists, "
                                                "saved atomically at shutdown")
-    s.add_argument("--retention", metavar="SPEC", help="not supported by the serving engine (refused)")
+    s.add_argument("--retention", metavar="SPEC", help="refused: the serving engine runs no retention policy (see "
+                                                       "docs/serving_http.md); `hf-pagedkv generate --retention` does")
     s.add_argument("--max-batch-tokens", type=int, default=None,
                    help="tokens computed per engine step: decode tokens plus prefill chunks (default: 512)")
     s.add_argument("--max-queue", type=int, default=256,
@@ -54,6 +55,22 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
 
 def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Check the flags, bind the port, load the model, serve until SIGTERM (then drain and save)."""
+    if args.retention is not None:
+        parser.error(f"--retention {args.retention}: the serving engine does not run retention policies: it "
+                     "prefills prompts in chunks packed with other requests and recomputes preempted ones, and its "
+                     "attention masks, positions and block counts assume a request holds every token it has seen, so "
+                     "a policy evicting between those steps would answer differently from `hf_pagedkv.generate`. "
+                     "Serve without --retention (--quant and --max-memory bound the KV memory), or run "
+                     "`hf-pagedkv generate --retention SPEC` for one request")
+    for flag, value, low in (("--port", args.port, 0), ("--max-queue", args.max_queue, 1),
+                             ("--num-threads", args.num_threads, 0)):
+        if value < low:
+            parser.error(f"{flag} must be >= {low}, got {value}")
+    if args.port > 65535:
+        parser.error(f"--port must be <= 65535, got {args.port}")
+    if args.max_batch_tokens is not None and args.max_batch_tokens < 1:
+        parser.error(f"--max-batch-tokens must be >= 1, got {args.max_batch_tokens}")
+    # the flags above need no import; the rest needs torch and the server's packages (seconds to import)
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -68,18 +85,6 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from hf_pagedkv.serving.server.http_server import bind, serve
     from hf_pagedkv.tools.models import load_model
 
-    if args.retention is not None:
-        parser.error(f"--retention {args.retention}: the serving engine keeps every token of its requests (it has no "
-                     "retention policies yet); serve without --retention, or use `hf-pagedkv generate --retention` "
-                     "for one request")
-    for flag, value, low in (("--port", args.port, 0), ("--max-queue", args.max_queue, 1),
-                             ("--num-threads", args.num_threads, 0)):
-        if value < low:
-            parser.error(f"{flag} must be >= {low}, got {value}")
-    if args.port > 65535:
-        parser.error(f"--port must be <= 65535, got {args.port}")
-    if args.max_batch_tokens is not None and args.max_batch_tokens < 1:
-        parser.error(f"--max-batch-tokens must be >= 1, got {args.max_batch_tokens}")
     pool_kwargs = dict(block_size=args.block_size, quant=args.quant, max_memory=args.max_memory,
                        host_memory=args.host_memory, prefix_caching=True)
     try:

@@ -265,7 +265,7 @@ def test_generate_quant_option(monkeypatch, capsys):
 def test_generate_sampling_options_and_threads(monkeypatch, capsys):
     cli = _cli_with_tiny_model(monkeypatch)
     threads = []
-    monkeypatch.setattr(cli.torch, "set_num_threads", threads.append)
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
     texts = []
     for seed in (1, 1, 2):
         argv = GENERATE + ["--do-sample", "--temperature", "1.5", "--top-p", "0.95", "--seed", str(seed), "--check",

@@ -1,0 +1,75 @@
+"""`hf-pagedkv --help`, a subcommand's --help and an argument error answer without importing torch or
+transformers (seconds of imports), and `import hf_pagedkv` alone imports neither; the first name read from the
+package loads it and registers the "hf_pagedkv" attention."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+HEAVY = ("torch", "transformers", "fastapi", "uvicorn")
+
+# runs `hf-pagedkv ARGV` as the console script does, then prints its exit status and the heavy modules it imported
+_RUN = """
+import json, sys
+from hf_pagedkv.tools.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as e:
+    code = e.code
+print(json.dumps([code, sorted(m for m in {heavy} if m in sys.modules)]), file=sys.stderr)
+"""
+
+
+def _run(argv: list[str]) -> tuple[int, list[str], str, str]:
+    out = subprocess.run([sys.executable, "-c", _RUN.format(heavy=HEAVY), *argv], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    *lines, last = out.stderr.rstrip("\n").split("\n")
+    code, heavy = json.loads(last)
+    return code, heavy, out.stdout, "\n".join(lines)
+
+
+@pytest.mark.parametrize("argv, code, shown", [
+    (["--help"], 0, "{eval,generate,plan,tune-block-size,trace,serve}"),
+    (["serve", "--help"], 0, "--max-batch-tokens"),
+    (["generate", "--help"], 0, "--max-new-tokens"),
+    (["plan", "--help"], 0, "--max-seq-len"),
+    (["serve", "--port", "70000"], 2, "--port must be <= 65535, got 70000"),
+    (["serve", "--retention", "sink_window:4:64"], 2, "--retention sink_window:4:64: the serving engine"),
+    (["generate", "--max-new-tokens", "0"], 2, "--max-new-tokens must be positive, got 0"),
+    (["serve", "--no-such-flag"], 2, "unrecognized arguments: --no-such-flag"),
+])
+def test_help_and_argument_errors_import_no_torch(argv, code, shown):
+    got, heavy, stdout, stderr = _run(argv)
+    assert got == code
+    assert shown in (stdout if code == 0 else stderr)
+    assert heavy == []  # neither torch nor transformers nor the server's packages were imported
+
+
+def test_import_hf_pagedkv_is_light_and_the_first_name_loads_it():
+    script = ("import sys, hf_pagedkv; light = 'torch' in sys.modules; "
+              "from hf_pagedkv import PagedCache; from transformers import AttentionInterface; "
+              "print(light, PagedCache.__module__, 'hf_pagedkv' in AttentionInterface._global_mapping, "
+              "hf_pagedkv.__version__)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.split() == ["False", "hf_pagedkv.adapter.paged_cache", "True", "0.1.0"]
+
+
+def test_unknown_name_is_an_attribute_error():
+    import hf_pagedkv
+
+    with pytest.raises(AttributeError, match="module 'hf_pagedkv' has no attribute 'PagedCash'"):
+        hf_pagedkv.PagedCash  # noqa: B018
+    assert set(hf_pagedkv.__all__) <= set(dir(hf_pagedkv))
+
+
+def test_block_size_candidates_match_the_planner():
+    from hf_pagedkv.tools.cli_tools import BLOCK_SIZE_CANDIDATES
+    from hf_pagedkv.tools.planning import BLOCK_SIZE_CANDIDATES as PLANNED
+
+    assert BLOCK_SIZE_CANDIDATES == PLANNED == (4, 8, 16, 32, 64, 128)

@@ -16,7 +16,7 @@ from hf_pagedkv.pool.block_group import BlockGroup
 from hf_pagedkv.blocks.block_table import BlockTable
 from hf_pagedkv.config import DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, QuantConfig, check_positive_int, parse_bytes
 from hf_pagedkv.storage.device_budget import blocks_for_budget, check_device_share
-from hf_pagedkv.errors import InvariantError, PoolExhaustedError
+from hf_pagedkv.errors import InvariantError, PoolExhaustedError, counted
 from hf_pagedkv.observe.events import EventLog
 from hf_pagedkv.pool.host_tiers import HostTiers
 from hf_pagedkv.pool.idle_shrink import IdleShrink
@@ -363,9 +363,9 @@ class BlockPool:
                 where = "" if len(self.groups) == 1 else f" in its {g.name} layer group"
                 self.metrics.count_failure(n)
                 raise PoolExhaustedError(
-                    f"BlockPool is full{where}: {n} blocks needed, {free} free{idle_note} of "
-                    f"{g.allocator.num_blocks} (block_size={self.block_size}). Raise num_blocks / max_memory, "
-                    "release finished caches, or use num_blocks=None to let the pool grow."
+                    f"BlockPool is full{where}: {counted(n, 'block')} needed, {free} free{idle_note} of "
+                    f"{g.allocator.num_blocks} (block_size={self.block_size}). Raise num_blocks / max_memory, release "
+                    "finished caches, or use num_blocks=None to let the pool grow."
                 )
             if idle and not self.growable:  # evict before raising: idle blocks are only a cache
                 self._evict(g, min(n - free, idle))

@@ -18,7 +18,7 @@ import torch
 
 from hf_pagedkv._compat import layer_plan
 from hf_pagedkv.pool.fingerprint import prefix_key
-from hf_pagedkv.errors import PoolExhaustedError
+from hf_pagedkv.errors import PoolExhaustedError, counted
 from hf_pagedkv.blocks.prefix_index import BlockHash
 from hf_pagedkv.storage.page_store import LayerSpec
 from hf_pagedkv.storage.host_store import select_blocks
@@ -140,10 +140,10 @@ def load_prefix_cache(pool, path: str | os.PathLike, model=None, config=None, de
                 host = (f" and its host tier room for {room}" if pool.host is not None
                         else "; a host tier (BlockPool(host_memory=...)) would take the rest")
                 raise PoolExhaustedError(
-                    f"load_prefix_cache: {path} needs {n} blocks in the {pool.groups[gi].name} layer group, the pool "
-                    f"has {alloc.num_free_blocks} free and {alloc.num_idle_blocks} cached-idle of "
-                    f"{alloc.num_blocks}{host}; raise num_blocks / max_memory / host_memory or release caches "
-                    "(nothing loaded).")
+                    f"load_prefix_cache: {path} needs {counted(n, 'block')} in the {pool.groups[gi].name} layer group, "
+                    f"the pool has {alloc.num_free_blocks} free and {alloc.num_idle_blocks} cached-idle of "
+                    f"{alloc.num_blocks}{host}; raise num_blocks / max_memory / host_memory or release caches (nothing "
+                    "loaded).")
             targets.append((gi, fi, on_device, n - on_device))
         loaded = _import(pool, f.tensors, targets)
         pool.note_prefix_key(key)

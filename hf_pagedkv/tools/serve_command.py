@@ -12,7 +12,7 @@ import os
 import sys
 
 from hf_pagedkv.config import PRESETS
-from hf_pagedkv.errors import install_hint
+from hf_pagedkv.errors import counted, install_hint
 from hf_pagedkv.tools.models import DEFAULT_MODEL
 
 logger = logging.getLogger(__name__)
@@ -117,7 +117,8 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             sock.close()
             print(f"hf-pagedkv serve: --prefix-cache-file: {e}", file=sys.stderr)
             return 2
-        print(f"hf-pagedkv serve: loaded {pool.last_loaded_blocks} prefix blocks from {args.prefix_cache_file}",
+        print(f"hf-pagedkv serve: loaded {counted(pool.last_loaded_blocks, 'prefix block')} from "
+              f"{args.prefix_cache_file}",
               file=sys.stderr)
     engine = Engine(model, pool, max_batch_tokens=args.max_batch_tokens)
     service = EngineService(engine, tokenizer, args.served_model_name or args.model, max_queue=args.max_queue,

@@ -256,7 +256,7 @@ def test_generate_quant_option(monkeypatch, capsys):
     cli = _cli_with_tiny_model(monkeypatch)
     assert cli.main(GENERATE + ["--quant", "k8v4", "--check"]) == 0  # a quantized check reports, never fails
     out = capsys.readouterr().out
-    assert "PagedCache (k8v4): " in out and "blocks of 32 tokens" in out  # the quantized pools' block size
+    assert "PagedCache (k8v4): 1 block of 32 tokens" in out  # the quantized pools' block size: 23 tokens, 1 block
     assert cli.main(GENERATE + ["--block-size", "4"]) == 0
     out = capsys.readouterr().out
     assert "PagedCache: " in out and "blocks of 4 tokens" in out
@@ -329,7 +329,7 @@ def test_generate_with_a_query_aware_retention_policy(monkeypatch, capsys, spec,
                 "--retention", spec]
         assert cli.main(argv) == 0
         out = capsys.readouterr().out
-        assert f"retention {name}(" in out and "(1 evictions)" in out  # the prompt was compressed once
+        assert f"retention {name}(" in out and "(1 eviction)" in out  # the prompt was compressed once
         assert ("layer_budgets='global'" in out) == spec.startswith(("kv_zip_global", "kv_zip_weighted"))
         assert ("value_weighted=True" in out) == spec.startswith("kv_zip_weighted")
         assert ("value_power=2.0" in out) == spec.startswith("kv_zip_weighted")

@@ -18,6 +18,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
+from hf_pagedkv.errors import counted
 from hf_pagedkv.serving.engine import Engine
 from hf_pagedkv.serving.request import RequestOutput, RequestStatus
 
@@ -81,7 +82,7 @@ class EngineRunner:
     def check_room(self, n: int) -> None:
         """Raise `QueueFull` if `n` more waiting requests would pass `max_queue`."""
         if self.max_queue is not None and self.num_waiting + n > self.max_queue:
-            raise QueueFull(f"{self.num_waiting} requests are waiting for the engine (--max-queue "
+            raise QueueFull(f"{counted(self.num_waiting, 'request')} waiting for the engine (--max-queue "
                             f"{self.max_queue}); retry later.")
 
     def submit(self, input_ids: list[int], sink: Callable[[TokenEvent], None], **kwargs) -> str:

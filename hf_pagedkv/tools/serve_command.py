@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from hf_pagedkv.config import PRESETS
+from hf_pagedkv.config import PRESETS, parse_bytes
 from hf_pagedkv.errors import counted, install_hint
 from hf_pagedkv.tools.models import DEFAULT_MODEL
 
@@ -70,6 +70,17 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--port must be <= 65535, got {args.port}")
     if args.max_batch_tokens is not None and args.max_batch_tokens < 1:
         parser.error(f"--max-batch-tokens must be >= 1, got {args.max_batch_tokens}")
+    for flag, value in (("--max-memory", args.max_memory), ("--host-memory", args.host_memory)):
+        if value is not None:
+            try:
+                parse_bytes(value, flag)
+            except ValueError as e:
+                parser.error(f"{flag}: {e}")
+    if args.prefix_cache_file is not None:
+        folder = os.path.dirname(os.path.abspath(args.prefix_cache_file))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            parser.error(f"--prefix-cache-file {args.prefix_cache_file!r}: its folder {folder!r} is not a writable "
+                         "directory (the file is saved there at shutdown)")
     # the flags above need no import; the rest needs torch and the server's packages (seconds to import)
     try:
         import fastapi  # noqa: F401
@@ -91,11 +102,6 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         BlockPool(**pool_kwargs)  # the flags checked before the model loads (a pool holds no storage yet)
     except ValueError as e:
         parser.error(f"--quant/--block-size/--max-memory/--host-memory: {e}")
-    if args.prefix_cache_file is not None:
-        folder = os.path.dirname(os.path.abspath(args.prefix_cache_file))
-        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            parser.error(f"--prefix-cache-file {args.prefix_cache_file!r}: its folder {folder!r} is not a writable "
-                         "directory (the file is saved there at shutdown)")
     try:
         sock = bind(args.host, args.port)
     except OSError as e:

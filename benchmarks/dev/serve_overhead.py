@@ -5,8 +5,9 @@
 
 `--requests` chat requests of `benchmarks/serve_load.py`'s workload (a shared system prompt and a question about a
 slice of `textwrap.py`), all sent at once (past capacity: the engine always has work), greedy, `--max-tokens` each
-(``ignore_eos``). Each round runs the engine alone (stepped in this thread) and then the server (uvicorn in a thread,
-its engine thread, an `openai` streaming client in this thread). Prints per round wall time and CPU seconds per
+(``ignore_eos``). Each round runs the engine alone (stepped in this thread) under `torch.no_grad()` and under
+`torch.inference_mode()` (as the server's runner steps it; the tokens must be the same), and then the server
+(uvicorn in a thread, its engine thread, an `openai` streaming client in this thread). Prints per round wall time and CPU seconds per
 thread: the engine's (stepping: forwards, scheduling, sampling) and the event loop's (HTTP, chat templates, prompt
 tokenizing, detokenizing, server-sent events). On a shared machine wall time moves with the load (printed); CPU
 seconds move much less.
@@ -42,16 +43,17 @@ def thread_cpu(native_id: int) -> float:
     return next(t.user_time + t.system_time for t in psutil.Process().threads() if t.id == native_id)
 
 
-def engine_alone(model, prompts: list[list[int]], max_tokens: int) -> dict:
+def engine_alone(model, prompts: list[list[int]], max_tokens: int, mode) -> dict:
     engine = Engine(model, BlockPool(prefix_caching=True))
-    wall, cpu = time.perf_counter(), time.thread_time()
-    rids = [engine.add_request(p, max_new_tokens=max_tokens, eos_token_id=[]) for p in prompts]
-    while engine.has_unfinished:
-        engine.step()
-    wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
-    tokens = sum(len(engine.output(r).generated_tokens) for r in rids)
-    engine.close()
-    return {"wall_s": wall, "tokens": tokens, "engine_cpu_s": cpu}
+    with mode():
+        wall, cpu = time.perf_counter(), time.thread_time()
+        rids = [engine.add_request(p, max_new_tokens=max_tokens, eos_token_id=[]) for p in prompts]
+        while engine.has_unfinished:
+            engine.step()
+        wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+        outputs = [engine.output(r).generated_tokens for r in rids]
+        engine.close()
+    return {"wall_s": wall, "tokens": sum(map(len, outputs)), "engine_cpu_s": cpu, "outputs": outputs}
 
 
 def served(model, tokenizer, conversations, max_tokens: int) -> dict:
@@ -100,7 +102,10 @@ def main() -> None:
     print(f"load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} CPUs; {args.requests} requests x "
           f"{args.max_tokens} tokens")
     for r in range(args.rounds):
-        for name, result in (("engine alone", engine_alone(model, prompts, args.max_tokens)),
+        grad = engine_alone(model, prompts, args.max_tokens, torch.no_grad)
+        inference = engine_alone(model, prompts, args.max_tokens, torch.inference_mode)
+        assert grad.pop("outputs") == inference.pop("outputs"), "inference_mode changed the tokens"
+        for name, result in (("engine alone, no_grad", grad), ("engine alone, inference_mode", inference),
                              ("served", served(model, tokenizer, conversations, args.max_tokens))):
             extra = (f", event loop CPU {result['event_loop_cpu_s']:.2f} s"
                      if "event_loop_cpu_s" in result else "")

@@ -57,11 +57,11 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Check the flags, bind the port, load the model, serve until SIGTERM (then drain and save)."""
     if args.retention is not None:
         parser.error(f"--retention {args.retention}: the serving engine does not run retention policies: it "
-                     "prefills prompts in chunks packed with other requests and recomputes preempted ones, and its "
-                     "attention masks, positions and block counts assume a request holds every token it has seen, so "
-                     "a policy evicting between those steps would answer differently from `hf_pagedkv.generate`. "
-                     "Serve without --retention (--quant and --max-memory bound the KV memory), or run "
-                     "`hf-pagedkv generate --retention SPEC` for one request")
+                     "prefills prompts in chunks of --max-batch-tokens and recomputes preempted requests, so a policy "
+                     "would evict at other points than in `hf_pagedkv.generate` (one prefill step) and answer "
+                     "differently, and its scheduler and packed attention count a request's blocks and key positions "
+                     "as if it held every token it has seen. Serve without --retention (--quant and --max-memory "
+                     "bound the KV memory), or run `hf-pagedkv generate --retention SPEC` for one request")
     for flag, value, low in (("--port", args.port, 0), ("--max-queue", args.max_queue, 1),
                              ("--num-threads", args.num_threads, 0)):
         if value < low:

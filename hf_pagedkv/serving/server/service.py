@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 
+import torch
 
 from hf_pagedkv.blocks.block_table import num_blocks_for
 from hf_pagedkv.errors import counted
@@ -93,7 +94,8 @@ class EngineService:
         self.runner.close()
         if self.prefix_cache_file is not None and self.pool.prefix_caching:
             try:
-                n = self.pool.save_prefix_cache(self.prefix_cache_file, model=self.engine.model)
+                with torch.inference_mode():  # the engine's blocks were written in inference mode (engine_runner.py)
+                    n = self.pool.save_prefix_cache(self.prefix_cache_file, model=self.engine.model)
                 logger.info("hf_pagedkv server: saved %d prefix blocks to %s", n, self.prefix_cache_file)
             except (OSError, ValueError) as e:
                 logger.error("hf_pagedkv server: could not save the prefix cache to %s: %s",

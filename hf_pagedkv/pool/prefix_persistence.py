@@ -112,8 +112,9 @@ def load_prefix_cache(pool, path: str | os.PathLike, model=None, config=None, de
     except (KeyError, TypeError, ValueError, AttributeError):
         raise ValueError(f"{path}: the index is malformed (fields missing); nothing was loaded.") from None
     if block_size != pool.block_size:
-        raise ValueError(f"{path} holds blocks of {block_size} tokens, this pool uses block_size={pool.block_size}; "
-                         f"load it into a BlockPool(block_size={block_size}, prefix_caching=True) (nothing loaded).")
+        raise ValueError(f"{path} holds blocks of {counted(block_size, 'token')}, this pool uses "
+                         f"block_size={pool.block_size}; load it into a BlockPool(block_size={block_size}, "
+                         "prefix_caching=True) (nothing loaded).")
     if quant != repr(pool.quant):
         raise ValueError(f"{path} holds blocks stored as {quant}, this pool stores {pool.quant!r}; load it into a "
                          "pool with that quant= (nothing loaded).")
@@ -163,7 +164,8 @@ def _import(pool, tensors: dict[str, torch.Tensor], targets: list[tuple[int, int
             mine = {name[len(p):]: t for name, t in tensors.items() if name.startswith(p)}
             digests, num_tokens = mine.pop("digests"), mine.pop("num_tokens")
             if tuple(digests.shape) != (n, 16) or tuple(num_tokens.shape) != (n,):
-                raise ValueError(f"the file's hashes of group {fi} do not match its {n} blocks (nothing loaded).")
+                raise ValueError(f"the file's hashes of group {fi} do not match its {counted(n, 'block')} (nothing "
+                                 "loaded).")
             counts = num_tokens.tolist()
             hashes = [BlockHash(bytes(digests[j].tolist()), counts[j]) for j in range(n)]
             order = sorted(range(n), key=lambda j: counts[j])  # a saved file lists device blocks before host ones

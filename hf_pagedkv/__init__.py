@@ -8,6 +8,8 @@ nor transformers (so ``hf-pagedkv --help`` answers at once); the first public na
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
@@ -47,9 +49,12 @@ def _load() -> None:
 
 
 def __getattr__(name: str):
-    if name in __all__ or name == "attention":
+    if name in __all__:
         _load()
         return globals()[name]
+    if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        _load()  # a subpackage (`hf_pagedkv.serving.Engine` after `import hf_pagedkv`), as when the face was eager
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'hf_pagedkv' has no attribute {name!r}")
 
 

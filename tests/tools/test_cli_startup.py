@@ -62,11 +62,20 @@ def test_import_hf_pagedkv_is_light_and_the_first_name_loads_it():
     assert out.stdout.split() == ["False", "hf_pagedkv.adapter.paged_cache", "True", "0.1.0"]
 
 
+def test_subpackages_are_attributes_after_a_bare_import():
+    script = ("import hf_pagedkv; print(hf_pagedkv.serving.Engine.__name__, hf_pagedkv.retention.SinkWindow.name, "
+              "hf_pagedkv.PagedCache.__name__)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.split() == ["Engine", "sink_window", "PagedCache"]
+
+
 def test_unknown_name_is_an_attribute_error():
     import hf_pagedkv
 
     with pytest.raises(AttributeError, match="module 'hf_pagedkv' has no attribute 'PagedCash'"):
         hf_pagedkv.PagedCash  # noqa: B018
+    with pytest.raises(AttributeError, match="has no attribute '__wrapped__'"):
+        hf_pagedkv.__wrapped__  # noqa: B018
     assert set(hf_pagedkv.__all__) <= set(dir(hf_pagedkv))
 
 

@@ -1,6 +1,7 @@
 """The ``"hf_pagedkv"`` attention implementation: decode attention that reads a `PagedCache`'s blocks in place.
 
-Importing `hf_pagedkv` registers it (a new name in transformers' `AttentionInterface`; nothing else changes), so
+Importing this package registers it (a new name in transformers' `AttentionInterface`; nothing else changes), and so
+does the first name read from `hf_pagedkv` (``from hf_pagedkv import PagedCache``), so
 ``model.set_attn_implementation("hf_pagedkv")`` or ``from_pretrained(..., attn_implementation="hf_pagedkv")`` selects
 it; the default `sdpa` is untouched.
 """

@@ -77,6 +77,8 @@ def test_unknown_name_is_an_attribute_error():
     with pytest.raises(AttributeError, match="has no attribute '__wrapped__'"):
         hf_pagedkv.__wrapped__  # noqa: B018
     assert set(hf_pagedkv.__all__) <= set(dir(hf_pagedkv))
+    # every exported name is loaded by the face's `_load` (a name added to __all__ alone would be a KeyError here)
+    assert [n for n in hf_pagedkv.__all__ if getattr(hf_pagedkv, n).__name__ != n] == []
 
 
 def test_block_size_candidates_match_the_planner():

@@ -23,6 +23,8 @@ from packaging.version import Version
 from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer, get_layer_types_and_kwargs
 from transformers.utils import logging as hf_logging
 
+from hf_pagedkv.errors import counted
+
 __all__ = ["CACHE_KWARG", "CACHE_KWARG_NAMES", "Cache", "CacheLayerMixin", "DummyLayer", "PAST_RECORDING_KWARGS",
            "SUPPORTED_LAYER_TYPES", "TRANSFORMERS_VERSION", "cache_kwargs", "layer_plan", "quiet_model_loading",
            "register_attention", "sdpa_attention_function", "seq_length_layer_idx"]
@@ -95,8 +97,8 @@ def seq_length_layer_idx(layers, layer_idx: int = 0) -> int:
     for idx, layer in enumerate(layers):
         if isinstance(layer, CacheLayerMixin):
             return idx
-    raise ValueError(f"get_seq_length: none of the {len(layers)} layers holds attention (all {kind}), so none "
-                     "counts tokens.")
+    raise ValueError(f"get_seq_length: none of the {counted(len(layers), 'layer')} holds attention (all {kind}), so "
+                     "none counts tokens.")
 
 
 def layer_plan(config) -> list[tuple[str, int | None]]:

@@ -23,6 +23,20 @@ def install_hint(extra: str, packages: str) -> str:
     return f"pip install -e '.[{extra}]' (the `{extra}` extra, run in a clone of hf_pagedkv), or pip install {packages}"
 
 
+def counted(n: int, noun: str, plural: str | None = None, spec: str = "") -> str:
+    """A count and its noun, in the singular for one: ``counted(1, "block")`` -> ``"1 block"``, ``counted(3,
+    "block")`` -> ``"3 blocks"``, ``counted(1200, "token", spec=",")`` -> ``"1,200 tokens"``, ``counted(2, "entry",
+    "entries")`` -> ``"2 entries"``; for messages, whose counts are often 1.
+
+    Args:
+        n (`int`): the count.
+        noun (`str`): the singular noun (it may be several words: ``"KV head"``).
+        plural (`str`, *optional*, defaults to `noun` + "s"): the plural.
+        spec (`str`, *optional*, defaults to ""): the format spec of `n` (``","`` for thousands separators).
+    """
+    return f"{n:{spec}} {noun if n == 1 else plural or noun + 's'}"
+
+
 class PoolExhaustedError(RuntimeError):
     """A fixed-size `BlockPool` has too few free blocks for a request.
 

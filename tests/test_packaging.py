@@ -26,6 +26,7 @@ def _names(requirements) -> set[str]:
 _LOADED = """
 import json, sys
 import hf_pagedkv, hf_pagedkv.tools.cli
+hf_pagedkv.PagedCache  # the package loads on first use
 print(json.dumps(sorted((name, getattr(mod, "__file__", None)) for name, mod in sys.modules.items()
                         if name.split(".")[0] == "hf_pagedkv")))
 """

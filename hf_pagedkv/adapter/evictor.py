@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from hf_pagedkv.errors import counted
 from hf_pagedkv.blocks.block_table import num_blocks_for
 from hf_pagedkv.retention.context_scores import ContextScores
 from hf_pagedkv.adapter.fresh_rows import install_fresh_rows
@@ -121,8 +122,8 @@ class Evictor:
             raise ValueError(f"retention={self.policy!r} does not compress by a reconstruction pass; use "
                              "hf_pagedkv.retention.KVzip(...) for compress_context.")
         if self.num_evictions:  # (not `num_evicted`: a tiered policy's widest tier may keep every token, 0 evicted)
-            raise ValueError(f"the cache was already compressed ({self.num_evicted} tokens evicted per row): "
-                             "compress_context compresses a context once, right after its prefill.")
+            raise ValueError(f"the cache was already compressed ({counted(self.num_evicted, 'token')} evicted per "
+                             "row): compress_context compresses a context once, right after its prefill.")
         self.scoring = ContextScores(held, key_valid)
 
     def end_scoring(self) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
@@ -159,7 +160,8 @@ class Evictor:
             bad.add(tuple(valid.shape))
         if bad:
             raise ValueError(f"retention={self.policy!r}: scores of (rows, tokens) {sorted(bad)} do not match the "
-                             f"{rows} rows of {held} tokens the cache holds; nothing was evicted.")
+                             f"{counted(rows, 'row')} of {counted(held, 'token')} the cache holds; nothing was "
+                             "evicted.")
         keep = self.policy.keep_for(held)
         if 0 < keep < held:
             if self.policy.reconstructs and self.policy.settings.value_weighted:  # the scores to rank by (not returned)
@@ -225,7 +227,7 @@ class Evictor:
         bad = {q.shape[0] for q in self.observed.queries.values()} - {num_rows}
         if bad:
             raise ValueError(f"retention={self.policy!r}: the recorded queries have batch {sorted(bad)} but the cache "
-                             f"holds {num_rows} rows; nothing was evicted.")
+                             f"holds {counted(num_rows, 'row')}; nothing was evicted.")
 
     def _drop(self, cache: RetentionOwner, rt: RowTables, positions: list[int], realign: WindowRealign) -> None:
         """Free whole logical block positions in every row (all full: never the last, partial one); the sliding
@@ -368,9 +370,10 @@ class Evictor:
         """Raise `ValueError` if a crop to `new_len` held tokens reaches into what an eviction left."""
         if self.num_evictions and new_len < self.num_held_after_eviction:
             raise ValueError(
-                f"crop to {new_len} held tokens reaches before what the retention policy ({self.policy.name}) kept "
-                f"at its last eviction ({self.num_held_after_eviction} tokens): evicted tokens cannot come back. "
-                "Crop at most the tokens added since (assisted decoding crops only its last step)."
+                f"crop to {counted(new_len, 'held token')} reaches before what the retention policy "
+                f"({self.policy.name}) kept at its last eviction ({counted(self.num_held_after_eviction, 'token')}): "
+                "evicted tokens cannot come back. Crop at most the tokens added since (assisted decoding crops only "
+                "its last step)."
             )
 
     def stats(self, held: int, per_layer: tuple[int, ...] = ()) -> RetentionStats:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_pagedkv.errors import counted
+
 
 @dataclass(frozen=True)
 class LeftPadding:
@@ -56,13 +58,13 @@ class LeftPadding:
         """
         if num_new is not None and self.length and num_new > self.length:
             raise ValueError(f"set_padding got an attention_mask of {self.length} columns, but the prefill step has "
-                             f"{num_new} tokens per row: pass the attention mask of this very prompt (the "
+                             f"{counted(num_new, 'token')} per row: pass the attention mask of this very prompt (the "
                              "attention_mask of the input_ids given to generate or to the model). Nothing was stored.")
         rows = len(self.tokens)
         if batch % rows:
-            raise ValueError(f"set_padding got an attention_mask of {rows} rows, but the forward step has a batch of "
-                             f"{batch}; it must be the same rows (or each repeated k times, as num_return_sequences "
-                             "and num_beams do).")
+            raise ValueError(f"set_padding got an attention_mask of {counted(rows, 'row')}, but the forward step has a "
+                             f"batch of {batch}; it must be the same rows (or each repeated k times, as "
+                             "num_return_sequences and num_beams do).")
         return [p for p in self.tokens for _ in range(batch // rows)]
 
 

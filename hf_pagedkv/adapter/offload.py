@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hf_pagedkv.errors import PoolExhaustedError
+from hf_pagedkv.errors import PoolExhaustedError, counted
 from hf_pagedkv.adapter.row_tables import RowTables
 from hf_pagedkv.blocks.block_table import BlockTable
 
@@ -100,8 +100,8 @@ def prefetch_cache(pool, owner: int, groups: list[RowTables], offloaded: list[Of
     short = [g for g, n in needs.items() if not pool.can_reserve(n, g)]
     if short:
         g = short[0]
-        raise PoolExhaustedError(f"prefetch(): {needs[g]} device blocks needed in layer group {g}, the pool has "
-                                 "too few free plus cached-idle blocks; release or offload other caches first "
+        raise PoolExhaustedError(f"prefetch(): {counted(needs[g], 'device block')} needed in layer group {g}, the pool "
+                                 "has too few free plus cached-idle blocks; release or offload other caches first "
                                  "(this cache stays offloaded).")
     dev: dict[int, list[int]] = {}  # group -> the device blocks taken for its copies, in the order of `og.fills`
     tables = []  # (group's offload, its new rows, their mirror, the pad block or None), for every group

@@ -13,7 +13,7 @@ from hf_pagedkv._compat import Cache, DummyLayer, layer_plan, seq_length_layer_i
 from hf_pagedkv.pool.block_pool import BlockPool
 from hf_pagedkv.blocks.block_table import BlockTable, num_blocks_for
 from hf_pagedkv.config import QuantConfig, check_positive_int
-from hf_pagedkv.errors import CacheOffloadedError, CacheReleasedError, InvariantError, PoolExhaustedError
+from hf_pagedkv.errors import CacheOffloadedError, CacheReleasedError, InvariantError, PoolExhaustedError, counted
 from hf_pagedkv.adapter.in_place_reads import InPlaceReads
 from hf_pagedkv.adapter.left_padding import LeftPadding
 from hf_pagedkv.adapter.paged_layer import PagedLayer
@@ -199,7 +199,7 @@ class PagedCache(Cache):
         """
         if layer_idx < 0 or (self._num_layers is not None and layer_idx >= len(self.layers)):
             raise IndexError(f"layer_idx={layer_idx} is out of range: this PagedCache was built for "
-                             f"{len(self.layers)} layers (config=).")
+                             f"{counted(len(self.layers), 'layer')} (config=).")
         while len(self.layers) <= layer_idx:  # a cache built without config: full-attention layers, as DynamicCache
             self.layers.append(PagedLayer(self, len(self.layers), group=self._tables_for(None).group))
         out = self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
@@ -270,8 +270,9 @@ class PagedCache(Cache):
         self.check_usable()
         padding = LeftPadding.from_mask(attention_mask)  # raises ValueError
         if self._num_tokens:
-            raise ValueError(f"set_padding: this PagedCache already holds {self._num_tokens} tokens per row; declare "
-                             "the padding of a prompt before its prefill, on an empty cache (or reset() it first).")
+            raise ValueError(f"set_padding: this PagedCache already holds {counted(self._num_tokens, 'token')} per "
+                             "row; declare the padding of a prompt before its prefill, on an empty cache (or reset() "
+                             "it first).")
         if self._evictor is not None:
             logger.debug("PagedCache.set_padding: ignored with a retention policy (padding is stored)")
             return
@@ -324,10 +325,10 @@ class PagedCache(Cache):
         for rt in self._groups:  # a sliding group must still hold the window the next step reads
             if rt.droppable(new_len) < rt.num_dropped:
                 raise ValueError(
-                    f"crop({tokens_to_remove}) to {new_len} tokens reaches before what the sliding-window layers "
-                    f"(window {rt.window}) still hold: they keep the last window - 1 tokens plus the last step's "
-                    f"new tokens ({(rt.num_dropped * self.block_size)} tokens onward here). Crop at most the tokens "
-                    "of the last forward step, as assisted decoding does."
+                    f"crop({tokens_to_remove}) to {counted(new_len, 'token')} reaches before what the sliding-window "
+                    f"layers (window {rt.window}) still hold: they keep the last window - 1 tokens plus the last "
+                    f"step's new tokens ({(rt.num_dropped * self.block_size)} tokens onward here). Crop at most the "
+                    "tokens of the last forward step, as assisted decoding does."
                 )
         keep, kept = num_blocks_for(new_len, self.block_size), new_len % self.block_size  # kept: of the last block
         with self.pool.lock:
@@ -550,7 +551,8 @@ class PagedCache(Cache):
         if len(rows) == 1 and self.num_rows > 1:
             rows = rows + [[]] * (self.num_rows - 1)  # row 0 holds the shared prompt
         if len(rows) != self.num_rows:
-            raise ValueError(f"publish got {len(rows)} rows of ids for a cache of {self.num_rows} rows.")
+            raise ValueError(f"publish got {counted(len(rows), 'row')} of ids for a cache of "
+                             f"{counted(self.num_rows, 'row')}.")
         layers = self._paged_layers()
         written = min([layer.num_tokens for layer in layers] + [self._num_tokens]) if layers else 0
         intact = None if self._evictor is None else self._evictor.num_intact_blocks  # retention: later blocks differ
@@ -893,9 +895,9 @@ class PagedCache(Cache):
             self._begin_step(key_states, value_states)
         elif self._plan is None or not self._plan.covers(start, q, key_states.shape[0]):
             raise RuntimeError(
-                f"Layer {layer.layer_idx} holds {start} tokens but this PagedCache holds {self._num_tokens} per row "
-                f"(batch {self.num_rows}); got {q} new tokens for batch {key_states.shape[0]}. An earlier error "
-                "interrupted a forward step: release() this cache and start a new one."
+                f"Layer {layer.layer_idx} holds {counted(start, 'token')} but this PagedCache holds {self._num_tokens} "
+                f"per row (batch {self.num_rows}); got {counted(q, 'new token')} for batch {key_states.shape[0]}. An "
+                "earlier error interrupted a forward step: release() this cache and start a new one."
             )
         else:
             for r, w in list(self._plan.dup_of.items()):  # duplicates must stay identical in every layer to share
@@ -1030,7 +1032,7 @@ class PagedCache(Cache):
         leading ones every row shares (a permutation leaves their counts unchanged)."""
         self.check_usable()
         if any(not 0 <= i < self.num_rows for i in idx):
-            raise ValueError(f"row indices {idx} out of range for a cache of {self.num_rows} rows.")
+            raise ValueError(f"row indices {idx} out of range for a cache of {counted(self.num_rows, 'row')}.")
         self._padding = None
         with self.pool.lock:
             for rt in self._groups:
@@ -1061,8 +1063,9 @@ class PagedCache(Cache):
             self.batch_repeat_interleave(batch // self.num_rows)
         else:
             raise ValueError(
-                f"This PagedCache holds {self.num_rows} rows of {self._num_tokens} tokens but got a batch of "
-                f"{batch}; the batch must equal the rows, or be a multiple of them (rows are then forked)."
+                f"This PagedCache holds {counted(self.num_rows, 'row')} of {counted(self._num_tokens, 'token')} but "
+                f"got a batch of {batch}; the batch must equal the rows, or be a multiple of them (rows are then "
+                "forked)."
             )
 
 

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hf_pagedkv.errors import counted
 from hf_pagedkv.blocks.block_table import num_blocks_for
 from hf_pagedkv.adapter.fresh_rows import install_fresh_rows
 
@@ -64,8 +65,8 @@ class WindowRealign:
             m = min(held, rt.window - 1)
             if new_held < m:
                 raise ValueError(
-                    f"retention={cache.retention_policy!r} would keep {new_held} tokens per row, but this model's "
-                    f"sliding-window layers (window {rt.window}) read the last {m}: on a hybrid model the "
+                    f"retention={cache.retention_policy!r} would keep {counted(new_held, 'token')} per row, but this "
+                    f"model's sliding-window layers (window {rt.window}) read the last {m}: on a hybrid model the "
                     f"full-attention layers must keep at least window - 1 = {rt.window - 1} tokens. Use a larger "
                     "budget or window, or a smaller compression_ratio. Nothing was evicted.")
             # a shift needs whole blocks and no held block at or before the last position the eviction frees (the

@@ -14,6 +14,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
+from hf_pagedkv.errors import counted
+
 if TYPE_CHECKING:
     from hf_pagedkv.blocks.block_allocator import BlockAllocator
 
@@ -147,8 +149,9 @@ class PrefixIndex:
         if known is not None:
             if known != h:
                 raise ValueError(
-                    f"block {block} is already published for other tokens (prefix of {known.num_tokens} tokens); "
-                    "publish() must get exactly the token ids whose K/V the cache holds, without padding."
+                    f"block {block} is already published for other tokens (prefix of "
+                    f"{counted(known.num_tokens, 'token')}); publish() must get exactly the token ids whose K/V the "
+                    "cache holds, without padding."
                 )
             return False
         if h in self._by_hash:

@@ -15,6 +15,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from hf_pagedkv.errors import counted
 from hf_pagedkv.observe.events import EVENT_KINDS
 
 
@@ -133,7 +134,8 @@ def format_report(report: TraceReport, block: int | None = None, limit: int = 20
     refcount history of `block` when given."""
     t0 = min((h[0].t for h in report.histories.values()), default=0.0)
     dropped = f", {report.num_dropped} oldest dropped" if report.num_dropped else ""
-    out = [f"trace: {report.num_events} events on {len(report.histories)} blocks (sample rate {report.sample_rate:g})"
+    out = [f"trace: {counted(report.num_events, 'event')} on {counted(len(report.histories), 'block')} (sample rate "
+           f"{report.sample_rate:g})"
            + dropped]
     out.append(f"blocks allocated and never freed: {len(report.never_freed)}")
     for b, c in list(report.never_freed.items())[:limit]:
@@ -175,7 +177,7 @@ def _last_owner(history: list[HistoryLine]) -> str:
     for h in reversed(history):
         if "seq" in h.record:
             row = f" row {h.record['row']}" if "row" in h.record else ""
-            tokens = f", {h.record['end']} tokens" if "end" in h.record else ""
+            tokens = f", {counted(h.record['end'], 'token')}" if "end" in h.record else ""
             return f" (last seen in seq {h.record['seq']}{row}{tokens})"
     return ""
 

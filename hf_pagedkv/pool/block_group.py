@@ -13,7 +13,7 @@ from hf_pagedkv.blocks.block_table import BlockTable
 from hf_pagedkv.blocks.compaction import num_trapped_free, plan_moves
 from hf_pagedkv.blocks.prefix_index import BlockHash, PrefixIndex
 from hf_pagedkv.config import QuantConfig
-from hf_pagedkv.errors import PoolExhaustedError
+from hf_pagedkv.errors import PoolExhaustedError, counted
 from hf_pagedkv.observe.pool_stats import GroupStats
 from hf_pagedkv.pool.invariants import check_group_invariants
 from hf_pagedkv.storage.page_store import PageStore
@@ -174,7 +174,7 @@ class BlockGroup:
         idle_note = f" and {idle} cached-idle" if self.prefix_index is not None else ""
         where = f" in its {self.name} layer group" if named else ""
         return PoolExhaustedError(
-            f"BlockPool is full{where}: {n} blocks needed, {free} free{idle_note} of "
+            f"BlockPool is full{where}: {counted(n, 'block')} needed, {free} free{idle_note} of "
             f"{self.allocator.num_blocks} (block_size={self.block_size}). Raise num_blocks / max_memory, "
             "release finished caches, or use num_blocks=None to let the pool grow."
         )

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_pagedkv.errors import InvariantError, PoolExhaustedError
+from hf_pagedkv.errors import InvariantError, PoolExhaustedError, counted
 from hf_pagedkv.blocks.host_tier import HostTier
 from hf_pagedkv.storage.host_store import HostStore, select_blocks
 
@@ -106,7 +106,7 @@ class HostTiers:
                 host = tier.allocate(owner, len(todo))
                 if host is None:
                     raise PoolExhaustedError(
-                        f"the host tier is full: {len(todo)} blocks needed, {tier.num_free_blocks} free of "
+                        f"the host tier is full: {counted(len(todo), 'block')} needed, {tier.num_free_blocks} free of "
                         f"{tier.num_blocks} (host_memory={self.host_memory}); raise host_memory or prefetch/release "
                         "offloaded caches.")
                 hosts[group] = host

@@ -19,7 +19,7 @@ import torch
 from hf_pagedkv._compat import layer_plan
 from hf_pagedkv.config import QuantConfig
 from hf_pagedkv.pool.fingerprint import prefix_key
-from hf_pagedkv.errors import PoolExhaustedError
+from hf_pagedkv.errors import PoolExhaustedError, counted
 from hf_pagedkv.blocks.prefix_index import BlockHash
 from hf_pagedkv.storage.page_store import LayerSpec
 from hf_pagedkv.storage.host_store import select_blocks
@@ -139,8 +139,9 @@ def load_prefix_cache(pool, path: str | os.PathLike, model=None, config=None, de
     except (KeyError, TypeError, ValueError, AttributeError):
         raise ValueError(f"{path}: the index is malformed (fields missing); nothing was loaded.") from None
     if block_size != pool.block_size:
-        raise ValueError(f"{path} holds blocks of {block_size} tokens, this pool uses block_size={pool.block_size}; "
-                         f"load it into a BlockPool(block_size={block_size}, prefix_caching=True) (nothing loaded).")
+        raise ValueError(f"{path} holds blocks of {counted(block_size, 'token')}, this pool uses "
+                         f"block_size={pool.block_size}; load it into a BlockPool(block_size={block_size}, "
+                         "prefix_caching=True) (nothing loaded).")
     if quant != repr(pool.quant):
         raise ValueError(f"{path} holds blocks stored as {quant}, this pool stores {pool.quant!r}; load it into a "
                          "pool with that quant= (nothing loaded).")
@@ -167,10 +168,10 @@ def load_prefix_cache(pool, path: str | os.PathLike, model=None, config=None, de
                 host = (f" and its host tier room for {room}" if pool.host is not None
                         else "; a host tier (BlockPool(host_memory=...)) would take the rest")
                 raise PoolExhaustedError(
-                    f"load_prefix_cache: {path} needs {n} blocks in the {pool.groups[gi].name} layer group, the pool "
-                    f"has {alloc.num_free_blocks} free and {alloc.num_idle_blocks} cached-idle of "
-                    f"{alloc.num_blocks}{host}; raise num_blocks / max_memory / host_memory or release caches "
-                    "(nothing loaded).")
+                    f"load_prefix_cache: {path} needs {counted(n, 'block')} in the {pool.groups[gi].name} layer group, "
+                    f"the pool has {alloc.num_free_blocks} free and {alloc.num_idle_blocks} cached-idle of "
+                    f"{alloc.num_blocks}{host}; raise num_blocks / max_memory / host_memory or release caches (nothing "
+                    "loaded).")
             targets.append((gi, fi, on_device, n - on_device))
         loaded = _import(pool, f.tensors, targets)
         pool.note_prefix_key(key)
@@ -190,7 +191,8 @@ def _import(pool, tensors: dict[str, torch.Tensor], targets: list[tuple[int, int
             mine = {name[len(p):]: t for name, t in tensors.items() if name.startswith(p)}
             digests, num_tokens = mine.pop("digests"), mine.pop("num_tokens")
             if tuple(digests.shape) != (n, 16) or tuple(num_tokens.shape) != (n,):
-                raise ValueError(f"the file's hashes of group {fi} do not match its {n} blocks (nothing loaded).")
+                raise ValueError(f"the file's hashes of group {fi} do not match its {counted(n, 'block')} (nothing "
+                                 "loaded).")
             counts = num_tokens.tolist()
             hashes = [BlockHash(bytes(digests[j].tolist()), counts[j]) for j in range(n)]
             order = sorted(range(n), key=lambda j: counts[j])  # a saved file lists device blocks before host ones

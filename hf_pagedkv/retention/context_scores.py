@@ -9,6 +9,7 @@ import torch
 
 from hf_pagedkv.attention.paged_view import PagedView
 from hf_pagedkv.attention.query_window import attach_recorder
+from hf_pagedkv.errors import counted
 
 #: query rows scored at once (bounds the `[batch, num_kv_heads, group * rows, keys]` score tensor of a layer)
 QUERY_TILE = 256
@@ -65,13 +66,14 @@ class ContextScores:
         batch, H, n, d = keys.shape
         _, num_heads, q, _ = query.shape
         if n - q < self.num_context or num_heads % H:
-            raise ValueError(f"ContextScores: layer {layer_idx} attends {q} queries over {n} keys ({H} KV heads, "
-                             f"{num_heads} query heads); the {self.num_context} scored context tokens must come "
-                             "before the step's tokens.")
+            raise ValueError(f"ContextScores: layer {layer_idx} attends {counted(q, 'query', 'queries')} over "
+                             f"{counted(n, 'key')} ({counted(H, 'KV head')}, {num_heads} query heads); the "
+                             f"{self.num_context} scored context tokens must come before the step's tokens.")
         valid = None if self.key_valid is None else self.key_valid[:, :n].to(keys.device)  # [batch, n]
         if valid is not None and tuple(valid.shape) != (batch, n):
-            raise ValueError(f"ContextScores: layer {layer_idx} attends over {batch} rows of {n} keys, but the padding "
-                             f"mask covers {tuple(self.key_valid.shape)} (rows, positions).")
+            raise ValueError(f"ContextScores: layer {layer_idx} attends over {counted(batch, 'row')} of "
+                             f"{counted(n, 'key')}, but the padding mask covers {tuple(self.key_valid.shape)} (rows, "
+                             "positions).")
         G = num_heads // H
         k = keys.float().transpose(-1, -2)  # [batch, H, d, n]
         best = self.scores.get(layer_idx)

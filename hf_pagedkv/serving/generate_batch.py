@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from hf_pagedkv.errors import counted
 from hf_pagedkv.pool.block_pool import BlockPool
 from hf_pagedkv.serving.engine import Engine
 from hf_pagedkv.serving.request import RequestOutput
@@ -76,7 +77,7 @@ def _progress(total: int, enabled: bool):
         from tqdm.auto import tqdm
     except ImportError:  # (transformers depends on tqdm; a bar is not worth failing for)
         return None
-    return tqdm(total=total, desc=f"Solving {total} requests", unit="request")
+    return tqdm(total=total, desc=f"Solving {counted(total, 'request')}", unit="request")
 
 
 __all__ = ["generate_batch"]

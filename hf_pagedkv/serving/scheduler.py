@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from hf_pagedkv.adapter.paged_cache import PagedCache
 from hf_pagedkv.pool.block_pool import BlockPool
-from hf_pagedkv.errors import PoolExhaustedError
+from hf_pagedkv.errors import PoolExhaustedError, counted
 from hf_pagedkv.blocks.block_table import num_blocks_for
 from hf_pagedkv.serving.request import Request, RequestStatus
 
@@ -132,10 +132,11 @@ class Scheduler:
         for group in self.full_groups:
             cap = self.capacity(group)
             if cap is not None and need > cap:
-                return (f"request {req.request_id!r} needs {need} KV blocks ({len(req.prompt)} prompt tokens + "
-                        f"max_new_tokens={req.max_new_tokens}, block_size={self.pool.block_size}) but the whole "
-                        f"BlockPool holds {cap}: lower max_new_tokens or shorten the prompt, or give the pool more "
-                        "blocks (num_blocks / max_memory, or num_blocks=None to let it grow).")
+                return (f"request {req.request_id!r} needs {counted(need, 'KV block')} "
+                        f"({counted(len(req.prompt), 'prompt token')} + max_new_tokens={req.max_new_tokens}, "
+                        f"block_size={self.pool.block_size}) but the whole BlockPool holds {cap}: lower max_new_tokens "
+                        "or shorten the prompt, or give the pool more blocks (num_blocks / max_memory, or "
+                        "num_blocks=None to let it grow).")
         return None
 
     def _needs(self, start: int, n: int) -> dict[int, int]:

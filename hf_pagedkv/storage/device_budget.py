@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from hf_pagedkv.errors import counted
 from hf_pagedkv.storage.page_store import LayerSpec
 
 MemoryOf = Callable[[torch.device], "int | None"]  # total bytes of a device, None when it cannot be told
@@ -89,7 +90,7 @@ def blocks_for_budget(max_memory: int, spec: LayerSpec, num_layers: int | None, 
     if n == 0:
         raise ValueError(
             f"max_memory={max_memory} bytes is less than one block ({per_block} bytes for "
-            f"{num_layers} layers); raise max_memory or lower block_size."
+            f"{counted(num_layers, 'layer')}); raise max_memory or lower block_size."
         )
     return n
 
@@ -116,9 +117,9 @@ def check_device_share(layer_idx: int, spec: LayerSpec, known: Iterable[LayerSpe
     have = memory_of(spec.device)
     if have is not None and share > have:
         raise ValueError(
-            f"BlockPool(max_memory={max_memory}) would hold {share} bytes on {spec.device} once layer {layer_idx} "
-            f"is stored there ({len(on_device)} layers x {num_blocks} blocks), more than {spec.device} has "
-            f"({have} bytes in all). max_memory is the budget of all layers on all devices together, and each "
-            f"device holds every block of the layers placed on it: lower max_memory, or put fewer layers on "
+            f"BlockPool(max_memory={max_memory}) would hold {share} bytes on {spec.device} once layer {layer_idx} is "
+            f"stored there ({counted(len(on_device), 'layer')} x {counted(num_blocks, 'block')}), more than "
+            f"{spec.device} has ({have} bytes in all). max_memory is the budget of all layers on all devices together, "
+            "and each device holds every block of the layers placed on it: lower max_memory, or put fewer layers on "
             f"{spec.device} (device_map)."
         )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from hf_pagedkv.errors import counted
+
 #: export parts only some blocks have (a quantized store's open-block stages and sink tokens): "<part>_rows" lists
 #: the blocks that have it, "<layer>.<part>_<what>" tensors hold it, one entry per listed block along dim 1
 _PARTS = ("stage", "sink")
@@ -76,8 +78,8 @@ class HostStore:
                 held = self.tensors[k]
                 if tuple(t.shape[:1] + t.shape[2:]) != tuple(held.shape[:1] + held.shape[2:]) or t.shape[1] != n \
                         or held.shape[1] != self.num_blocks or t.dtype != held.dtype:
-                    return (f"{k!r} is {t.dtype} {tuple(t.shape)} for {n} blocks, the layout holds {held.dtype} "
-                            f"{tuple(held.shape)}")
+                    return (f"{k!r} is {t.dtype} {tuple(t.shape)} for {counted(n, 'block')}, the layout holds "
+                            f"{held.dtype} {tuple(held.shape)}")
         return None
 
     def check(self, export: dict[str, torch.Tensor]) -> list[str]:

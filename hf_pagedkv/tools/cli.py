@@ -9,24 +9,27 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-from transformers import set_seed
-
-from hf_pagedkv.adapter.paged_cache import PagedCache
-from hf_pagedkv.pool.block_pool import BlockPool
-from hf_pagedkv._compat import cache_kwargs
 from hf_pagedkv.tools.cli_tools import add_tool_commands, run_tool
 from hf_pagedkv.tools.serve_command import add_serve_command
 from hf_pagedkv.config import PRESETS, QuantConfig
-from hf_pagedkv.errors import EMPTY_PROMPT
+from hf_pagedkv.errors import EMPTY_PROMPT, counted
 from hf_pagedkv.tools.models import DEFAULT_MODEL, chat_prompt, default_document, load_model
-from hf_pagedkv.tools.verify import dynamic_cache_bytes
+
+# NOTE: torch and transformers are imported where a command needs them, not here: `hf-pagedkv --help`, a
+# subcommand's --help and an argument error answer in a fraction of a second instead of after seconds of imports.
 
 MiB = 2**20
 PREFILL_NOTICE_TOKENS = 1024  # prompts at least this long get a "prefilling N tokens" line on stderr first
 
 
 def _generate(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import set_seed
+
+    from hf_pagedkv._compat import cache_kwargs
+    from hf_pagedkv.adapter.paged_cache import PagedCache
+    from hf_pagedkv.tools.verify import dynamic_cache_bytes
+
     if args.file is not None and not os.path.isfile(args.file):
         print(f"hf-pagedkv generate: --file {args.file!r} is not a readable file", file=sys.stderr)
         return 2
@@ -101,21 +104,21 @@ def _generate(args: argparse.Namespace) -> int:
     print(tokenizer.decode(new_tokens, skip_special_tokens=True).strip())
     print()
     stats = cache.pool.stats()
-    print(f"prompt: {input_ids.shape[1]} tokens ({source}); generated {len(new_tokens)} tokens in {seconds:.1f} s "
-          f"({len(new_tokens) / seconds:.1f} tokens/s"
+    print(f"prompt: {counted(input_ids.shape[1], 'token')} ({source}); generated {counted(len(new_tokens), 'token')} "
+          f"in {seconds:.1f} s ({len(new_tokens) / seconds:.1f} tokens/s"
           + (f"; {compressing:.1f} s of it the prefill and KVzip's reconstruction pass)" if compressing else ")"))
     cached = cache.get_seq_length()
     kept = cache.retention_stats()
     mean = " (the mean over layers)" if kept.tokens_held_per_layer else ""
     if retention is not None:
         print(f"retention {retention}: {kept.tokens_held} of {kept.tokens_seen} tokens held{mean} "
-              f"({kept.num_evictions} evictions)")
+              f"({counted(kept.num_evictions, 'eviction')})")
     fmt = f" ({quant.name})" if quant.is_quantized else ""
     groups = f" in {cache.num_layer_groups} layer groups" if cache.num_layer_groups > 1 else ""  # (summed over them)
-    print(f"PagedCache{fmt}: {stats.blocks_in_use} blocks of {stats.block_size} tokens{groups} for {cached} cached "
-          "tokens, "
-          f"{stats.bytes_in_use / MiB:.1f} MiB held ({stats.bytes_in_use / max(cached, 1) / 1024:.1f} KiB/token), "
-          f"fragmentation {stats.fragmentation:.1%}, pool reserved {stats.bytes_reserved / MiB:.1f} MiB")
+    print(f"PagedCache{fmt}: {counted(stats.blocks_in_use, 'block')} of {counted(stats.block_size, 'token')}{groups} "
+          f"for {cached} cached tokens, {stats.bytes_in_use / MiB:.1f} MiB held "
+          f"({stats.bytes_in_use / max(cached, 1) / 1024:.1f} KiB/token), fragmentation {stats.fragmentation:.1%}, "
+          f"pool reserved {stats.bytes_reserved / MiB:.1f} MiB")
     status = 0
     if args.check:
         from transformers import DynamicCache
@@ -140,7 +143,8 @@ def _generate(args: argparse.Namespace) -> int:
             lossy += [f"--attention {args.attention}: reads the cache in place, its sums in another order"]
         expected = f" (expected with {'; '.join(lossy)})" if lossy and diff > 0 else ""
         print(f"check: generated tokens {'IDENTICAL to' if same else 'DIFFERENT from'} DynamicCache's "
-              f"({ref.sequences.shape[1] - input_ids.shape[1]} tokens), max |logit difference| {diff:.3g}{expected}")
+              f"({counted(ref.sequences.shape[1] - input_ids.shape[1], 'token')}), max |logit difference| "
+              f"{diff:.3g}{expected}")
         status = 0 if same or lossy else 1  # unquantized and nothing evicted, any difference is a bug
     cache.release()
     return status
@@ -162,8 +166,8 @@ def _beyond_context(model, tokenizer, prompt_tokens: int, args: argparse.Namespa
     if prompt_tokens + new > limit:
         fix = (f"give at most {limit - new:,} prompt tokens (a shorter {_source_option(args)}) or lower "
                "--max-new-tokens" if new < limit else f"lower --max-new-tokens below {limit:,}")
-        return (f"{source}: the prompt is {prompt_tokens:,} tokens and --max-new-tokens {new:,} takes the sequence to "
-                f"{prompt_tokens + new:,} positions, past {context}: {fix}.")
+        return (f"{source}: the prompt is {counted(prompt_tokens, 'token', spec=',')} and --max-new-tokens {new:,} "
+                f"takes the sequence to {prompt_tokens + new:,} positions, past {context}: {fix}.")
     policy = args.retention_policy
     if policy is not None and policy.reconstructs and prompt_tokens > 1:
         from hf_pagedkv.adapter.compress import repeat_prompt_ids
@@ -280,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.seed < 2**32:  # what numpy's seeding (transformers' set_seed) accepts
         parser.error(f"--seed must be in [0, 2**32), got {args.seed}")
     # the storage format and the policy, checked before the model loads (it takes a while)
+    from hf_pagedkv.pool.block_pool import BlockPool
+
     try:
         BlockPool(block_size=args.block_size, quant=args.quant)
     except ValueError as e:

@@ -9,20 +9,13 @@ import math
 import os
 import sys
 
-from hf_pagedkv.pool.layer_registry import device_memory
-from hf_pagedkv.config import DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, parse_bytes
-from hf_pagedkv.errors import install_hint
+from hf_pagedkv.config import DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, PRESETS, parse_bytes
+from hf_pagedkv.errors import counted, install_hint
 from hf_pagedkv.tools.models import DEFAULT_MODEL
-from hf_pagedkv.tools.planning import (
-    _DTYPES,
-    BLOCK_SIZE_CANDIDATES,
-    PRESETS,
-    ModelShape,
-    kv_heads_per_rank,
-    load_config,
-    plan_capacity,
-    tune_block_size,
-)
+
+# NOTE: torch, transformers and the planner (which imports both) are imported by the commands that use them, not
+# here: `hf-pagedkv --help` and an argument error answer without loading them.
+BLOCK_SIZE_CANDIDATES = (4, 8, 16, 32, 64, 128)  # `tune-block-size --candidates`; planning.BLOCK_SIZE_CANDIDATES
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +102,8 @@ def _machine_memory(tp: int = 1) -> tuple[int, str]:
     machine's RAM divided by `tp` (CPU ranks share it)."""
     import torch
 
+    from hf_pagedkv.pool.layer_registry import device_memory
+
     if torch.cuda.is_available():
         return device_memory(torch.device("cuda", 0)), f"{torch.cuda.get_device_name(0)} memory"
     ram = device_memory(torch.device("cpu"))
@@ -117,6 +112,8 @@ def _machine_memory(tp: int = 1) -> tuple[int, str]:
 
 def _auto_dtype(model: str) -> str:
     """float32 for the bundled model (`load_model` de-quantizes the GGUF to float32), else the config's dtype."""
+    from hf_pagedkv.tools.planning import load_config
+
     if model in (None, DEFAULT_MODEL):
         return "float32"
     try:
@@ -127,6 +124,8 @@ def _auto_dtype(model: str) -> str:
 
 
 def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from hf_pagedkv.tools.planning import _DTYPES, ModelShape, kv_heads_per_rank, load_config, plan_capacity
+
     for name in ("max_seq_len", "batch", "block_size", "value_group_size", "tp", "prefill_chunk"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be a positive int, got {getattr(args, name)}")
@@ -244,8 +243,8 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     m = model
     sliding = f", {m.num_sliding} of them sliding-window ({m.sliding_window} tokens)" if m.num_sliding else ""
     params = f", {m.num_params / 1e6:,.1f}M parameters" if m.num_params else ""
-    print(f"model: {m.name}: {m.num_layers} layers store K/V{sliding}, {m.num_kv_heads} KV heads, "
-          f"head_dim {m.head_dim}{params}")
+    print(f"model: {m.name}: {counted(m.num_layers, 'layer')} store K/V{sliding}, "
+          f"{counted(m.num_kv_heads, 'KV head')}, head_dim {m.head_dim}{params}")
     rank = " per rank" if plan.tp > 1 else ""
     if plan.tp > 1:
         print(f"tensor parallel: {plan.tp} ranks, each holds {plan.kv_heads_per_rank} of the {m.num_kv_heads} KV "
@@ -257,7 +256,7 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(f"bytes per token{rank}: {plan.bytes_per_token:,.0f} B ({fmt_bytes(plan.bytes_per_token)}) = "
           f"{m.num_layers} layers x {plan.kv_heads_per_rank} KV heads x {per_head:,.1f} B (K+V of head_dim "
           f"{m.head_dim})")
-    print(f"per sequence{rank}: {plan.max_seq_len:,} tokens -> {fmt_bytes(plan.seq_bytes)}")
+    print(f"per sequence{rank}: {counted(plan.max_seq_len, 'token', spec=',')} -> {fmt_bytes(plan.seq_bytes)}")
     note = (f" (sliding-window layers hold the blocks of their window; exactly the windows, as "
             f"DynamicCache(config): {fmt_bytes(plan.window_kv_bytes)})") if m.num_sliding else ""
     print(f"total KV{rank}: batch {plan.batch} -> {fmt_bytes(plan.kv_bytes)}{note}")
@@ -277,8 +276,8 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
           f"{fmt_bytes(plan.pool_bytes)} -> BlockPool(block_size={plan.block_size}{quant}, "
           f"max_memory={plan.pool_max_memory}{prefix})")
     if plan.pool_bytes > plan.pool_max_memory:  # quantized: the full-precision stages sit outside max_memory
-        print(f"  (max_memory buys the {plan.pool_blocks:,} encoded blocks, {fmt_bytes(plan.block_bytes)} each; "
-              f"the full-precision partial blocks and sink tokens of {plan.batch} rows take "
+        print(f"  (max_memory buys the {plan.pool_blocks:,} encoded blocks, {fmt_bytes(plan.block_bytes)} each; the "
+              f"full-precision partial blocks and sink tokens of {counted(plan.batch, 'row')} take "
               f"{fmt_bytes(plan.pool_bytes - plan.pool_max_memory)} more)")
     if host:
         print(f"host tier: {fmt_bytes(host['bytes'])} -> {host['blocks']:,} blocks = {host['tokens']:,} tokens = "
@@ -316,10 +315,10 @@ def _host_tier(plan, host_memory: str, parser) -> dict:
     block_bytes = plan.bytes_per_token * plan.block_size
     blocks = int(size // block_bytes)
     if blocks == 0:  # BlockPool(host_memory=...) would refuse it at the first offload
-        parser.error(f"--host-memory {host_memory}: {size:,} bytes holds no block: one block of {plan.block_size} "
-                     f"tokens takes {math.ceil(block_bytes):,} bytes in this format; give at least "
-                     f"{math.ceil(block_bytes):,} bytes ({fmt_bytes(math.ceil(block_bytes))}), or leave it out for no "
-                     "host tier.")
+        parser.error(f"--host-memory {host_memory}: {size:,} bytes holds no block: one block of "
+                     f"{counted(plan.block_size, 'token')} takes {math.ceil(block_bytes):,} bytes in this "
+                     f"format; give at least {math.ceil(block_bytes):,} bytes ({fmt_bytes(math.ceil(block_bytes))}), "
+                     "or leave it out for no host tier.")
     per_seq = -(-plan.max_seq_len // plan.block_size)
     return {"bytes": size, "blocks": blocks, "tokens": blocks * plan.block_size, "sequences": blocks // per_seq}
 
@@ -382,6 +381,8 @@ def _tokenizer(name: str):
 
 
 def _tune(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from hf_pagedkv.tools.planning import tune_block_size
+
     try:
         candidates = tuple(int(c) for c in args.candidates.split(","))
         if args.lengths:

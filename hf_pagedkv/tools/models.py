@@ -8,12 +8,13 @@ import logging
 import os
 import textwrap
 import time
+from typing import TYPE_CHECKING
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
-
-from hf_pagedkv._compat import quiet_model_loading
 from hf_pagedkv.errors import install_hint
+
+if TYPE_CHECKING:  # torch and transformers load with the model, so that the CLI's --help does not wait for them
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ def default_model_dir() -> str:
 
 
 def load_model(
-    name_or_path: str | None = None, dtype: torch.dtype = torch.float32, device: str | None = None
+    name_or_path: str | None = None, dtype: torch.dtype | None = None, device: str | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal language model and its tokenizer, ready for batched generation.
 
@@ -55,7 +56,7 @@ def load_model(
         name_or_path (`str`, *optional*):
             `None` or `DEFAULT_MODEL` for the bundled SmolLM2-135M-Instruct GGUF (de-quantized on load, ~15-20 s on
             CPU); a path to a `.gguf` file; otherwise any id or local directory accepted by `from_pretrained`.
-        dtype (`torch.dtype`, defaults to `torch.float32`):
+        dtype (`torch.dtype`, *optional*, defaults to `torch.float32`):
             Parameter dtype. GGUF weights are de-quantized to this dtype.
         device (`str`, *optional*):
             Device to move the model to, e.g. `"cpu"` or `"cuda:0"`. `None` leaves it where `from_pretrained` put it.
@@ -71,6 +72,12 @@ def load_model(
         ValueError: the model or its tokenizer could not be loaded from `name_or_path` (the message says why).
         ImportError: a GGUF file (the default model too) without the `demo` extra's gguf and accelerate installed.
     """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_pagedkv._compat import quiet_model_loading
+
+    dtype = torch.float32 if dtype is None else dtype
     kwargs: dict = {}
     if name_or_path is None or name_or_path == DEFAULT_MODEL:
         path, kwargs["gguf_file"] = default_model_dir(), GGUF_FILE

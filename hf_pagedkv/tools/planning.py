@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from hf_pagedkv._compat import layer_plan
+from hf_pagedkv.errors import counted
 from hf_pagedkv.storage.codecs import codec_name, make_codec
 from hf_pagedkv.config import (DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, PRESETS, QuantConfig, check_positive_int,
                                parse_bytes)
@@ -83,7 +84,7 @@ def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
     if num_kv_heads % tp:
         divisors = [d for d in range(1, num_kv_heads + 1) if num_kv_heads % d == 0]
         raise ValueError(
-            f"tp={tp} does not divide the model's {num_kv_heads} KV heads: tensor parallel gives each rank "
+            f"tp={tp} does not divide the model's {counted(num_kv_heads, 'KV head')}: tensor parallel gives each rank "
             f"num_key_value_heads / tp whole heads. Use tp in {divisors}."
         )
     return num_kv_heads // tp

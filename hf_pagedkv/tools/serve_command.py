@@ -11,8 +11,8 @@ import logging
 import os
 import sys
 
-from hf_pagedkv.config import PRESETS
-from hf_pagedkv.errors import install_hint
+from hf_pagedkv.config import PRESETS, parse_bytes
+from hf_pagedkv.errors import counted, install_hint
 from hf_pagedkv.tools.models import DEFAULT_MODEL
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,8 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
                                          "instead of recomputed, and prefix blocks evicted from the device kept")
     s.add_argument("--prefix-cache-file", help="a prefix-cache file (safetensors): loaded at start if it exists, "
                                                "saved atomically at shutdown")
-    s.add_argument("--retention", metavar="SPEC", help="not supported by the serving engine (refused)")
+    s.add_argument("--retention", metavar="SPEC", help="refused: the serving engine runs no retention policy (see "
+                                                       "docs/serving_http.md); `hf-pagedkv generate --retention` does")
     s.add_argument("--max-batch-tokens", type=int, default=None,
                    help="tokens computed per engine step: decode tokens plus prefill chunks (default: 512)")
     s.add_argument("--max-queue", type=int, default=256,
@@ -54,6 +55,33 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
 
 def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Check the flags, bind the port, load the model, serve until SIGTERM (then drain and save)."""
+    if args.retention is not None:
+        parser.error(f"--retention {args.retention}: the serving engine does not run retention policies: it "
+                     "prefills prompts in chunks of --max-batch-tokens and recomputes preempted requests, so a policy "
+                     "would evict at other points than in `hf_pagedkv.generate` (one prefill step) and answer "
+                     "differently, and its scheduler and packed attention count a request's blocks and key positions "
+                     "as if it held every token it has seen. Serve without --retention (--quant and --max-memory "
+                     "bound the KV memory), or run `hf-pagedkv generate --retention SPEC` for one request")
+    for flag, value, low in (("--port", args.port, 0), ("--max-queue", args.max_queue, 1),
+                             ("--num-threads", args.num_threads, 0)):
+        if value < low:
+            parser.error(f"{flag} must be >= {low}, got {value}")
+    if args.port > 65535:
+        parser.error(f"--port must be <= 65535, got {args.port}")
+    if args.max_batch_tokens is not None and args.max_batch_tokens < 1:
+        parser.error(f"--max-batch-tokens must be >= 1, got {args.max_batch_tokens}")
+    for flag, value in (("--max-memory", args.max_memory), ("--host-memory", args.host_memory)):
+        if value is not None:
+            try:
+                parse_bytes(value, flag)
+            except ValueError as e:
+                parser.error(f"{flag}: {e}")
+    if args.prefix_cache_file is not None:
+        folder = os.path.dirname(os.path.abspath(args.prefix_cache_file))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            parser.error(f"--prefix-cache-file {args.prefix_cache_file!r}: its folder {folder!r} is not a writable "
+                         "directory (the file is saved there at shutdown)")
+    # the flags above need no import; the rest needs torch and the server's packages (seconds to import)
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -68,29 +96,12 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from hf_pagedkv.serving.server.http_server import bind, serve
     from hf_pagedkv.tools.models import load_model
 
-    if args.retention is not None:
-        parser.error(f"--retention {args.retention}: the serving engine keeps every token of its requests (it has no "
-                     "retention policies yet); serve without --retention, or use `hf-pagedkv generate --retention` "
-                     "for one request")
-    for flag, value, low in (("--port", args.port, 0), ("--max-queue", args.max_queue, 1),
-                             ("--num-threads", args.num_threads, 0)):
-        if value < low:
-            parser.error(f"{flag} must be >= {low}, got {value}")
-    if args.port > 65535:
-        parser.error(f"--port must be <= 65535, got {args.port}")
-    if args.max_batch_tokens is not None and args.max_batch_tokens < 1:
-        parser.error(f"--max-batch-tokens must be >= 1, got {args.max_batch_tokens}")
     pool_kwargs = dict(block_size=args.block_size, quant=args.quant, max_memory=args.max_memory,
                        host_memory=args.host_memory, prefix_caching=True)
     try:
         BlockPool(**pool_kwargs)  # the flags checked before the model loads (a pool holds no storage yet)
     except ValueError as e:
         parser.error(f"--quant/--block-size/--max-memory/--host-memory: {e}")
-    if args.prefix_cache_file is not None:
-        folder = os.path.dirname(os.path.abspath(args.prefix_cache_file))
-        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            parser.error(f"--prefix-cache-file {args.prefix_cache_file!r}: its folder {folder!r} is not a writable "
-                         "directory (the file is saved there at shutdown)")
     try:
         sock = bind(args.host, args.port)
     except OSError as e:
@@ -112,7 +123,8 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             sock.close()
             print(f"hf-pagedkv serve: --prefix-cache-file: {e}", file=sys.stderr)
             return 2
-        print(f"hf-pagedkv serve: loaded {pool.last_loaded_blocks} prefix blocks from {args.prefix_cache_file}",
+        print(f"hf-pagedkv serve: loaded {counted(pool.last_loaded_blocks, 'prefix block')} from "
+              f"{args.prefix_cache_file}",
               file=sys.stderr)
     engine = Engine(model, pool, max_batch_tokens=args.max_batch_tokens)
     service = EngineService(engine, tokenizer, args.served_model_name or args.model, max_queue=args.max_queue,

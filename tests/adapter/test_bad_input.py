@@ -202,7 +202,7 @@ def test_full_pool_mid_decode_keeps_the_last_complete_step():
     cache = PagedCache(pool=pool, debug=True, config=model.config)
     x = ids(1, 10, seed=5)
     # 10 prompt tokens + 6 decoded fit in 4 blocks; the forward of token 16 needs a 5th block.
-    with pytest.raises(PoolExhaustedError, match="1 blocks needed, 0 free of 4"):
+    with pytest.raises(PoolExhaustedError, match="1 block needed, 0 free of 4"):
         model.generate(x, past_key_values=cache, max_new_tokens=20, min_new_tokens=20, do_sample=False)
     pool.check_invariants()
     assert cache.get_seq_length() == 16 and cache.block_tables() == [[0, 1, 2, 3]]

@@ -149,7 +149,7 @@ def test_fixed_pool_counts_each_group_and_fails_cleanly(hybrid):
     assert (full.num_blocks, sliding.num_blocks) == (20, 20)
     assert full.blocks_in_use == 20 and sliding.blocks_in_use <= 5
     before = pool.stats()
-    with pytest.raises(PoolExhaustedError, match="full layer group: 1 blocks needed, 0 free"):
+    with pytest.raises(PoolExhaustedError, match="full layer group: 1 block needed, 0 free"):
         with torch.no_grad():
             hybrid(ids(1, 16, seed=10), **cache_kwargs(cache))
     assert pool.stats().groups == before.groups  # nothing changed in either group

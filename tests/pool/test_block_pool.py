@@ -187,7 +187,7 @@ def test_fixed_pool_preallocates_once_and_never_grows():
     cache.update(*kv(1, 0, 20, label=1), layer_idx=0)  # exactly 5 blocks
     assert cache.block_tables() == [[0, 1, 2, 3, 4]]
     assert pool.store.keys[0].shape == (1, 20, 2)
-    with pytest.raises(PoolExhaustedError, match="1 blocks needed, 0 free of 5"):
+    with pytest.raises(PoolExhaustedError, match="1 block needed, 0 free of 5"):
         cache.update(*kv(1, 20, 1, label=2), layer_idx=0)
     assert pool.num_blocks == 5 and pool.store.keys[0].shape == (1, 20, 2)
     assert labels(cache) == [[1] * 20]

@@ -3,6 +3,8 @@ never fit a fixed pool gets a 400 while others go on; a client that disconnects 
 request and frees its blocks; past --max-queue a 429 with Retry-After; draining answers 503 while the requests in
 flight finish, then the server exits by itself."""
 
+import http.client
+import json
 import signal
 import socket
 import threading
@@ -42,6 +44,8 @@ BAD = [  # (body, status, param, words of the message)
     ({**OK, "prompt": "x" * 20000}, 400, "prompt", "leaves no room"),
     ({**OK, "logprobs": 3}, 400, "logprobs", "not supported"),
     ({**OK, "echo": True}, 400, "echo", "not supported"),
+    ({**OK, "stream_options": {"include_usage": True}}, 400, "stream_options", "only allowed when 'stream' is"),
+    ({**OK, "stream": False, "stream_options": {}}, 400, "stream_options", "only allowed when 'stream' is"),
     ({"prompt": "x"}, 400, "model", "required"),
     ({**OK, "model": "gpt-4o"}, 404, "model", "does not exist"),
 ]
@@ -218,6 +222,38 @@ def test_a_second_signal_stops_at_once_and_frees_the_blocks():
         assert rest[-1].finish_reason == "abort"
         assert srv.server.should_exit
         assert srv.pool.stats().blocks_in_use == 0
+
+
+@pytest.mark.parametrize("content_type, status", [
+    ("text/plain", 400), ("application/x-www-form-urlencoded", 400), ("application/jsonl", 400),
+    ("application/json", 200), ("Application/JSON; charset=utf-8", 200), (None, 200),
+])
+def test_a_body_that_is_not_sent_as_json_is_a_400_naming_its_content_type(srv, content_type, status):
+    before = pool_state(srv)
+    raw = json.dumps({**OK, "max_tokens": 2}).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+    try:
+        conn.request("POST", "/v1/completions", raw, {} if content_type is None else {"Content-Type": content_type})
+        resp = conn.getresponse()
+        got, answer = resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+    assert got == status, answer
+    if status == 400:
+        assert answer["error"] == {
+            "message": f"Unsupported content type: {content_type!r}. This endpoint takes a JSON body with the header "
+                       "'Content-Type: application/json' (with curl: -H 'Content-Type: application/json').",
+            "type": "invalid_request_error", "param": None, "code": "unsupported_content_type"}
+        assert pool_state(srv) == before  # nothing reached the engine
+    else:
+        assert answer["usage"]["completion_tokens"] == 2
+
+
+def test_stream_options_with_stream_true_is_taken(srv):
+    stream = srv.client.completions.create(model=MODEL, prompt="The river", max_tokens=3, stream=True,
+                                           stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
 
 
 def test_a_body_over_the_limit_is_a_413_before_it_is_read(srv):

@@ -256,7 +256,7 @@ def test_generate_quant_option(monkeypatch, capsys):
     cli = _cli_with_tiny_model(monkeypatch)
     assert cli.main(GENERATE + ["--quant", "k8v4", "--check"]) == 0  # a quantized check reports, never fails
     out = capsys.readouterr().out
-    assert "PagedCache (k8v4): " in out and "blocks of 32 tokens" in out  # the quantized pools' block size
+    assert "PagedCache (k8v4): 1 block of 32 tokens" in out  # the quantized pools' block size: 23 tokens, 1 block
     assert cli.main(GENERATE + ["--block-size", "4"]) == 0
     out = capsys.readouterr().out
     assert "PagedCache: " in out and "blocks of 4 tokens" in out
@@ -265,7 +265,7 @@ def test_generate_quant_option(monkeypatch, capsys):
 def test_generate_sampling_options_and_threads(monkeypatch, capsys):
     cli = _cli_with_tiny_model(monkeypatch)
     threads = []
-    monkeypatch.setattr(cli.torch, "set_num_threads", threads.append)
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
     texts = []
     for seed in (1, 1, 2):
         argv = GENERATE + ["--do-sample", "--temperature", "1.5", "--top-p", "0.95", "--seed", str(seed), "--check",
@@ -329,7 +329,7 @@ def test_generate_with_a_query_aware_retention_policy(monkeypatch, capsys, spec,
                 "--retention", spec]
         assert cli.main(argv) == 0
         out = capsys.readouterr().out
-        assert f"retention {name}(" in out and "(1 evictions)" in out  # the prompt was compressed once
+        assert f"retention {name}(" in out and "(1 eviction)" in out  # the prompt was compressed once
         preset = {"kv_zip:": "plain", "kv_zip_global:": "global", "kv_zip_weighted:": "weighted"}
         for prefix, scoring in preset.items():  # the KVzip preset the name asks for, by its name
             assert (f"scoring='{scoring}'" in out) == spec.startswith(prefix)

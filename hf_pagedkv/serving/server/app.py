@@ -28,7 +28,8 @@ except ImportError as _e:
 
 from hf_pagedkv.serving.server.errors import ApiError
 from hf_pagedkv.serving.server.generation import Generation
-from hf_pagedkv.serving.server.protocol import MAX_BODY_BYTES, ChatCompletionRequest, CompletionRequest, parse_body
+from hf_pagedkv.serving.server.protocol import (MAX_BODY_BYTES, ChatCompletionRequest, CompletionRequest,
+                                                check_content_type, parse_body)
 from hf_pagedkv.serving.server.responses import DONE, ResponseWriter, error_event
 from hf_pagedkv.serving.server.service import DEFAULT_COMPLETION_TOKENS, EngineService
 
@@ -94,6 +95,7 @@ def create_app(service: EngineService):
         endpoint = "chat" if chat else "completions"
         started = time.perf_counter()
         try:
+            check_content_type(request.headers.get("content-type"))
             body = parse_body(await _read_body(request), ChatCompletionRequest if chat else CompletionRequest)
             service.check_model(body.model)
             prompts = [service.chat_prompt(body)] if chat else service.completion_prompts(body)

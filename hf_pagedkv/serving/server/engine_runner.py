@@ -7,6 +7,10 @@ which the engine allows from any one thread) and, after each step, reads every t
 passes what is new to that request's sink. A sink must be cheap and thread-safe (the server's puts the event on
 an asyncio queue with `call_soon_threadsafe`).
 
+The runner's thread steps under `torch.inference_mode()` (no autograd bookkeeping: about 9% less CPU per step
+than `torch.no_grad()` with the same tokens, docs/serving_http.md); so does every other call of the runner that can write the pool's or a
+cache's tensors (`cancel`, `close`), since a tensor made in inference mode may only be written in inference mode.
+
 Waiting requests: `num_waiting` counts tracked requests the engine has not admitted yet (PENDING at the last step,
 and those submitted since); `submit` refuses new work past `max_queue` of them (`QueueFull`).
 """
@@ -18,6 +22,9 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
+from hf_pagedkv.errors import counted
 from hf_pagedkv.serving.engine import Engine
 from hf_pagedkv.serving.request import RequestOutput, RequestStatus
 
@@ -81,7 +88,7 @@ class EngineRunner:
     def check_room(self, n: int) -> None:
         """Raise `QueueFull` if `n` more waiting requests would pass `max_queue`."""
         if self.max_queue is not None and self.num_waiting + n > self.max_queue:
-            raise QueueFull(f"{self.num_waiting} requests are waiting for the engine (--max-queue "
+            raise QueueFull(f"{counted(self.num_waiting, 'request')} waiting for the engine (--max-queue "
                             f"{self.max_queue}); retry later.")
 
     def submit(self, input_ids: list[int], sink: Callable[[TokenEvent], None], **kwargs) -> str:
@@ -100,7 +107,8 @@ class EngineRunner:
             if request_id not in self._tracked:
                 return
             try:
-                self.engine.cancel(request_id)
+                with torch.inference_mode():  # it may free the request's blocks here (not computing in a step)
+                    self.engine.cancel(request_id)
             except KeyError:
                 return
             self._dirty = True
@@ -131,10 +139,15 @@ class EngineRunner:
     def close(self) -> None:
         """Stop, cancel every unfinished request (freeing its blocks) and hand each sink its terminal event."""
         self.stop()
-        self.engine.close()
+        with torch.inference_mode():
+            self.engine.close()
         self.dispatch()
 
     def _loop(self) -> None:
+        with torch.inference_mode():
+            self._steps()
+
+    def _steps(self) -> None:
         while True:
             with self._wake:
                 while not (self._stopping or self._dirty or self.engine.has_unfinished):

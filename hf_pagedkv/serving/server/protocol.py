@@ -1,7 +1,8 @@
 """The request bodies of the OpenAI endpoints, parsed and checked: `parse_body` (bytes -> dict), then
 `CompletionRequest` / `ChatCompletionRequest` (pydantic, strict: ``"5"`` is no int, ``true`` no number).
 
-What is refused, with a 400 naming the field: a body that is not UTF-8, not JSON, or not a JSON object; NaN or
+What is refused, with a 400 naming the field: a ``Content-Type`` other than ``application/json`` (none is taken as
+JSON; `check_content_type`); `stream_options` without ``stream: true`` (as OpenAI's API does); a body that is not UTF-8, not JSON, or not a JSON object; NaN or
 Infinity; a string holding a lone surrogate (``"\\ud800"``, no text); a field this server does not know; a field of
 OpenAI's API that it does not implement, set to anything but its default (`UNSUPPORTED`); a value of the wrong type
 or out of range. A body over `MAX_BODY_BYTES` is a 413. Nothing here touches the engine.
@@ -145,9 +146,30 @@ def parse_body(raw: bytes, schema: type[_Sampling]) -> _Sampling:
     for name in IGNORED:
         body.pop(name, None)
     try:
-        return schema.model_validate(body)
+        checked = schema.model_validate(body)
     except ValidationError as e:
         raise _field_error(e, schema) from None
+    if checked.stream_options is not None and not checked.stream:
+        raise bad_request("The 'stream_options' parameter is only allowed when 'stream' is enabled: add "
+                          "\"stream\": true, or leave `stream_options` out.", "stream_options")
+    return checked
+
+
+def check_content_type(value: str | None) -> None:
+    """Refuse a body sent as anything but JSON (a 400, code ``unsupported_content_type``, as OpenAI's API answers).
+
+    Args:
+        value (`str`, *optional*): the request's ``Content-Type`` header; None (absent) is taken as JSON.
+
+    Raises:
+        ApiError: a media type other than ``application/json`` (its parameters, such as ``charset=utf-8``, are
+            allowed; case does not matter).
+    """
+    if value is None or value.split(";")[0].strip().lower() == "application/json":
+        return
+    raise ApiError(400, f"Unsupported content type: {value!r}. This endpoint takes a JSON body with the header "
+                        "'Content-Type: application/json' (with curl: -H 'Content-Type: application/json').",
+                   code="unsupported_content_type")
 
 
 def _no_constant(name: str):
@@ -203,4 +225,5 @@ def _short(value, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "MAX_BODY_BYTES", "parse_body"]
+__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "MAX_BODY_BYTES", "check_content_type",
+           "parse_body"]

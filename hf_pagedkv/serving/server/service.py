@@ -13,8 +13,10 @@ import asyncio
 import logging
 import time
 
+import torch
 
 from hf_pagedkv.blocks.block_table import num_blocks_for
+from hf_pagedkv.errors import counted
 from hf_pagedkv.serving.engine import Engine
 from hf_pagedkv.serving.server.engine_runner import EngineRunner, QueueFull
 from hf_pagedkv.serving.server.errors import ApiError, bad_request
@@ -92,7 +94,8 @@ class EngineService:
         self.runner.close()
         if self.prefix_cache_file is not None and self.pool.prefix_caching:
             try:
-                n = self.pool.save_prefix_cache(self.prefix_cache_file, model=self.engine.model)
+                with torch.inference_mode():  # the engine's blocks were written in inference mode (engine_runner.py)
+                    n = self.pool.save_prefix_cache(self.prefix_cache_file, model=self.engine.model)
                 logger.info("hf_pagedkv server: saved %d prefix blocks to %s", n, self.prefix_cache_file)
             except (OSError, ValueError) as e:
                 logger.error("hf_pagedkv server: could not save the prefix cache to %s: %s",
@@ -158,15 +161,15 @@ class EngineService:
         limit = self._token_limit(longest)
         if limit < 1:
             where = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
-            raise bad_request(f"The prompt is {longest} tokens, which leaves no room for a new token: "
+            raise bad_request(f"The prompt is {counted(longest, 'token')}, which leaves no room for a new token: "
                               f"{self._limit_reason()}.", where, "context_length_exceeded")
         if max_tokens is None:
             max_tokens = limit if default_max_tokens is None else min(default_max_tokens, limit)
         if max_tokens < 1:
             raise bad_request(f"`{name}` must be >= 1, got {max_tokens}.", name)
         if max_tokens > limit:
-            raise bad_request(f"`{name}` is {max_tokens}, but with the prompt's {longest} tokens at most {limit} "
-                              f"fit: {self._limit_reason()}. Lower `{name}` or shorten the prompt.", name,
+            raise bad_request(f"`{name}` is {max_tokens}, but with the prompt's {counted(longest, 'token')} at most "
+                              f"{limit} fit: {self._limit_reason()}. Lower `{name}` or shorten the prompt.", name,
                               "context_length_exceeded")
         stop_ids = frozenset(body.stop_token_ids or ())
         bad = sorted(t for t in stop_ids if not 0 <= t < self.vocab_size)
@@ -223,8 +226,8 @@ class EngineService:
         if not self.pool.growable:
             caps = [c for c in self._capacities() if c > 0]
             if caps:
-                parts.append(f"the KV pool holds {min(caps)} blocks of {self.pool.block_size} tokens for one request "
-                             "(raise --max-memory)")
+                parts.append(f"the KV pool holds {counted(min(caps), 'block')} of "
+                             f"{counted(self.pool.block_size, 'token')} for one request (raise --max-memory)")
         return " and ".join(parts)
 
 

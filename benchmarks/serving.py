@@ -11,9 +11,12 @@ one process on one thread (`torch.set_num_threads(1)`), greedy, `--new` new toke
 - `hf_pagedkv`: `hf_pagedkv.generate_batch` (the serving `Engine`, `--max-batch-tokens` per step);
 - `hf_pagedkv-k8v4`: the same engine on `BlockPool(quant="k8v4")` (8-bit keys, 4-bit values, its default blocks
   of 32 tokens) with the same budget; its tokens may differ from `solo`'s within the codec's drift;
+  `hf_pagedkv-k4v4` (not run by default): the same with 4-bit keys;
 - `transformers`: `model.generate_batch` (transformers' continuous batching, sdpa on the CPU), with
   `ContinuousBatchingConfig(page_size=16, max_batch_tokens=--max-batch-tokens, num_blocks=...)`: enough blocks for
-  every request at once, or the blocks of the memory budget; block sharing on for the shared-prefix workload only;
+  every request at once, or the blocks of the memory budget (`--transformers-pages all` gives it every request
+  at once under a budget too: the budget then binds the engine only); block sharing on for the shared-prefix
+  workload only;
 - `solo`: `model.generate` on each prompt alone with a `DynamicCache` (the reference tokens).
 
 Workloads (prompts are seeded random token ids):
@@ -110,10 +113,13 @@ def run_engine(model, prompts, new, pool, max_batch_tokens):
     return [o.generated_tokens for o in outs], stats.kv_bytes_peak, stats.num_finished, stats
 
 
+ENGINE_QUANT = {"hf_pagedkv-k8v4": "k8v4", "hf_pagedkv-k4v4": "k4v4"}  # quantized engine methods -> preset
+
+
 def engine_pool(method: str, budget: int | None, sharing: bool) -> BlockPool:
-    """The pool of an engine method: fp blocks of `PAGE` tokens, or k8v4 blocks of its default size."""
-    if method == "hf_pagedkv-k8v4":
-        return BlockPool(max_memory=budget, prefix_caching=sharing, quant="k8v4")
+    """The pool of an engine method: fp blocks of `PAGE` tokens, or quantized blocks of their default size."""
+    if method in ENGINE_QUANT:
+        return BlockPool(max_memory=budget, prefix_caching=sharing, quant=ENGINE_QUANT[method])
     return BlockPool(PAGE, max_memory=budget, prefix_caching=sharing)
 
 
@@ -206,7 +212,7 @@ def arrivals_main(args, model, vocab, per_token) -> int:
                     print(f"| {workload} | transformers | no ContinuousBatchingManager in this transformers "
                           "| | | | | |")
                     continue
-                blocks = need + len(prompts) if budget is None else budget // (PAGE * per_token)
+                blocks = transformers_pages(args, need + len(prompts), budget, per_token)
                 outs, due = run_transformers_arrivals(model, prompts, args.new, blocks, args.max_batch_tokens,
                                                       workload == "shared", arrivals)
             else:
@@ -220,6 +226,14 @@ def arrivals_main(args, model, vocab, per_token) -> int:
                   f"{percentile(ttft, 50):.2f} | {percentile(ttft, 99):.2f} | {cpu:.1f} | {len(done)}/{len(prompts)} |",
                   flush=True)
     return 0
+
+
+def transformers_pages(args, every_request: int, budget: int | None, per_token: int) -> int:
+    """transformers' pages: `every_request` (all requests at once) without a budget or with `--transformers-pages
+    all`, else as many pages of `PAGE` tokens as the budget holds."""
+    if budget is None or args.transformers_pages == "all":
+        return every_request
+    return budget // (PAGE * per_token)
 
 
 def run_transformers(model, prompts, new, num_blocks, max_batch_tokens, sharing):
@@ -242,12 +256,14 @@ def main() -> int:
     parser.add_argument("--workloads", nargs="+", default=["mixed", "shared", "pressure"],
                         choices=["mixed", "shared", "pressure"])
     parser.add_argument("--methods", nargs="+", default=["solo", "hf_pagedkv", "hf_pagedkv-k8v4", "transformers"],
-                        choices=["solo", "hf_pagedkv", "hf_pagedkv-k8v4", "transformers"])
+                        choices=["solo", "hf_pagedkv", "hf_pagedkv-k8v4", "hf_pagedkv-k4v4", "transformers"])
     parser.add_argument("--arrivals", default="batch", choices=["batch", "poisson"],
                         help="batch: every request at once (the table above); poisson: seeded arrivals at --rate")
     parser.add_argument("--rate", type=float, default=1.0, help="requests per second (--arrivals poisson)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson schedule")
     parser.add_argument("--memory", default="64MiB", help="the pressure workload's KV budget")
+    parser.add_argument("--transformers-pages", default="budget", choices=["budget", "all"],
+                        help="transformers' pages under a budget: the budget's, or enough for every request at once")
     parser.add_argument("--model", default=None, help="a model id or directory (default: the bundled SmolLM2)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (times are then wall times after a synchronize)")
     args = parser.parse_args()
@@ -292,7 +308,7 @@ def main() -> int:
                              f"prefix hit rate {stats.prefix_hit_rate:.2f}, pool {pool.num_blocks} blocks of "
                              f"{pool.block_size}")
             else:
-                blocks = need + len(prompts) if budget is None else budget // (PAGE * per_token)
+                blocks = transformers_pages(args, need + len(prompts), budget, per_token)
                 outs, peak, finished = run_transformers(model, prompts, args.new, blocks, args.max_batch_tokens,
                                                         workload == "shared")
             cpu = clock() - t0

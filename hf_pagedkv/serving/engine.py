@@ -31,6 +31,7 @@ from hf_pagedkv._compat import layer_plan
 from hf_pagedkv.adapter.paged_cache import PagedCache
 from hf_pagedkv.pool.block_pool import BlockPool
 from hf_pagedkv.errors import PoolExhaustedError
+from hf_pagedkv.serving.engine_loop import EngineLoop
 from hf_pagedkv.serving.engine_stats import EngineStats, LatencyLog, LatencySummary
 from hf_pagedkv.serving.packed_forward import PackedForward
 from hf_pagedkv.serving.request import Request, RequestOutput, RequestStatus
@@ -119,8 +120,8 @@ class Engine:
         self._num_tokens_generated = 0
         self._kv_peak = 0  # most bytes in use seen after a step
         self._latencies = LatencyLog()
-        self._thread: threading.Thread | None = None  # the background loop, while started
-        self._stopping = False  # asks the background loop to end; start / stop only
+        # the background thread (`start` / `stop`); waits on `_cond` for work
+        self._loop = EngineLoop(self.step, lambda: self._scheduler.has_work, self._fail_running, self._cond)
 
     # -- requests ---------------------------------------------------------------------------------------------------
     def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None, *,
@@ -371,14 +372,12 @@ class Engine:
     @property
     def is_started(self) -> bool:
         """Whether the background loop runs."""
-        return self._thread is not None and self._thread.is_alive()
+        return self._loop.is_started
 
     def start(self) -> Engine:
         """Step in a background thread until `stop()`; requests may be added, cancelled and streamed meanwhile."""
         with self._lock:
-            if self.is_started:
-                return self
-            if _is_distributed():
+            if not self.is_started and _is_distributed():
                 # NOTE: under tensor parallel every rank must step the same requests: the background loop steps as
                 # its thread finds them, so a request added to one rank's engine a step before another's splits the
                 # ranks' schedules and the model's next all-reduce waits forever. Stepping from one thread (`step`,
@@ -387,20 +386,13 @@ class Engine:
                                "the same add_request / cancel calls between the same steps, which a background loop "
                                "does not ensure; step from one thread instead (Engine.step, generate_batch).",
                                torch.distributed.get_world_size())
-            self._stopping = False
-            self._thread = threading.Thread(target=self._loop, name="hf_pagedkv-engine", daemon=True)
-            self._thread.start()
+            self._loop.start()
         return self
 
     def stop(self, timeout: float | None = None) -> None:
         """End the background loop after its current step; unfinished requests stay queued (`step` or `start`
         goes on with them)."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
+        self._loop.stop(timeout)
 
     def close(self) -> None:
         """Stop the loop, cancel every unfinished request and free its blocks."""
@@ -416,24 +408,11 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._stopping and not self._scheduler.has_work:
-                    self._cond.wait()
-                if self._stopping:
-                    return
-            try:
-                computed = self.step()
-            except Exception:  # an engine fault outside a forward: fail what runs rather than spin on it
-                logger.exception("Engine loop: a step failed outside the model's forward")
-                with self._lock:
-                    for req in list(self._scheduler.running):
-                        self._terminate(req, RequestStatus.FAILED, "error", error="engine fault (see the log)")
-                computed = 0
-            if not computed:
-                with self._cond:
-                    self._cond.wait(0.01)
+    def _fail_running(self) -> None:
+        """An engine fault outside a forward (the background loop caught it): fail what runs."""
+        with self._lock:
+            for req in list(self._scheduler.running):
+                self._terminate(req, RequestStatus.FAILED, "error", error="engine fault (see the log)")
 
     # -- observation --------------------------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

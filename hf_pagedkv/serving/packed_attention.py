@@ -7,7 +7,7 @@ import contextlib
 
 import torch
 
-from hf_pagedkv._compat import register_attention
+from hf_pagedkv._compat import register_attention, sdpa_attention_function
 from hf_pagedkv.adapter.in_place_reads import IN_PLACE_NAMES
 from hf_pagedkv.attention import paged_attention_forward
 from hf_pagedkv.serving.packed_cache import packed_parts
@@ -26,9 +26,9 @@ def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
 
     For each segment of the step (`PackedParts` on `key`, from `PackedCache.update`): the segment's queries attend
     to the K/V its request's `PagedCache` returned, with the segment's causal (and sliding-window) mask, through
-    `hf_pagedkv.attention.paged_attention_forward`: transformers' `sdpa` (or the eager formula with soft-capping),
-    or, when the model was configured with ``"hf_pagedkv"``, a read of the blocks in place at decode steps. The
-    segments' outputs are concatenated in packed order.
+    transformers' `sdpa` (as `generate` attends), or `hf_pagedkv.attention.paged_attention_forward` for a model with
+    soft-capping (the eager formula) or one configured with ``"hf_pagedkv"`` (a read of the blocks in place at
+    decode steps). The segments' outputs are concatenated in packed order.
 
     Args:
         module (`torch.nn.Module`): the attention layer.
@@ -51,14 +51,21 @@ def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                            "cache while an Engine step had switched its attention. Do not run the model elsewhere "
                            "while an Engine steps it.")
     kwargs = {k: v for k, v in kwargs.items() if k not in _ROW_KWARGS}
+    if packed.read_in_place or kwargs.get("softcap") is not None:
+        attend = paged_attention_forward  # reads in place at decode, or the eager formula with soft-capping
+    else:  # (what `paged_attention_forward` calls for plain tensors, looked up once per layer, not per request)
+        attend = sdpa_attention_function()
+    # plain tensors (the tags dropped) unless the model reads in place: sdpa, never a read in place (exact against
+    # generate)
+    plain = attend is paged_attention_forward and not packed.read_in_place
     outs = []
     for part in packed.parts:
         keys, values = part.keys, part.values
-        if not packed.read_in_place:  # a plain tensor: sdpa, never a read in place (exact against generate)
+        if plain:
             keys, values = keys.detach(), values.detach()
         q = query[:, :, part.lo: part.hi]  # [1, num_heads, q, head_dim]
-        out, _ = paged_attention_forward(module, q, keys, values, part.mask, dropout=dropout, scaling=scaling,
-                                         **kwargs)  # [1, q, num_heads, head_dim]
+        out, _ = attend(module, q, keys, values, part.mask, dropout=dropout, scaling=scaling,
+                        **kwargs)  # [1, q, num_heads, head_dim]
         outs.append(out)
     return torch.cat(outs, dim=1), None  # [1, num_step_tokens, num_heads, head_dim]
 

@@ -16,6 +16,7 @@ padding is computed or stored.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -34,9 +35,8 @@ class PackedSegment:
     start: int  # tokens the request's cache held before the step (the segment's first position)
 
 
-@dataclass(frozen=True)
-class PackedPart:
-    """What one segment's attention reads in one layer."""
+class PackedPart(NamedTuple):
+    """What one segment's attention reads in one layer (a tuple: one is built per request and layer)."""
 
     lo: int  # the segment's query tokens in the packed row: lo .. hi - 1
     hi: int
@@ -83,12 +83,12 @@ class PackedCache(Cache):
         """
         parts = []
         for seg in self.segments:
-            k = key_states[:, :, seg.lo: seg.hi]  # [1, num_kv_heads, q, key_dim]
-            v = value_states[:, :, seg.lo: seg.hi]
-            keys, values = seg.cache.update(k, v, layer_idx)  # [1, num_kv_heads, held, dim]: the request's history
-            layer = seg.cache.layers[layer_idx]
-            mask = self._mask(seg.start, seg.hi - seg.lo, keys.shape[-2], layer.sliding_window, keys.device)
-            parts.append(PackedPart(seg.lo, seg.hi, keys, values, mask))
+            lo, hi = seg.lo, seg.hi
+            # the request's history `[1, num_kv_heads, held, dim]`, after writing its `[1, num_kv_heads, q, dim]`
+            keys, values = seg.cache.update(key_states[:, :, lo:hi], value_states[:, :, lo:hi], layer_idx)
+            mask = None if hi - lo == 1 else self._mask(  # (one query sees every key its cache returned)
+                seg.start, hi - lo, keys.shape[-2], seg.cache.layers[layer_idx].sliding_window, keys.device)
+            parts.append(PackedPart(lo, hi, keys, values, mask))
         setattr(key_states, _ATTR, PackedParts(tuple(parts), self.read_in_place))
         return key_states, value_states
 

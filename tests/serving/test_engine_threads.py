@@ -3,6 +3,8 @@ the caller's thread (which steps the engine)."""
 
 import threading
 
+import pytest
+
 from hf_pagedkv import BlockPool, Engine
 from hf_pagedkv.serving import RequestStatus
 from tests.conftest import tiny_model
@@ -89,3 +91,28 @@ def test_close_cancels_unfinished_requests_and_frees_their_blocks():
     engine.close()
     assert pool.stats().blocks_in_use == 0
     assert {engine.output(r).status for r in rids} == {RequestStatus.CANCELLED}
+
+
+def test_a_fault_outside_the_forward_fails_the_running_requests_and_the_loop_goes_on():
+    pool = BlockPool(block_size=BLOCK, debug=True)
+    engine = Engine(tiny_model("llama"), pool, max_batch_tokens=64)
+    first = engine.add_request(prompt(9, 71), max_new_tokens=NEW)
+    engine.step()  # admitted: running
+    schedule, calls = engine._scheduler.schedule, []
+
+    def faulty_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("scheduler fault")
+        return schedule()
+
+    engine._scheduler.schedule = faulty_once
+    with engine:
+        with pytest.raises(RuntimeError, match="engine fault"):
+            list(engine.stream(first))
+        second = engine.add_request(prompt(7, 72), max_new_tokens=NEW)
+        assert list(engine.stream(second)) == solo("llama", prompt(7, 72), NEW)
+    out = engine.output(first)
+    assert (out.status, out.error, len(out.generated_tokens)) == (RequestStatus.FAILED, "engine fault (see the log)", 1)
+    pool.check_invariants()
+    assert pool.stats().blocks_in_use == 0

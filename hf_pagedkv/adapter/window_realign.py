@@ -9,7 +9,7 @@ import torch
 from hf_pagedkv.blocks.block_table import num_blocks_for
 from hf_pagedkv.adapter.fresh_rows import install_fresh_rows
 
-if TYPE_CHECKING:  # type-only: the owner is a PagedCache, which imports the retention package
+if TYPE_CHECKING:  # type-only: the owner is a CacheRetention, which imports the evictor, which imports this
     from hf_pagedkv.adapter.row_tables import RowTables
 
 
@@ -40,7 +40,8 @@ class WindowRealign:
     the full-attention tables change.
 
     Args:
-        cache: the `RetentionOwner` (its `sliding_tables`, `sliding_layers`, `read_layer`, `pool`, `block_size`).
+        cache: the `RetentionOwner` (its `sliding_tables`, `sliding_layers`, `read_layer`, `pool`, `block_size`,
+            `policy`).
         held (`int`): logical tokens every row holds before the eviction.
         new_held (`int`): logical tokens it holds after.
         dropped (`list[int]`, *optional*): the block positions a block-level eviction frees (`SinkWindow`); None for
@@ -64,7 +65,7 @@ class WindowRealign:
             m = min(held, rt.window - 1)
             if new_held < m:
                 raise ValueError(
-                    f"retention={cache.retention_policy!r} would keep {new_held} tokens per row, but this model's "
+                    f"retention={cache.policy!r} would keep {new_held} tokens per row, but this model's "
                     f"sliding-window layers (window {rt.window}) read the last {m}: on a hybrid model the "
                     f"full-attention layers must keep at least window - 1 = {rt.window - 1} tokens. Use a larger "
                     "budget or window, or a smaller compression_ratio. Nothing was evicted.")

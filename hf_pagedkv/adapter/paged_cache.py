@@ -96,11 +96,12 @@ class PagedCache(Cache):
         # `hf_pagedkv.generate(..., swap_on_exhaustion=True)` may swap this cache out while it is idle
         pool.set_owner_swapper(self.seq_id, weakref.WeakMethod(self.offload))
         self.rows = CacheRows(pool, self.seq_id)  # the rows' block tables, per layer group; fixed
-        layers = []  # (given to `Cache`, which keeps this list: the runner runs the layers appended to it)
+        layers = []  # the model's layers, built below; the runner runs the list `Cache` keeps
         self.runner = StepRunner(self.rows, layers, debug=debug, config=config, num_layers=len(plan) or None,
                                  evictor=evictor)  # runs the forward steps; fixed
         layers += _model_layers(config, plan, retention, self.rows, self.runner)
         super().__init__(layers=layers)
+        self.runner.layers = self.layers  # (the list itself: the layers `update` appends are run too)
 
     # -- transformers entry points -----------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):

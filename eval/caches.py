@@ -34,12 +34,12 @@ def describe(name: str, cfg: EvalConfig) -> str:
         return "transformers `DynamicCache` (unquantized, the reference)"
     size = "" if cfg.block_size is None else f", block_size={cfg.block_size}"
     if name == "fp":
-        return f"`PagedCache(config{size})`, unquantized"
+        return f"`PagedCache(config=config{size})`, unquantized"
     if name in PAGED_CONFIGS:
         bits = re.fullmatch(r"k(\d+)v(\d+)", name)
         ablation = (" -- keys get fewer bits than values: an ablation (keys are the fragile half; the ladder "
                     "quantizes values first)") if bits and int(bits[1]) < int(bits[2]) else ""
-        return f"`PagedCache(config, quant={name!r}{size})`{ablation}"
+        return f"`PagedCache(config=config, quant={name!r}{size})`{ablation}"
     backend, nbits = _reference(name)
     return (f"transformers `QuantizedCache(backend={backend!r}, nbits={nbits}, q_group_size={cfg.qc_group_size}, "
             f"residual_length={cfg.qc_residual_length})`")

@@ -65,7 +65,7 @@ def run_side(path: Path, args) -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--base", required=True, help="the commit (or branch) to compare this checkout against")
+    ap.add_argument("--base", help="the commit (or branch) to compare this checkout against (required)")
     ap.add_argument("--lengths", default="512,2048,4096", help="prompt lengths, comma-separated")
     ap.add_argument("--methods", default="fp,k8v4", help="PagedCache quant presets ('fp' = full precision)")
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps per case")
@@ -78,6 +78,8 @@ def main(argv=None) -> int:
     if args.child:
         child(lengths, methods, args.steps, args.threads)
         return 0
+    if not args.base:
+        ap.error("--base is required: the commit (or branch) to compare this checkout against")
     best: dict[tuple, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp) / "base"

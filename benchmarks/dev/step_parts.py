@@ -8,7 +8,7 @@ Prefills `--tokens` random tokens per row into a `DynamicCache` and into a `Page
 untimed decode steps each, then `--steps` timed ones, `--rounds` times in turn (`DynamicCache` first, then
 `PagedCache`). The parts are timed by wrapping a few functions with `time.perf_counter` (about a microsecond per
 call; cProfile instead slows every Python call and skews Python-heavy paths): the caches' `update`, and inside it
-`PagedCache.update_layer`, the store's `write` and `read`; the attention function, and inside it the in-place read
+`StepRunner.update_layer`, the store's `write` and `read`; the attention function, and inside it the in-place read
 (`paged_attention`), its `code_read` (building the codes' views and the full-precision tail) and the compiled read's
 call; and `torch.nn.functional.scaled_dot_product_attention`; the whole attention function as the model calls it
 (through transformers' `ALL_ATTENTION_FUNCTIONS`); the caches' `get_mask_sizes` and `get_seq_length`. Parts nest (a
@@ -31,6 +31,7 @@ from benchmarks.part_timer import PartTimer
 import hf_pagedkv.attention.attention_function as attention_function
 from hf_pagedkv import PagedCache, QuantConfig, cache_kwargs
 from hf_pagedkv.attention.compiled_read import CompiledCodeAttention
+from hf_pagedkv.adapter.step_runner import StepRunner
 from hf_pagedkv.attention.paged_view import PagedView
 from hf_pagedkv.storage.page_store import PageStore
 from hf_pagedkv.storage.quantized_store import QuantizedPageStore
@@ -43,7 +44,7 @@ def instrument() -> None:
     """Wrap the timed parts (attributes the callers look up at call time)."""
     TIMER.patch(DynamicCache, "update", "DynamicCache.update")
     TIMER.patch(PagedCache, "update", "PagedCache.update")
-    TIMER.patch(PagedCache, "update_layer", "  update_layer")
+    TIMER.patch(StepRunner, "update_layer", "  update_layer")
     for cls in (PageStore, QuantizedPageStore):
         TIMER.patch(cls, "write", "    store.write")
         TIMER.patch(cls, "read", "    store.read (a copy)")

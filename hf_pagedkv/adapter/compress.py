@@ -132,7 +132,7 @@ def compress_context(model, cache, context_ids, tokenizer=None, prompt_ids: Sequ
     if mask is not None:  # the mask and positions of the context and the pass, as `generate` builds them
         full = torch.cat([mask, torch.ones_like(prompt, dtype=torch.bool), mask], dim=1)  # [batch, n + prompt + n]
         positions = (full.long().cumsum(-1) - 1).masked_fill_(~full, 1)
-    cache.begin_context_scoring(full)  # raises for an empty cache or one that already evicted
+    cache.retention.begin_context_scoring(full)  # raises for an empty cache or one that already evicted
     done, n = 0, ctx.shape[1]
     try:
         for lo in range(0, recon.shape[1], policy.chunk_tokens):
@@ -142,9 +142,9 @@ def compress_context(model, cache, context_ids, tokenizer=None, prompt_ids: Sequ
             model(chunk, **cache_kwargs(cache), use_cache=True, logits_to_keep=1, **extra)
             done += chunk.shape[1]
     except BaseException:
-        cache.end_context_scoring(cache.retention_stats().tokens_held - ctx.shape[1], compress=False)
+        cache.retention.end_context_scoring(cache.retention_stats().tokens_held - ctx.shape[1], compress=False)
         raise
-    return cache.end_context_scoring(done)
+    return cache.retention.end_context_scoring(done)
 
 
 def _prompt_ids(tokenizer, prompt_ids, device) -> torch.Tensor:

@@ -16,17 +16,18 @@ from hf_pagedkv.attention.query_window import QueryWindow
 from hf_pagedkv.retention.retention_stats import RetentionStats
 from hf_pagedkv.adapter.window_realign import WindowRealign
 
-if TYPE_CHECKING:  # type-only: the owner is a PagedCache, which imports this module
+if TYPE_CHECKING:  # type-only: the owner is a CacheRetention, which imports this module
     from hf_pagedkv.adapter.row_tables import RowTables
     from hf_pagedkv.pool.block_pool import BlockPool
 
 
 class RetentionOwner(Protocol):
-    """What the `Evictor` asks of its cache (a `PagedCache`), so it never reads the cache's private state."""
+    """What the `Evictor` asks of its owner (a cache's `CacheRetention`), so it never reads the cache's state."""
 
     pool: BlockPool
     block_size: int
     seq_id: int
+    policy: RetentionPolicy
 
     def retention_tables(self) -> list[RowTables]: ...  # its full-attention layer groups (tier 0 first), if any
 

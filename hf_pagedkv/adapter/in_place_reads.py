@@ -59,10 +59,10 @@ class InPlaceReads:
         return self._step is step
 
     def view(self, step, store, layer, table: torch.Tensor, lo: int, end: int, base: int | None,
-             new: tuple | None, cache) -> PagedView:
+             new: tuple | None, runner) -> PagedView:
         """The `PagedView` of `layer` (a `PagedLayer`) in `step` (see `PagedView` for the arguments); it materializes
-        through ``cache.read_layer(layer, lo, new)``, holding the cache weakly (a tensor kept by the caller must not
-        keep the cache, and its blocks, alive)."""
+        through ``runner.read_layer(layer, lo, new)`` (the cache's `StepRunner`), holding the runner weakly (a tensor
+        kept by the caller must not keep the cache's rows, and their blocks, alive)."""
         handed, self._handed = self._handed, None
         if handed is not None and not handed.claimed:
             self._config = None
@@ -77,7 +77,7 @@ class InPlaceReads:
             if self._step is not None and self._step is not step and self._config_reads_in_place():
                 self._step = step  # an earlier step confirmed, and the model's attention is still one that reads
         return PagedView(store, layer.layer_idx, table, lo, end, base, new,
-                         functools.partial(_materialize, weakref.ref(cache), layer, lo, new),
+                         functools.partial(_materialize, weakref.ref(runner), layer, lo, new),
                          functools.partial(self.confirm, step), self._shared)
 
     def hand_out(self, view: PagedView) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,8 +90,8 @@ class InPlaceReads:
         return self._config is not None and getattr(self._config, "_attn_implementation", None) in IN_PLACE_NAMES
 
 
-def _materialize(cache_ref, layer, lo: int, new):
-    cache = cache_ref()
-    if cache is None:
+def _materialize(runner_ref, layer, lo: int, new):
+    runner = runner_ref()
+    if runner is None:
         raise CacheReleasedError("The PagedCache behind these keys was garbage collected; keep a reference to it.")
-    return cache.read_layer(layer, lo, new)
+    return runner.read_layer(layer, lo, new)

@@ -12,7 +12,15 @@ from hf_pagedkv.errors import counted
 @dataclass(frozen=True)
 class LeftPadding:
     """The left padding of a batch of prompts (`PagedCache.set_padding`): row `r` starts with `tokens[r]` padding
-    tokens, then only real ones. Immutable; the cache drops it once its steps planned the padding."""
+    tokens, then only real ones. Immutable; the cache drops it once its steps planned the padding.
+
+    Outputs do not change when whole blocks of padding name the pool's pad block: they are bit-identical to
+    `DynamicCache` in fp32 (attention masks padding, and zeros keep the masked softmax exact; `layers[i].keys` read
+    zeros at those positions where `DynamicCache` holds the model's pad K/V); with ``attn_implementation="eager"``,
+    whose mask is a finite minimum, only the logits at padding positions, which nothing reads, may differ. Padding
+    is never published to the prefix index (`publish` skips rows that hold it). Rows expanded by `generate`
+    (`num_return_sequences`, `num_beams`) take the padding of the row they copy.
+    """
 
     tokens: tuple[int, ...]  # leading padding tokens per row of the mask
     length: int = 0  # the mask's columns: the prompt's tokens per row (padding included)

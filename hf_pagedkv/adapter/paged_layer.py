@@ -13,9 +13,9 @@ from hf_pagedkv.storage.page_store import LayerSpec
 
 
 
-class LayerOwner(Protocol):
-    """What a `PagedLayer` asks of its cache (a `PagedCache`): the narrow interface between the two, so the layer
-    never reads the cache's state and this module does not import the cache."""
+class LayerRunner(Protocol):
+    """What a `PagedLayer` asks of the object that runs its cache's steps (a `StepRunner`): the narrow interface
+    between the two, so the layer never reads the cache's state and this module imports neither."""
 
     def check_usable(self) -> None: ...  # raises CacheReleasedError after release()
 
@@ -28,14 +28,15 @@ class LayerOwner(Protocol):
 
     def first_held(self, layer: PagedLayer) -> int: ...  # first token a full-attention layer holds (retention tier)
 
-    def reset(self) -> None: ...
+    def reset(self) -> None: ...  # free the whole cache's blocks
 
 
 class PagedLayer(CacheLayerMixin):
     """The keys and values of one attention layer, stored in the blocks of its `PagedCache`'s pool.
 
     The block tables belong to the cache (one per batch row and layer group, shared by the group's layers); a layer
-    only knows its group, how many tokens it has written (`num_tokens`) and, for sliding-window layers, its window.
+    talks to the cache's `StepRunner`, which writes and reads the blocks, and only knows its group, how many tokens
+    it has written (`num_tokens`) and, for sliding-window layers, its window.
     `update` writes the new tokens into their slots and returns what attention reads, with the transformers shapes
     `[batch, num_kv_heads, seq_len, head_dim]`: every token for a full-attention layer; for a sliding-window
     layer the same slice `DynamicSlidingWindowLayer` returns (the last ``sliding_window - 1`` cached tokens plus
@@ -50,38 +51,38 @@ class PagedLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, cache: LayerOwner, layer_idx: int, sliding_window: int | None = None, group: int = 0) -> None:
+    def __init__(self, runner: LayerRunner, layer_idx: int, sliding_window: int | None = None, group: int = 0) -> None:
         super().__init__()
-        # NOTE: a weak reference: the cache holds its layers, so a strong one would make a cycle, and a cache
-        # dropped without release() would return its blocks only at the next cyclic GC, not at `del cache`.
-        self._cache_ref = weakref.ref(cache)  # the owning cache (block tables, pool)
+        # NOTE: a weak reference: the cache holds its runner and its layers, so a strong one would keep the runner (and
+        # its rows) alive after the cache, whose blocks go back to the pool when it is dropped without release().
+        self._runner_ref = weakref.ref(runner)  # the runner of the owning cache (block tables, pool)
         self.layer_idx = layer_idx  # index in the model; names this layer's storage in the pool
         self.sliding_window = sliding_window  # tokens of the attention window, or None for full attention
         self.group = group  # the pool's layer group holding this layer's blocks; fixed
         self.is_sliding = sliding_window is not None
-        self.num_tokens = 0  # tokens this layer holds (written, less any evicted); set by the cache only
-        self.num_evicted = 0  # tokens a retention policy evicted before the held ones (the kv offset); cache only
+        self.num_tokens = 0  # tokens this layer holds (written, less any evicted); set by the runner only
+        self.num_evicted = 0  # tokens a retention policy evicted before the held ones (the kv offset); runner only
         self.spec: LayerSpec | None = None  # shape/dtype/device, fixed by the first update
 
     @property
-    def _cache(self) -> LayerOwner:
-        """The owning cache.
+    def _runner(self) -> LayerRunner:
+        """The owning cache's runner.
 
         Raises:
             CacheReleasedError: the cache was garbage collected (its blocks went back to the pool).
         """
-        cache = self._cache_ref()
-        if cache is None:
+        runner = self._runner_ref()
+        if runner is None:
             raise CacheReleasedError(f"The PagedCache of layer {self.layer_idx} was garbage collected and its blocks "
                                      "returned to the pool; keep a reference to the cache while using its layers.")
-        return cache
+        return runner
 
     # `CacheLayerMixin.__init__` assigns keys/values; here they are read from the pool on demand.
     @property
     def keys(self) -> torch.Tensor | None:
         """This layer's cached keys, `[batch, num_kv_heads, seq_len, head_dim]` (a copy or a view), or None; for a
         sliding-window layer the last ``sliding_window - 1`` tokens, as `DynamicSlidingWindowLayer` keeps."""
-        return self._cache.read_layer(self, self._held_from())[0] if self.num_tokens else None
+        return self._runner.read_layer(self, self._held_from())[0] if self.num_tokens else None
 
     @keys.setter
     def keys(self, value) -> None:
@@ -92,11 +93,11 @@ class PagedLayer(CacheLayerMixin):
     def values(self) -> torch.Tensor | None:
         """This layer's cached values, `[batch, num_kv_heads, seq_len, head_dim]` (a copy or a view), or None; for
         a sliding-window layer the last ``sliding_window - 1`` tokens, as `DynamicSlidingWindowLayer` keeps."""
-        return self._cache.read_layer(self, self._held_from())[1] if self.num_tokens else None
+        return self._runner.read_layer(self, self._held_from())[1] if self.num_tokens else None
 
     def _held_from(self) -> int:
         if self.sliding_window is None:
-            return self._cache.first_held(self)
+            return self._runner.first_held(self)
         return max(0, self.num_tokens - (self.sliding_window - 1))
 
     @values.setter
@@ -107,7 +108,7 @@ class PagedLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Fix this layer's spec from its first K/V and make sure the pool has storage for it."""
         spec = LayerSpec.of(key_states, value_states)
-        self._cache.register_layer(self, spec)
+        self._runner.register_layer(self, spec)
         self.spec = spec
         self.dtype, self.device = spec.dtype, spec.device
         self.is_initialized = True
@@ -135,7 +136,7 @@ class PagedLayer(CacheLayerMixin):
                 "key_states and value_states must be [batch, num_kv_heads, seq_len, head_dim] with equal first "
                 f"three dims; got {tuple(key_states.shape)} and {tuple(value_states.shape)}."
             )
-        self._cache.check_usable()
+        self._runner.check_usable()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         elif not self._matches(key_states, value_states):
@@ -143,7 +144,7 @@ class PagedLayer(CacheLayerMixin):
                 f"Layer {self.layer_idx} was created for {self.spec}, but got "
                 f"{LayerSpec.of(key_states, value_states)}; a PagedCache serves one model in one dtype."
             )
-        return self._cache.update_layer(self, key_states, value_states)
+        return self._runner.update_layer(self, key_states, value_states)
 
     def _matches(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
         """Whether new K/V have this layer's spec (compared field by field: no `LayerSpec` built per step)."""
@@ -165,7 +166,7 @@ class PagedLayer(CacheLayerMixin):
         first one's sizes, and the ``"hf_pagedkv"`` attention reads its last columns for the others.
         """
         if self.sliding_window is None:
-            lo = self._cache.first_held(self)
+            lo = self._runner.first_held(self)
             return self.num_tokens - lo + query_length, self.num_evicted + lo
         w = self.sliding_window  # (after an eviction its window sits at the logical positions just before the
         # new tokens, `WindowRealign`: the offset adds the evicted tokens back, so the sliding mask sees true positions)
@@ -181,7 +182,7 @@ class PagedLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         """Release the whole cache's blocks (tables are shared by all layers) and keep it usable."""
-        self._cache.reset()
+        self._runner.reset()
 
     def _cache_wide(self, name: str):
         raise NotImplementedError(

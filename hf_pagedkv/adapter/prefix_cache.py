@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hf_pagedkv.blocks.prefix_index import hash_blocks
+from hf_pagedkv.errors import EMPTY_PROMPT
 from hf_pagedkv.pool.fingerprint import model_fingerprint, prefix_key
 
 if TYPE_CHECKING:  # type-only: the functions take tables, never build them
@@ -33,6 +34,21 @@ def token_rows(input_ids, name: str = "input_ids") -> list[list[int]]:
                                                for r in input_ids):
         return [list(r) for r in input_ids]
     raise ValueError(f"`{name}` must be token ids ([batch, seq_len] or [seq_len]), got {type(input_ids).__name__}.")
+
+
+def one_prompt(input_ids, caller: str) -> list[int]:
+    """The ids of the one prompt `input_ids` holds (`token_rows`).
+
+    Raises:
+        ValueError: not token ids, empty, or more than one row.
+    """
+    rows = token_rows(input_ids)
+    if not rows or rows == [[]]:
+        raise ValueError(f"{caller}: {EMPTY_PROMPT}.")
+    if len(rows) != 1:
+        raise ValueError(f"{caller.split('.')[-1]} takes one non-empty prompt, got {len(rows)} rows; attach rows one "
+                         "by one (hf_pagedkv.generate does).")
+    return rows[0]
 
 
 def hit_length(pool, groups: list[RowTables], hashes: list) -> int:
@@ -85,4 +101,4 @@ def publish_rows(pool, groups: list[RowTables], rows: list[list[int]], written: 
     return published
 
 
-__all__ = ["hash_blocks", "hit_length", "model_fingerprint", "prefix_key", "publish_rows", "token_rows"]
+__all__ = ["hash_blocks", "hit_length", "model_fingerprint", "one_prompt", "prefix_key", "publish_rows", "token_rows"]

@@ -10,7 +10,7 @@ from hf_pagedkv.errors import counted
 from hf_pagedkv.blocks.block_table import num_blocks_for
 from hf_pagedkv.adapter.fresh_rows import install_fresh_rows
 
-if TYPE_CHECKING:  # type-only: the owner is a PagedCache, which imports the retention package
+if TYPE_CHECKING:  # type-only: the owner is a CacheRetention, which imports the evictor, which imports this
     from hf_pagedkv.adapter.row_tables import RowTables
 
 
@@ -41,7 +41,8 @@ class WindowRealign:
     the full-attention tables change.
 
     Args:
-        cache: the `RetentionOwner` (its `sliding_tables`, `sliding_layers`, `read_layer`, `pool`, `block_size`).
+        cache: the `RetentionOwner` (its `sliding_tables`, `sliding_layers`, `read_layer`, `pool`, `block_size`,
+            `policy`).
         held (`int`): logical tokens every row holds before the eviction.
         new_held (`int`): logical tokens it holds after.
         dropped (`list[int]`, *optional*): the block positions a block-level eviction frees (`SinkWindow`); None for
@@ -65,7 +66,7 @@ class WindowRealign:
             m = min(held, rt.window - 1)
             if new_held < m:
                 raise ValueError(
-                    f"retention={cache.retention_policy!r} would keep {counted(new_held, 'token')} per row, but this "
+                    f"retention={cache.policy!r} would keep {counted(new_held, 'token')} per row, but this "
                     f"model's sliding-window layers (window {rt.window}) read the last {m}: on a hybrid model the "
                     f"full-attention layers must keep at least window - 1 = {rt.window - 1} tokens. Use a larger "
                     "budget or window, or a smaller compression_ratio. Nothing was evicted.")

@@ -377,7 +377,7 @@ def test_reorder_to_another_number_of_rows_keeps_refcounts(idx):
     cache.reorder_cache(torch.tensor(idx, dtype=torch.long))
     ref.reorder_cache(torch.tensor(idx, dtype=torch.long))
     cache.pool.check_invariants()
-    assert len(cache._rows) == len(idx)
+    assert len(cache.rows.first_group) == len(idx)
     if idx:
         assert torch.equal(cache.layers[1].keys, ref.layers[1].keys)
         y = ids(len(idx), 1, seed=3)

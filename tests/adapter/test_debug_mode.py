@@ -155,7 +155,7 @@ def test_free_block_with_refcount_is_named(two_caches):
 
 def test_table_with_an_extra_block_is_named(two_caches):
     pool, a, _ = two_caches
-    row = a._rows[0]
+    row = a.rows.first_group[0]
     row.blocks.append(7)  # 10 tokens at block size 4 own 3 blocks, not 4
     with pytest.raises(InvariantError, match=r"invariant 3 .*ceil\(n/B\)=3.* owns 4 blocks \[0, 1, 2, 7\]"):
         pool.check_invariants()
@@ -164,7 +164,7 @@ def test_table_with_an_extra_block_is_named(two_caches):
 
 def test_table_naming_a_block_twice_is_named(two_caches):
     pool, _, b = two_caches
-    row = b._rows[0]
+    row = b.rows.first_group[0]
     row.blocks[2] = 1  # [0, 1, 1]
     with pytest.raises(InvariantError, match=r"invariant 3 \(a table names a block once\) broken for blocks \[1\]"):
         pool.check_invariants()

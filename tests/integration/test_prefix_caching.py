@@ -5,6 +5,7 @@ import torch
 
 import hf_pagedkv
 from hf_pagedkv import BlockPool, PagedCache, PoolExhaustedError, QuantConfig
+from hf_pagedkv.adapter.step_runner import StepRunner
 from tests.conftest import ids, tiny_model
 from tests.prefix_utils import (
     GEN,
@@ -258,19 +259,19 @@ def test_validation_errors():
 def test_fault_story_freeing_one_block_too_many(monkeypatch):
     """The bug this project starts from: at a length that is an exact multiple of the block size, one block too
     many is released. debug=True catches it within one step; without debug the output silently drifts."""
-    original = PagedCache._begin_step
+    original = StepRunner._begin_step
     faults = []
 
     def begin_step_with_off_by_one(self, key_states, value_states):  # test-only fault, never in the package
         original(self, key_states, value_states)
-        if self._num_tokens % self.block_size == 0:
-            faults.append(self._num_tokens)
-            self.pool.free([self._rows[0].blocks[-1]])  # the row still names this block
+        if self.rows.num_tokens % self.block_size == 0:
+            faults.append(self.rows.num_tokens)
+            self.pool.free([self.rows.first_group[0].blocks[-1]])  # the row still names this block
 
     model = tiny_model("llama")
     prompts = [ids(1, 2 * B + 2, seed=81)[0].tolist(), ids(1, 2 * B + 1, seed=82)[0].tolist()]
     refs = [fresh_greedy(model, p, 8) for p in prompts]
-    monkeypatch.setattr(PagedCache, "_begin_step", begin_step_with_off_by_one)
+    monkeypatch.setattr(StepRunner, "_begin_step", begin_step_with_off_by_one)
 
     # debug=True: the step that frees the block reads it back poisoned (NaN), or the next step's check fails
     pool = make_pool(debug=True)

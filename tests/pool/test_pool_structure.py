@@ -18,18 +18,8 @@ POOL = ROOT / "pool"
 GROUP_INTERNALS = ("allocator", "store", "prefix_index")
 MAX_CLASS_LINES = 400
 
-# Accesses of a group's internals outside pool/ still to be replaced by the group's methods, as
-# (file, attribute) -> count. Keep it empty; each entry names its replacement:
-#   paged_cache.py, crop: `group.allocator.refcount(b)` -> `group.refcount(b)`; `group.allocator.set_fill(b, kept)`
-#       -> `self.pool.mark_written(mine, [kept] * len(mine), rt.group)`; `group.store.poison_slots(s)` ->
-#       `group.poison_slots(s)`
-#   paged_cache.py, a layer's write: `store = self.pool.groups[g].store` -> `group = self.pool.groups[g]`, then
-#       `group.write(...)`, `tensors.write_target(rt, group, device)` and `group.page_store` for the in-place view
-#   paged_cache.py, `read_layer`: `self.pool.groups[g].store.read(...)` -> `self.pool.groups[g].read(...)`
-PENDING: dict[tuple[str, str], int] = {
-    ("adapter/paged_cache.py", "allocator"): 3,
-    ("adapter/paged_cache.py", "store"): 3,
-}
+# Accesses of a group's internals allowed outside pool/, as (file, attribute) -> count: none.
+PENDING: dict[tuple[str, str], int] = {}
 
 
 def _group_subscript(node: ast.AST) -> bool:

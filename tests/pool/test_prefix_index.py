@@ -158,7 +158,7 @@ def test_garbage_collected_owner_is_freed_at_the_next_pool_operation():
     pool = BlockPool(block_size=B, num_blocks=4, prefix_caching=True)
     cache = PagedCache(pool=pool)
     with pool.lock:
-        cache._attach(2, {0: (0, pool.allocate(2))})  # a cache holding 2 blocks, never released
+        cache.rows.attach(2, {0: (0, pool.allocate(2))})  # a cache holding 2 blocks, never released
     pool.lock.acquire()  # as if this thread were in the middle of a pool operation when the GC runs
     try:
         del cache

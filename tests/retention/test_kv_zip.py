@@ -505,7 +505,7 @@ def test_global_layer_budgets_follow_the_ranking_across_layers_and_equal_the_hea
                    scoring=KVzipScoring(layer_budgets="global"))
     assert policy.layer_tiers(3) == [0, 1, 2] and policy.is_tiered()
     cache = prefilled(llama, x[:, :N], policy)
-    assert len(cache.retention_tables()) == 3  # one layer group per full-attention layer
+    assert len(cache.retention.retention_tables()) == 3  # one layer group per full-attention layer
     scores = compress_context(llama, cache, x[:, :N], prompt_ids=PROMPT)
     want_scores = reference_kvzip_scores(llama, x[:, :N], PROMPT)
     wanted = plain_global_budgets(want_scores, 10, sink=1, recent=2)

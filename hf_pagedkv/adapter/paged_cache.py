@@ -11,6 +11,7 @@ import torch
 
 from hf_pagedkv._compat import Cache, DummyLayer, layer_plan, seq_length_layer_idx
 from hf_pagedkv.pool.block_pool import BlockPool
+from hf_pagedkv.pool.group_quant import GroupQuant
 from hf_pagedkv.blocks.block_table import BlockTable, num_blocks_for
 from hf_pagedkv.config import QuantConfig, check_positive_int
 from hf_pagedkv.errors import CacheOffloadedError, CacheReleasedError, InvariantError, PoolExhaustedError
@@ -67,7 +68,8 @@ class PagedCache(Cache):
             `BlockPool`); not allowed together with `pool`. `max_memory` needs `config` too: the budget is divided
             over the layers, so their number must be known (``PagedCache(config=model.config, max_memory="4GiB")``).
         quant (`QuantConfig` or `str`, *optional*): quantized storage, e.g. ``"k8v4"`` or
-            ``QuantConfig(key_bits=8, value_bits=4)`` (see `QuantConfig`); ``"fp"`` for full precision. `None`
+            ``QuantConfig(key_bits=8, value_bits=4)`` (see `QuantConfig`); ``"fp"`` for full precision; a dict
+            ``{"sliding": None, "full": "k4v4"}`` per kind of layer group (`BlockPool`'s `quant`). `None`
             (default) means the pool's setting, full precision for a new pool. The last, partial block of each row
             stays in full precision; `layers[i].keys` / `.values` return de-quantized tensors.
         retention (`RetentionPolicy`, *optional*): evict tokens before each forward step and give their blocks
@@ -107,7 +109,7 @@ class PagedCache(Cache):
         *,
         num_blocks: int | None = None,
         max_memory: int | str | None = None,
-        quant: QuantConfig | str | None = None,
+        quant: QuantConfig | str | dict | None = None,
         retention=None,
     ) -> None:
         if block_size is not None:
@@ -115,7 +117,7 @@ class PagedCache(Cache):
         if not isinstance(debug, bool):
             raise ValueError(f"`debug` must be True or False, got {debug!r}.")
         if quant is not None:
-            quant = QuantConfig.resolve(quant)
+            quant = GroupQuant.resolve(quant).pool_quant
         if pool is None and max_memory is not None and config is None:  # (said here, not at the first forward)
             raise ValueError(f"PagedCache(max_memory={max_memory!r}) divides the budget over the model's layers, so "
                              "it needs their number: build it as PagedCache(config=model.config, "

@@ -19,7 +19,7 @@ import torch
 from hf_pagedkv._compat import layer_plan
 from hf_pagedkv.config import QuantConfig
 from hf_pagedkv.pool.fingerprint import prefix_key
-from hf_pagedkv.pool.group_quant import GroupQuant
+from hf_pagedkv.pool.group_quant import KINDS, GroupQuant
 from hf_pagedkv.errors import PoolExhaustedError
 from hf_pagedkv.blocks.prefix_index import BlockHash
 from hf_pagedkv.storage.page_store import LayerSpec
@@ -300,7 +300,8 @@ def _saved_key(pool, model, config) -> bytes:
 def _quant_arg(index: dict) -> str:
     """The `quant=` that makes a pool of a file's formats, for an error message."""
     if index.get("group_quant"):
-        return repr({k: QuantConfig(**v).name if v else "fp" for k, v in index["group_quant"].items()})
+        fields = index["group_quant"]
+        return repr({k: QuantConfig(**fields[k]).name if fields.get(k) else "fp" for k in KINDS})
     return repr(index.get("quant"))
 
 

@@ -85,10 +85,8 @@ class BlockPool:
         prefix_caching (`bool`, *optional*, defaults to `False`): keep a prefix index so that requests sharing a
             prompt prefix share its full blocks (`PagedCache.from_prefix`, `cache.publish`, `hf_pagedkv.generate`).
             Published blocks whose refcount drops to 0 stay cached-idle, within `prefix_cache_memory`.
-        quant (`QuantConfig`, `str` or `dict`, *optional*): store K/V quantized (`QuantConfig`, or a preset such as
-            ``"k8v4"``); `None` or ``"fp"`` for full precision. A dict gives sliding-window and full-attention
-            layer groups their own format, ``{"sliding": None, "full": "k4v4"}`` (a kind left out: full
-            precision; `GroupQuant`); `quant` then shows a `GroupQuant`. Fixed for the pool's lifetime.
+        quant (`QuantConfig`, `str` or `dict`, *optional*): fixed K/V format: a `QuantConfig`, a preset (``"k8v4"``;
+            `None`, ``"fp"``: full precision), or one per kind of layer group: ``{"sliding": None, "full": "k4v4"}``.
         host_memory (`int` or `str`, *optional*): a host-memory (CPU, pinned under CUDA) tier of this many bytes
             (``"8GiB"``), where `PagedCache.offload()` moves a cache and `prefetch()` brings it back
             (`host_tiers.py`); `pool.stats()` (``host_*``, `bytes_to_host`, ...) tells its occupancy and copies.
@@ -141,8 +139,7 @@ class BlockPool:
         settings = PoolSettings.of(block_size, num_blocks, max_memory, debug, prefix_caching, quant, host_memory,
                                    prefix_cache_memory, shrink_after)  # ValueError naming a wrong argument
         self.settings = settings  # the checked arguments; fixed
-        # storage format: the `QuantConfig` of every group, or a `GroupQuant` when the kinds of groups differ; fixed
-        self.quant = settings.quant.pool_quant
+        self.quant = settings.quant.pool_quant  # storage format: `QuantConfig`, or `GroupQuant` if kinds differ; fixed
         self.block_size = settings.block_size  # tokens per block; fixed
         self.max_memory = settings.max_memory  # byte budget, or None; fixed
         self.growable = settings.growable  # grow on demand instead of raising; fixed

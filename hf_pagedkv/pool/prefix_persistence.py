@@ -302,7 +302,7 @@ def _quant_arg(index: dict) -> str:
     if index.get("group_quant"):
         fields = index["group_quant"]
         return repr({k: QuantConfig(**fields[k]).name if fields.get(k) else "fp" for k in KINDS})
-    return repr(index.get("quant"))
+    return repr(QuantConfig(**index["quant_fields"]).name if index.get("quant_fields") else "fp")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

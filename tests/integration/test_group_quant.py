@@ -142,6 +142,13 @@ def test_prefix_file_round_trip_records_each_groups_format(tmp_path):
         assert other.stats().blocks_cached == 0
         other.check_invariants()
 
+    # and a file of a uniform k4v4 pool into this per-group pool
+    uniform = BlockPool(block_size=B, quant="k4v4", prefix_caching=True)
+    hf_pagedkv.generate(model, torch.cat([system, ids(1, 3, seed=5)], 1), pool=uniform, **GEN)
+    uniform.save_prefix_cache(tmp_path / "uniform.safetensors")
+    with pytest.raises(ValueError, match="sliding-window .* load it into a pool with quant='k4v4'"):
+        mixed_pool(prefix_caching=True).load_prefix_cache(tmp_path / "uniform.safetensors", model=model)
+
 
 def test_host_tier_offload_and_prefetch_continue_exactly():
     model = tiny_model("gemma2")
@@ -200,3 +207,25 @@ def test_in_place_attention_reads_each_group_by_its_store(monkeypatch):
     assert torch.equal(ref.sequences, got.sequences)
     # the quantized groups' codes may round differently after 1e-7 differences upstream (test_paged_attention.py)
     assert max((a - b).abs().max().item() for a, b in zip(ref.logits, got.logits)) <= 1e-3
+
+
+def test_engine_serves_a_per_group_pool_as_solo_runs():
+    from hf_pagedkv import Engine
+    from tests.serving.engine_helpers import prompt, run_checked
+
+    model = tiny_model("gemma2")
+    prompts = [prompt(n, seed=500 + n) for n in (3, 9, 17, 26)]
+    refs = []
+    for p in prompts:  # each alone in a PagedCache of the same per-group storage
+        with PagedCache(pool=mixed_pool(), config=model.config) as cache, torch.no_grad():
+            x = torch.tensor([p])
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=9, do_sample=False,
+                                 **cache_kwargs(cache))
+            refs.append(out[0, len(p):].tolist())
+    pool = mixed_pool()
+    engine = Engine(model, pool, max_batch_tokens=64)  # every prompt in one chunk, as alone
+    rids = [engine.add_request(p, max_new_tokens=9) for p in prompts]
+    run_checked(engine)
+    assert [engine.output(r).generated_tokens for r in rids] == refs
+    assert [g.is_quantized for g in kinds(pool)] == [False, True]
+    assert pool.stats().blocks_in_use == 0

@@ -47,6 +47,10 @@ class GroupQuant:
             one = QuantConfig.resolve(quant)
             return cls(one, one)
         unknown = [k for k in quant if k not in KINDS]
+        if "layers" in unknown:
+            raise ValueError(f"quant={quant!r}: per-layer formats ('layers') are not supported (a layer with its own "
+                             "format would need a layer group of its own); give each kind of layer group its format "
+                             f"with the keys {', '.join(repr(k) for k in KINDS)}.")
         if unknown:
             raise ValueError(f"quant={quant!r}: unknown layer-group key {unknown[0]!r}; the keys are "
                              f"{', '.join(repr(k) for k in KINDS)} (a kind left out is stored in full precision).")

@@ -25,7 +25,7 @@ def test_a_dict_of_one_format_is_that_format():
 
 @pytest.mark.parametrize("quant, match", [
     ({"slidng": None, "full": "k4v4"}, "unknown layer-group key 'slidng'; the keys are 'sliding', 'full'"),
-    ({"layers": {0: "k8v8"}}, "unknown layer-group key 'layers'"),
+    ({"layers": {0: "k8v8"}}, "per-layer formats \\('layers'\\) are not supported .* keys 'sliding', 'full'"),
     ({"full": "k5v5"}, r"quant\['full'\]='k5v5': give None .*Unknown quantization preset"),
     ({"sliding": 4}, r"quant\['sliding'\]=4: give None"),
     ({"full": ["k4v4"]}, r"quant\['full'\]=\['k4v4'\]"),

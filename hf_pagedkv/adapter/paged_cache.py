@@ -20,6 +20,7 @@ from hf_pagedkv.adapter.step_runner import StepRunner
 from hf_pagedkv.config import QuantConfig
 from hf_pagedkv.errors import PoolExhaustedError, counted
 from hf_pagedkv.pool.block_pool import BlockPool
+from hf_pagedkv.pool.group_quant import GroupQuant
 from hf_pagedkv.retention.retention_stats import RetentionStats
 from hf_pagedkv.storage.heap import TRIM_MIN_TOKENS, trim_heap
 
@@ -57,7 +58,8 @@ class PagedCache(Cache):
         pool_settings: the new pool's settings, given to `BlockPool` as they are: `block_size` (16, 32 when
             quantized), `num_blocks` or `max_memory` (which needs `config` too: the budget is divided over the
             layers), `quant` (``"k8v4"``, ``QuantConfig(key_bits=8, value_bits=4)``: the last, partial block of each
-            row stays in full precision), `prefix_caching`, `host_memory`, ... With `pool`, only its own
+            row stays in full precision; a dict ``{"sliding": None, "full": "k4v4"}`` per kind of layer group),
+            `prefix_caching`, `host_memory`, ... With `pool`, only its own
             `block_size` and `quant` are accepted.
 
     Raises:
@@ -454,7 +456,7 @@ def _pool_for(pool: BlockPool | None, debug: bool, config, settings: dict) -> Bl
     block_size, quant = settings.get("block_size"), settings.get("quant")
     if block_size is not None and block_size != pool.block_size:
         raise ValueError(f"block_size={block_size} differs from the pool's block_size={pool.block_size}.")
-    if quant is not None and (quant := QuantConfig.resolve(quant)) != pool.quant:
+    if quant is not None and (quant := GroupQuant.resolve(quant).pool_quant) != pool.quant:
         raise ValueError(f"quant={quant.name} ({quant}) differs from the pool's quant={pool.quant.name} "
                          f"({pool.quant}); the quantization is a property of the pool's storage: pass "
                          "quant=None to use the pool's, or create a BlockPool(quant=...) for this setting.")

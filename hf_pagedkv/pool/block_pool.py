@@ -72,8 +72,8 @@ class BlockPool:
     reordering and `num_return_sequences` share block ids, and a shared block is copied before it is written.
 
     Args:
-        block_size (`int`, *optional*, defaults to 16, 32 when quantized): tokens per block (for a quantized pool,
-            also the key quantization group).
+        block_size (`int`, *optional*, defaults to 16, 32 when any layer group is quantized): tokens per block, the
+            same in every group (for a quantized group, also the key quantization group).
         num_blocks (`int`, *optional*): a fixed number of blocks per layer group, preallocated once per layer.
             When a group's blocks are all in use, allocation raises `PoolExhaustedError`.
         max_memory (`int` or `str`, *optional*): a fixed budget in bytes (``"4GiB"``, ``"512MB"``) for all
@@ -85,8 +85,8 @@ class BlockPool:
         prefix_caching (`bool`, *optional*, defaults to `False`): keep a prefix index so that requests sharing a
             prompt prefix share its full blocks (`PagedCache.from_prefix`, `cache.publish`, `hf_pagedkv.generate`).
             Published blocks whose refcount drops to 0 stay cached-idle, within `prefix_cache_memory`.
-        quant (`QuantConfig` or `str`, *optional*): store K/V quantized (`QuantConfig`, or a preset such as
-            ``"k8v4"``); `None` or ``"fp"`` for full precision. Fixed for the pool's lifetime.
+        quant (`QuantConfig`, `str` or `dict`, *optional*): fixed K/V format: a `QuantConfig`, a preset (``"k8v4"``;
+            `None`, ``"fp"``: full precision), or one per kind of layer group: ``{"sliding": None, "full": "k4v4"}``.
         host_memory (`int` or `str`, *optional*): a host-memory (CPU, pinned under CUDA) tier of this many bytes
             (``"8GiB"``), where `PagedCache.offload()` moves a cache and `prefetch()` brings it back
             (`host_tiers.py`); `pool.stats()` (``host_*``, `bytes_to_host`, ...) tells its occupancy and copies.
@@ -131,7 +131,7 @@ class BlockPool:
         max_memory: int | str | None = None,
         debug: bool = False,
         prefix_caching: bool = False,
-        quant: QuantConfig | str | None = None,
+        quant: QuantConfig | str | dict | None = None,
         host_memory: int | str | None = None,
         prefix_cache_memory: int | str | float | None = None,
         shrink_after: float | None = None,
@@ -139,7 +139,7 @@ class BlockPool:
         settings = PoolSettings.of(block_size, num_blocks, max_memory, debug, prefix_caching, quant, host_memory,
                                    prefix_cache_memory, shrink_after)  # ValueError naming a wrong argument
         self.settings = settings  # the checked arguments; fixed
-        self.quant = settings.quant  # storage format; fixed
+        self.quant = settings.quant.pool_quant  # storage format: `QuantConfig`, or `GroupQuant` if kinds differ; fixed
         self.block_size = settings.block_size  # tokens per block; fixed
         self.max_memory = settings.max_memory  # byte budget, or None; fixed
         self.growable = settings.growable  # grow on demand instead of raising; fixed

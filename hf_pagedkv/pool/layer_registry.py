@@ -74,8 +74,8 @@ class LayerRegistry:
         gi = self._index.get(key)
         if gi is None:
             s, gi = self.settings, len(self.groups)
-            group = BlockGroup(gi, window, s.block_size, s.quant, debug=self.debug, prefix_caching=s.prefix_caching,
-                               tier=tier, growable=s.growable, host=self.host)
+            group = BlockGroup(gi, window, s.block_size, s.quant.for_window(window), debug=self.debug,
+                               prefix_caching=s.prefix_caching, tier=tier, growable=s.growable, host=self.host)
             if self._events is not None:
                 group.events = self._events
             self.groups.append(group)

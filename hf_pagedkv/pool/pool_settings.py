@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hf_pagedkv.blocks.prefix_budget import PrefixCacheBudget
-from hf_pagedkv.config import DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, QuantConfig, check_positive_int, parse_bytes
+from hf_pagedkv.config import DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, check_positive_int, parse_bytes
+from hf_pagedkv.pool.group_quant import GroupQuant
 
 _MAX_SHRINK_AFTER = 1e9  # seconds (about 30 years): a timer's delay must fit the platform's time_t
 
@@ -13,7 +14,8 @@ _MAX_SHRINK_AFTER = 1e9  # seconds (about 30 years): a timer's delay must fit th
 @dataclass(frozen=True)
 class PoolSettings:
     """What `BlockPool(...)` was asked for, checked and resolved (see `BlockPool` for each argument): sizes in
-    bytes, the storage format a `QuantConfig`, the block size defaulted from it.
+    bytes, the storage format a `GroupQuant` (one `QuantConfig` per kind of layer group), the block size defaulted
+    from it: one block size for the whole pool, 32 tokens when any group is quantized, else 16.
 
     Build it with `PoolSettings.of(...)`, which takes `BlockPool`'s arguments and raises `ValueError` naming the
     first wrong one (the errors `BlockPool` documents).
@@ -24,7 +26,7 @@ class PoolSettings:
     max_memory: int | None  # byte budget of all layers' keys and values, or None
     debug: bool  # poison freed blocks (initially; `BlockPool.debug` may change it)
     prefix_caching: bool  # keep a prefix index
-    quant: QuantConfig  # the storage format
+    quant: GroupQuant  # the storage format of each kind of layer group
     host_memory: int | None  # bytes of the host tier, or None
     prefix_budget: PrefixCacheBudget | None  # how many cached-idle blocks a group keeps; None without prefix caching
     shrink_after: float | None  # idle seconds before a growable pool shrinks by itself, or None
@@ -45,11 +47,12 @@ class PoolSettings:
         for name, flag in (("debug", debug), ("prefix_caching", prefix_caching)):
             if not isinstance(flag, bool):
                 raise ValueError(f"BlockPool({name}={flag!r}): give True or False.")
-        quant = QuantConfig.resolve(quant)
+        quant = GroupQuant.resolve(quant)
         if prefix_cache_memory is not None and not prefix_caching:
             raise ValueError(f"prefix_cache_memory={prefix_cache_memory!r} sizes the prefix cache; it needs "
                              "BlockPool(prefix_caching=True).")
-        if block_size is None:
+        if block_size is None:  # NOTE: one block size for every group: a block id names one token range in all
+            # groups' tables; a quantized group's key scales amortise over the block, so any quantized group picks 32
             block_size = DEFAULT_QUANT_BLOCK_SIZE if quant.is_quantized else DEFAULT_BLOCK_SIZE
         check_positive_int("block_size", block_size)
         if num_blocks is not None:

@@ -19,6 +19,7 @@ import torch
 from hf_pagedkv._compat import layer_plan
 from hf_pagedkv.config import QuantConfig
 from hf_pagedkv.pool.fingerprint import prefix_key
+from hf_pagedkv.pool.group_quant import KINDS, GroupQuant
 from hf_pagedkv.errors import PoolExhaustedError, counted
 from hf_pagedkv.blocks.prefix_index import BlockHash
 from hf_pagedkv.storage.page_store import LayerSpec
@@ -45,8 +46,12 @@ def save_prefix_cache(pool, path: str | os.PathLike, model=None, config=None) ->
         raise ValueError("save_prefix_cache needs a pool created with BlockPool(prefix_caching=True).")
     with pool.lock:  # published blocks are never written, but an idle one could be evicted and reused
         key = _saved_key(pool, model, config)
+        formats = pool.settings.quant  # the `GroupQuant`: each group's format
         index = {"model_key": key.hex(), "block_size": pool.block_size, "quant": repr(pool.quant),
-                 "quant_fields": dataclasses.asdict(pool.quant) if pool.quant.is_quantized else None, "groups": []}
+                 "quant_fields": dataclasses.asdict(pool.quant) if formats.uniform and pool.quant.is_quantized
+                 else None, "groups": []}
+        if formats.uniform is None:  # kinds of groups differ: each kind's fields
+            index["group_quant"] = formats.to_fields()
         tensors: dict[str, torch.Tensor] = {}
         for g in pool.groups:
             published = g.prefix_index.published()  # block -> hash
@@ -61,6 +66,7 @@ def save_prefix_cache(pool, path: str | os.PathLike, model=None, config=None) ->
                               else host_export)
             index["groups"].append({
                 "window": g.window, "num_blocks": len(hashes), **({"tier": g.tier} if g.tier else {}),
+                "quant": repr(formats.for_window(g.window)),
                 "layers": {str(i): {**{f: getattr(s, f) for f in _SPEC_FIELDS}, "dtype": _dtype_name(s.dtype)}
                            for i, s in sorted(g.store.specs.items())},
             })
@@ -92,10 +98,13 @@ def open_prefix_cache(pool_or_cls, path: str | os.PathLike, model, config, devic
     else:
         index = read_prefix_index(path)
         try:
-            quant = QuantConfig(**index["quant_fields"]) if index.get("quant_fields") else None
-        except (TypeError, ValueError):
+            if index.get("group_quant"):
+                quant = GroupQuant.from_fields(index["group_quant"])
+            else:
+                quant = QuantConfig(**index["quant_fields"]) if index.get("quant_fields") else None
+        except (TypeError, ValueError, AttributeError):
             raise ValueError(f"{path}: the index records an unreadable quantization "
-                             f"{index.get('quant_fields')!r}.") from None
+                             f"{index.get('group_quant') or index.get('quant_fields')!r}.") from None
         pool = pool_or_cls(block_size=index.get("block_size"), prefix_caching=True, quant=quant, **pool_kwargs)
     pool.last_loaded_blocks = load_prefix_cache(pool, path, model, config, device)
     return pool
@@ -135,6 +144,7 @@ def load_prefix_cache(pool, path: str | os.PathLike, model=None, config=None, de
     try:
         groups = [(grp["window"], int(grp["num_blocks"]), {int(i): s for i, s in grp["layers"].items()},
                    int(grp.get("tier", 0))) for grp in index["groups"]]  # tier: a PyramidKV cache's upper tiers
+        group_formats = [grp.get("quant") for grp in index["groups"]]  # None in a file of a uniform pool
         file_key, block_size, quant = index["model_key"], index["block_size"], index["quant"]
     except (KeyError, TypeError, ValueError, AttributeError):
         raise ValueError(f"{path}: the index is malformed (fields missing); nothing was loaded.") from None
@@ -142,6 +152,13 @@ def load_prefix_cache(pool, path: str | os.PathLike, model=None, config=None, de
         raise ValueError(f"{path} holds blocks of {counted(block_size, 'token')}, this pool uses "
                          f"block_size={pool.block_size}; load it into a BlockPool(block_size={block_size}, "
                          "prefix_caching=True) (nothing loaded).")
+    for (window, _, _, tier), fmt in zip(groups, group_formats):
+        ours = repr(pool.settings.quant.for_window(window))
+        if fmt is not None and fmt != ours:
+            kind = "full-attention" if window is None else f"sliding-window ({window} tokens)"
+            raise ValueError(f"{path} holds its {kind} layer group{f' (tier {tier})' if tier else ''} stored as "
+                             f"{fmt}, this pool stores that group as {ours} (pool quant={pool.quant.name}); load it "
+                             f"into a pool with quant={_quant_arg(index)} (nothing loaded).")
     if quant != repr(pool.quant):
         raise ValueError(f"{path} holds blocks stored as {quant}, this pool stores {pool.quant!r}; load it into a "
                          "pool with that quant= (nothing loaded).")
@@ -280,6 +297,14 @@ def _saved_key(pool, model, config) -> bytes:
                          "is unknown; pass model= (the model the blocks belong to).")
     raise ValueError(f"save_prefix_cache: this pool holds blocks published under {len(noted)} different model keys "
                      "(caches keyed by model= and by config=, or two models); a file holds one model's blocks.")
+
+
+def _quant_arg(index: dict) -> str:
+    """The `quant=` that makes a pool of a file's formats, for an error message."""
+    if index.get("group_quant"):
+        fields = index["group_quant"]
+        return repr({k: QuantConfig(**fields[k]).name if fields.get(k) else "fp" for k in KINDS})
+    return repr(QuantConfig(**index["quant_fields"]).name if index.get("quant_fields") else "fp")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -7,9 +7,11 @@ any point leaves the previous file as it was. Layout::
         format, version        "hf_pagedkv.prefix_cache", 1
         model_key              hex of the prefix key the blocks were hashed under (`pool/fingerprint.py`
                                `prefix_key`: blake2b of the model fingerprint and the storage format)
-        block_size, quant      tokens per block; repr of the pool's `QuantConfig`
-        groups                 one per layer group: window (null: full attention), num_blocks, and per layer
-                               {num_kv_heads, key_dim, value_dim, dtype}
+        block_size, quant      tokens per block; repr of the pool's `QuantConfig` (or `GroupQuant`)
+        quant_fields           the `QuantConfig` fields of a uniformly quantized pool, else null
+        group_quant            when the kinds of groups differ: {"sliding": fields or null, "full": ...}
+        groups                 one per layer group: window (null: full attention), num_blocks, quant (repr of the
+                               group's `QuantConfig`), and per layer {num_kv_heads, key_dim, value_dim, dtype}
         checksums              tensor name -> sha256 of its dtype, shape and bytes
     tensors
         g{i}.digests           uint8 [num_blocks, 16]  the blocks' chain-hash digests (`BlockHash.digest`)

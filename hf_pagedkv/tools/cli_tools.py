@@ -29,6 +29,9 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-seq-len", type=int, required=True, help="tokens per sequence (prompt + generated)")
     p.add_argument("--batch", type=int, default=1, help="sequences held at once (default: %(default)s)")
     p.add_argument("--quant", default="fp", choices=list(PRESETS), help="KV format (default: %(default)s)")
+    p.add_argument("--sliding-quant", default=None, choices=list(PRESETS),
+                   help="KV format of the sliding-window layers, when it differs from --quant's, e.g. fp with "
+                        "--quant k4v4 (BlockPool(quant={'sliding': ..., 'full': ...})) (default: --quant's)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
                    help="full-precision dtype of K/V and weights (default: auto = what "
                         "hf_pagedkv.tools.models.load_model uses for the bundled model, float32; else the config's "
@@ -158,7 +161,8 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             policy = parse_retention(args.retention)
         except ValueError as e:
             parser.error(str(e))
-        default_block = DEFAULT_BLOCK_SIZE if args.quant in (None, "fp") else DEFAULT_QUANT_BLOCK_SIZE
+        fp = args.quant in (None, "fp") and getattr(args, "sliding_quant", None) in (None, "fp")
+        default_block = DEFAULT_BLOCK_SIZE if fp else DEFAULT_QUANT_BLOCK_SIZE
         bound = policy.max_held(1, args.block_size or default_block)  # the block size the plan below uses
         ratio = getattr(policy, "compression_ratio", None)
         # (a ratio keeps at least its protected sinks and recent tokens, `ImportancePolicy.keep_for`)
@@ -229,9 +233,9 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                      "peak": peak, "prefill_chunk": chunk}
         args.max_seq_len = peak
     try:
-        plan = plan_capacity(model, args.max_seq_len, args.batch, quant=args.quant, dtype=args.dtype,
-                             block_size=args.block_size, value_group_size=args.value_group_size, memory=memory,
-                             tp=args.tp, prefix_cache_memory=args.prefix_cache_memory)
+        plan = plan_capacity(model, args.max_seq_len, args.batch, quant=_quant(args, args.quant),
+                             dtype=args.dtype, block_size=args.block_size, value_group_size=args.value_group_size,
+                             memory=memory, tp=args.tp, prefix_cache_memory=args.prefix_cache_memory)
     except ValueError as e:  # a block size or value group the codecs cannot pack; a bad --prefix-cache-memory
         parser.error(f"--prefix-cache-memory {args.prefix_cache_memory}: {e}" if "prefix_cache" in str(e)
                      else f"--quant {args.quant}: {e}")
@@ -267,7 +271,7 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
               f"{fmt_bytes(plan.weight_bytes)}")
     else:
         print("weights: unknown (could not count the parameters of this architecture)")
-    quant = "" if plan.quant == "fp" else f", quant={plan.quant!r}"
+    quant = "" if plan.quant == "fp" else f", quant={_quant(args, args.quant)!r}"
     prefix = ""
     if plan.prefix_cache_bytes:
         print(f"prefix cache{rank}: {fmt_bytes(plan.prefix_cache_bytes)} of cached-idle blocks, in the pool below")
@@ -294,8 +298,8 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(f"memory: {fmt_bytes(memory)} ({where}): does NOT fit: weights + pool = {fmt_bytes(need)} needed, "
           f"{fmt_bytes(memory)} available.")
     fixes = [f"--batch {max_batch}" if max_batch else "a smaller model or more memory"]
-    for preset in list(PRESETS)[list(PRESETS).index(plan.quant) + 1:]:
-        alt = plan_capacity(model, args.max_seq_len, args.batch, quant=preset, dtype=args.dtype,
+    for preset in list(PRESETS)[list(PRESETS).index(args.quant) + 1:]:
+        alt = plan_capacity(model, args.max_seq_len, args.batch, quant=_quant(args, preset), dtype=args.dtype,
                             block_size=args.block_size, value_group_size=args.value_group_size, memory=memory,
                             tp=args.tp, prefix_cache_memory=args.prefix_cache_memory)
         if alt.fits:
@@ -303,6 +307,13 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             break
     print("change: " + ", or ".join(fixes))
     return 1
+
+
+def _quant(args, full: str) -> str | dict:
+    """`plan_capacity`'s `quant` for `full` as the full-attention layers' preset and `--sliding-quant`: `full`
+    itself, or ``{"sliding": ..., "full": full}`` when they differ."""
+    sliding = getattr(args, "sliding_quant", None)
+    return full if sliding is None or sliding == full else {"sliding": sliding, "full": full}
 
 
 def _host_tier(plan, host_memory: str, parser) -> dict:

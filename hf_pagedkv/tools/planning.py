@@ -72,6 +72,32 @@ def kv_bytes_per_head_token(head_dim: int, key_bits: int | None = None, value_bi
     return total
 
 
+def plan_formats(quant: str | dict) -> tuple[str, dict[str, str]]:
+    """`plan_capacity`'s `quant` -> (the plan's name for it, {"full": preset, "sliding": preset}).
+
+    `quant` is a preset name for every layer, or one per kind of layer group as `BlockPool(quant=...)` takes it,
+    ``{"sliding": None, "full": "k4v4"}`` (a kind left out, or None: ``"fp"``); the name is the preset's, or
+    ``"sliding=fp,full=k4v4"`` when the kinds differ.
+
+    Raises:
+        ValueError: an unknown preset, or a dict key other than "sliding" and "full"; the message names it.
+    """
+    if not isinstance(quant, dict):
+        if quant not in PRESETS:
+            raise ValueError(f"`quant` must be one of {list(PRESETS)}, got {quant!r}.")
+        return quant, {"full": quant, "sliding": quant}
+    unknown = [k for k in quant if k not in ("sliding", "full")]
+    if unknown:
+        raise ValueError(f"quant={quant!r}: unknown layer-group key {unknown[0]!r}; the keys are 'sliding', 'full'.")
+    presets = {kind: "fp" if quant.get(kind) is None else quant[kind] for kind in ("full", "sliding")}
+    for kind, preset in presets.items():
+        if preset not in PRESETS:
+            raise ValueError(f"quant[{kind!r}]={preset!r}: give None or one of {list(PRESETS)}.")
+    name = presets["full"] if presets["full"] == presets["sliding"] else \
+        f"sliding={presets['sliding']},full={presets['full']}"
+    return name, presets
+
+
 def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
     """KV heads one rank holds when tensor parallel splits `num_kv_heads` over `tp` ranks.
 
@@ -172,7 +198,7 @@ class CapacityPlan:
     when `tp > 1` (each rank holds `kv_heads_per_rank` heads; the whole job holds `tp` times as much)."""
 
     model: ModelShape
-    quant: str  # preset name
+    quant: str  # preset name, or "sliding=<preset>,full=<preset>" when the kinds of layer groups differ
     dtype: str  # full-precision dtype of K/V and weights
     block_size: int
     max_seq_len: int  # tokens per sequence
@@ -197,12 +223,13 @@ class CapacityPlan:
         return asdict(self)
 
 
-def plan_capacity(model: ModelShape, max_seq_len: int, batch: int, quant: str = "fp", dtype: str = "float16",
+def plan_capacity(model: ModelShape, max_seq_len: int, batch: int, quant: str | dict = "fp", dtype: str = "float16",
                   block_size: int | None = None, value_group_size: int = 64, memory: int | None = None,
                   tp: int = 1, prefix_cache_memory: int | str | None = None) -> CapacityPlan:
     """Plan the KV memory of `batch` sequences of `max_seq_len` tokens (see `CapacityPlan`). `block_size` defaults
-    to what `PagedCache` uses: 16 tokens, 32 when quantized. A quantized sequence also holds its first
-    `QuantConfig.sink_tokens` tokens in full precision.
+    to what `PagedCache` uses: 16 tokens, 32 when any layer group is quantized. A quantized sequence also holds its
+    first `QuantConfig.sink_tokens` tokens in full precision. `quant` is a preset, or one per kind of layer group
+    (``{"sliding": None, "full": "k4v4"}``, `plan_formats`): each kind's layers are counted in their own format.
 
     With `tp > 1` every byte count is one rank's: its `num_kv_heads / tp` heads (the block count is the same on
     every rank), and `memory` is one rank's device. The weights are counted as `parameters / tp`.
@@ -227,37 +254,42 @@ def plan_capacity(model: ModelShape, max_seq_len: int, batch: int, quant: str = 
     them for `batch` rows.
 
     Raises:
-        ValueError: a non-positive length, batch or block size; an unknown `quant` preset or `dtype`; a `tp` that
-            does not divide the KV heads (`kv_heads_per_rank`).
+        ValueError: a non-positive length, batch or block size; an unknown `quant` preset (or dict key) or `dtype`;
+            a `tp` that does not divide the KV heads (`kv_heads_per_rank`).
     """
     check_positive_int("max_seq_len", max_seq_len)
     check_positive_int("batch", batch)
     kv_heads = kv_heads_per_rank(model.num_kv_heads, tp)
-    if quant not in PRESETS:
-        raise ValueError(f"`quant` must be one of {list(PRESETS)}, got {quant!r}.")
-    quantized = PRESETS[quant] != (None, None)
-    if block_size is None:
-        block_size = DEFAULT_QUANT_BLOCK_SIZE if quantized else DEFAULT_BLOCK_SIZE
+    quant, presets = plan_formats(quant)  # the plan's name; kind ("full", "sliding") -> preset
+    quantized = {kind: PRESETS[p] != (None, None) for kind, p in presets.items()}
+    if block_size is None:  # one block size for the pool, as `BlockPool`: 32 when any group is quantized
+        block_size = DEFAULT_QUANT_BLOCK_SIZE if any(quantized.values()) else DEFAULT_BLOCK_SIZE
     check_positive_int("block_size", block_size)
-    sink = min(QuantConfig().sink_tokens, max_seq_len) if quantized else 0  # full-precision tokens per sequence
+    # full-precision sink tokens per sequence, in each quantized kind of group
+    sinks = {kind: min(QuantConfig().sink_tokens, max_seq_len) if q else 0 for kind, q in quantized.items()}
     if dtype not in _DTYPES:
         raise ValueError(f"`dtype` must be one of {sorted(_DTYPES)}, got {dtype!r}.")
     dtype_bytes = _DTYPES[dtype].itemsize
-    key_bits, value_bits = PRESETS[quant]
-    per_head = kv_bytes_per_head_token(model.head_dim, key_bits, value_bits, block_size=block_size,
-                                       value_group_size=value_group_size, dtype_bytes=dtype_bytes)
+    per_heads = {kind: kv_bytes_per_head_token(model.head_dim, *PRESETS[p], block_size=block_size,
+                                               value_group_size=value_group_size, dtype_bytes=dtype_bytes)
+                 for kind, p in presets.items()}  # kind -> bytes per head and token in a full block
     fp_per_head = kv_bytes_per_head_token(model.head_dim, dtype_bytes=dtype_bytes)
+    layers = {"full": model.num_layers - model.num_sliding, "sliding": model.num_sliding}
     heads = model.num_layers * kv_heads
+    per_head = sum(layers[k] * per_heads[k] for k in layers) / model.num_layers  # the mean over layers
 
     def seq_bytes(tokens_full: int, tokens_window: int) -> int:
         """Whole blocks for `tokens_full` tokens in full layers and `tokens_window` in sliding ones."""
         total = 0.0
-        for layers, tokens in ((model.num_layers - model.num_sliding, tokens_full), (model.num_sliding, tokens_window)):
+        for kind, tokens in (("full", tokens_full), ("sliding", tokens_window)):
             full, partial = divmod(tokens, block_size)
-            # a quantized pool holds a partial block twice: its (not yet written) encoded slot and its stage
-            partial_cost = (per_head + fp_per_head if quantized else fp_per_head) if partial else 0
-            total += layers * kv_heads * block_size * (full * per_head + partial_cost)
-        return math.ceil(total + model.num_layers * kv_heads * sink * fp_per_head)
+            # a quantized group holds a partial block twice: its (not yet written) encoded slot and its stage
+            partial_cost = (per_heads[kind] + fp_per_head if quantized[kind] else fp_per_head) if partial else 0
+            total += layers[kind] * kv_heads * block_size * (full * per_heads[kind] + partial_cost)
+            # the sink tokens' full-precision copy lives with block 0: a sliding row that dropped it holds none
+            if kind == "full" or tokens_window >= max_seq_len:
+                total += layers[kind] * kv_heads * sinks[kind] * fp_per_head
+        return math.ceil(total)
 
     one = seq_bytes(max_seq_len, max_seq_len)
     window = min(max_seq_len, model.sliding_window) if model.sliding_window else max_seq_len

@@ -113,12 +113,35 @@ def test_quantized_plan_matches_what_the_quantized_store_holds(quant):
         assert plan.bytes_per_token * stats.block_size == stats.bytes_per_block
 
 
+@pytest.mark.parametrize("quant", ["k4v4", {"sliding": None, "full": "k4v4"}, {"sliding": "k8v8", "full": "fp"}])
+def test_per_group_plan_matches_what_the_pool_holds(quant):
+    """Each kind of layer group counted in its own format, after sliding rows dropped blocks: to the byte."""
+    model = tiny_model("gemma2")  # window 8, layers 0 and 2 sliding
+    plan = plan_capacity(ModelShape.from_config(model.config), max_seq_len=70, batch=2, quant=quant, dtype="float32")
+    assert plan.block_size == 32
+    with PagedCache(quant=quant, config=model.config) as cache:
+        model.generate(ids(2, 65), past_key_values=cache, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        assert cache.get_seq_length() == 70
+        stats = cache.pool.stats()
+        assert stats.bytes_in_use == plan.kv_bytes
+        assert stats.bytes_per_block == plan.block_bytes == plan.bytes_per_token * 32
+    fp = plan_capacity(ModelShape.from_config(model.config), 70, 2, dtype="float32", block_size=32)
+    k4 = plan_capacity(ModelShape.from_config(model.config), 70, 2, quant="k4v4", dtype="float32")
+    if quant == {"sliding": None, "full": "k4v4"}:  # half the layers in each format
+        assert plan.quant == "sliding=fp,full=k4v4"
+        assert plan.block_bytes == (fp.block_bytes + k4.block_bytes) // 2
+
+
 def test_bad_plan_arguments():
     shape = ModelShape("m", 1, 0, None, 1, 8, None)
     with pytest.raises(ValueError, match="`batch` must be a positive int, got 0"):
         plan_capacity(shape, 16, 0)
     with pytest.raises(ValueError, match="`quant` must be one of"):
         plan_capacity(shape, 16, 1, quant="k3v3")
+    with pytest.raises(ValueError, match="unknown layer-group key 'slide'; the keys are 'sliding', 'full'"):
+        plan_capacity(shape, 16, 1, quant={"slide": "fp"})
+    with pytest.raises(ValueError, match=r"quant\['full'\]='k3v3': give None or one of"):
+        plan_capacity(shape, 16, 1, quant={"full": "k3v3"})
     with pytest.raises(ValueError, match="`dtype` must be one of"):
         plan_capacity(shape, 16, 1, dtype="int8")
 

@@ -17,7 +17,6 @@ from hf_pagedkv.adapter.evictor import Evictor
 from hf_pagedkv.adapter.left_padding import LeftPadding
 from hf_pagedkv.adapter.paged_layer import PagedLayer
 from hf_pagedkv.adapter.step_runner import StepRunner
-from hf_pagedkv.config import QuantConfig
 from hf_pagedkv.errors import PoolExhaustedError, counted
 from hf_pagedkv.pool.block_pool import BlockPool
 from hf_pagedkv.pool.group_quant import GroupQuant

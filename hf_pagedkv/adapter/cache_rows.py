@@ -30,7 +30,7 @@ class CacheRows:
 
     Args:
         pool (`BlockPool`): the pool holding the blocks.
-        owner (`int`): the cache's token in the pool's owner registry (`BlockPool.register_owner`).
+        owner (`int`): the cache's token in the pool's owner registry (`PoolOwners.register`).
     """
 
     def __init__(self, pool: BlockPool, owner: int) -> None:
@@ -104,7 +104,7 @@ class CacheRows:
                                    "build the cache with config=model.config so every layer is known up front.")
             rt = RowTables(group, window, self.block_size, tier)
             rt.reset(self.num_rows)
-            self.pool.add_rows(self.owner, group, rt.rows, mover=weakref.WeakMethod(self._blocks_moved))
+            self.pool.owners.add_rows(self.owner, group, rt.rows, mover=weakref.WeakMethod(self._blocks_moved))
             at = sum(other.window is None for other in self.groups) if window is None else len(self.groups)
             self.groups.insert(at, rt)  # full attention first (tiers in order)
             self.by_group[group] = rt
@@ -145,8 +145,8 @@ class CacheRows:
                 c = rt.common_prefix(self.num_tokens) if common else 0
                 new_rows = [rt.rows[i].copy() for i in idx]
                 for row in new_rows:
-                    self.pool.incref(row.after(c), rt.group)
-                self.pool.free([b for row in rt.rows for b in row.after(c)], rt.group)
+                    self.pool.groups[rt.group].incref(row.after(c))
+                self.pool._free([b for row in rt.rows for b in row.after(c)], rt.group)
                 rt.rows[:] = new_rows
                 rt.select(idx)
 
@@ -172,7 +172,7 @@ class CacheRows:
             for rt in self.groups:
                 group = pool.groups[rt.group]
                 for row in rt.rows:
-                    pool.free(row.truncate(keep), rt.group)
+                    pool._free(row.truncate(keep), rt.group)
                     row.num_tokens = new_len
                 if not kept:
                     continue
@@ -180,7 +180,7 @@ class CacheRows:
                 # published block keeps its content
                 lasts = Counter(row.blocks[-1] for row in rt.rows if row.blocks)
                 mine = [b for b, holders in lasts.items()
-                        if group.refcount(b) == holders and not pool.is_published(b, rt.group)]
+                        if group.refcount(b) == holders and not pool.groups[rt.group].is_published(b)]
                 group.mark_written(mine, [kept] * len(mine))
                 if pool.debug:  # stale tokens past the crop must never be read (blocks one row holds alone)
                     group.poison_slots([b * B + i for b in mine if group.refcount(b) == 1 for i in range(kept, B)])
@@ -198,7 +198,7 @@ class CacheRows:
             held = {rt.group: [b for row in rt.rows for b in row.blocks] for rt in self.groups}
             for rt in self.groups:
                 rt.reset()  # plain Python
-            self.pool.free_groups(held)
+            self.pool._free_groups(held)
 
     def attach(self, hit: int, held: dict[int, tuple[int, list[int]]]) -> None:
         """Start these (empty) rows as one row of `hit` full blocks: per group, `(dropped positions, blocks)`
@@ -233,10 +233,10 @@ class CacheRows:
             try:
                 for k, rt in enumerate(self.groups):  # the first group counts the lookup (one per request)
                     lo = rt.droppable(hit * pool.block_size)
-                    held[rt.group] = (lo, pool.acquire_prefix(hashes[lo:hit], len(ids), group=rt.group, count=k == 0))
+                    held[rt.group] = (lo, pool._acquire_prefix(hashes[lo:hit], len(ids), group=rt.group, count=k == 0))
                 self.attach(hit, held)  # all or nothing
             except BaseException:  # the references taken, in no table
-                pool.free_groups({group: blocks for group, (_, blocks) in held.items()})
+                pool._free_groups({group: blocks for group, (_, blocks) in held.items()})
                 raise
         return self.num_tokens
 
@@ -246,7 +246,7 @@ class CacheRows:
         with self.pool.lock:
             for mine, rt in [(other.tables_for(rt.window, rt.tier), rt) for rt in self.groups]:  # groups, then rows
                 for row in rt.rows:
-                    self.pool.incref(row.blocks, rt.group)
+                    self.pool.groups[rt.group].incref(row.blocks)
                     mine.rows.append(row.copy())
                 mine.table = rt.table.clone()
         other.num_tokens = self.num_tokens
@@ -259,7 +259,8 @@ class CacheRows:
             ValueError: `input_ids` not token ids; the number of rows does not match; a block already published for
                 other tokens.
         """
-        self.pool.note_prefix_key(self.prefix_key)  # what save_prefix_cache records as the blocks' model key
+        with self.pool.lock:  # the key save_prefix_cache records as the blocks' model key
+            self.pool.prefix_keys.setdefault(bytes(self.prefix_key))
         rows = prefix_cache.token_rows(input_ids)
         if len(rows) == 1 and self.num_rows > 1:
             rows = rows + [[]] * (self.num_rows - 1)  # row 0 holds the shared prompt
@@ -300,7 +301,7 @@ class CacheRows:
                 return False
             prefetch_cache(self.pool, self.owner, self.groups, self.offloaded)
             self.offloaded = None
-            self.pool.touch_owner(self.owner)
+            self.pool.owners.touch(self.owner)
         return True
 
     def check_invariants(self) -> None:

@@ -242,7 +242,7 @@ class Evictor:
         for r, row in enumerate(rt.rows):
             ids = row.remove_positions(positions)
             row.num_tokens -= len(positions) * B
-            pool.free(ids, rt.group)
+            pool._free(ids, rt.group)
             rt.set_row(r, 0)
             freed += ids
         n = len(positions) * B
@@ -297,10 +297,10 @@ class Evictor:
         """Reserve `need` (layer group -> blocks) in every group or none: raises `PoolExhaustedError` before any
         reservation when one group cannot serve."""
         for g, n in need.items():
-            if not pool.can_reserve(n, g):
-                pool.reserve(n, g)
+            if not pool.groups[g].can_reserve(n):
+                pool._reserve(n, g)
         for g, n in need.items():
-            pool.reserve(n, g)
+            pool._reserve(n, g)
 
     def _compact_group(self, cache: RetentionOwner, rt: RowTables, layers: list, keep: int, span: int,
                        by_table: dict[tuple, list[int]], rows_idx: torch.Tensor,
@@ -313,7 +313,7 @@ class Evictor:
         writers = [members[0] for members in by_table.values()]
         fresh = {}
         for w in writers:
-            fresh[w] = pool.allocate(nb, after=fresh[writers[0]][-1] if fresh else None, group=g)
+            fresh[w] = pool._allocate(nb, after=fresh[writers[0]][-1] if fresh else None, group=g)
         pos = torch.arange(keep)
         blocks = torch.tensor([fresh[w] for w in writers], dtype=torch.long)  # [writers, nb]
         slots = (blocks[:, pos // B] * B + pos % B).reshape(-1)  # [writers * keep], row-major

@@ -21,7 +21,7 @@ def install_fresh_rows(pool: BlockPool, rt: RowTables, by_table: dict[tuple, lis
         by_table (`dict[tuple, list[int]]`): rows with identical old tables, the first of each the writer; the
             others share the writer's fresh blocks (one more reference each).
         fresh (`dict[int, list[int]]`): writer row -> its fresh block ids, written already.
-        fills (`list[int]`): tokens written into each fresh block (`BlockPool.mark_written`).
+        fills (`list[int]`): tokens written into each fresh block (`BlockGroup.mark_written`).
         num_dropped (`int`): leading block positions the new tables no longer hold.
         num_tokens (`int`): tokens each new table spans.
 
@@ -31,16 +31,16 @@ def install_fresh_rows(pool: BlockPool, rt: RowTables, by_table: dict[tuple, lis
     g, freed = rt.group, []
     for members in by_table.values():
         new = fresh[members[0]]
-        pool.mark_written(new, fills, g)
+        pool.groups[g].mark_written(new, fills)
         for i, r in enumerate(members):
             old = rt.rows[r]
             freed += old.blocks
-            pool.free(old.blocks, g)
+            pool._free(old.blocks, g)
             row = BlockTable(num_dropped=num_dropped)
             row.append(new)
             row.num_tokens = num_tokens
             if i:
-                pool.incref(new, g)
+                pool.groups[g].incref(new)
             rt.rows[r] = row
             rt.set_row(r, 0)
     return freed

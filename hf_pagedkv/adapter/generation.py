@@ -190,7 +190,7 @@ def _swap_out(pool: BlockPool, need: int) -> list[int]:
     swapped = []
     with pool.lock:  # no other thread marks a listed cache busy (and starts running it) before it is swapped
         for idle in pool.idle_owners():
-            if swapped and pool.can_reserve(need):
+            if swapped and pool.groups[0].can_reserve(need):
                 break
             if idle.num_exclusive_blocks == 0:  # every block is shared with another cache: swapping frees nothing
                 continue

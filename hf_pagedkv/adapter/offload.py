@@ -9,7 +9,7 @@ its references: a block only this cache held is freed on the device, a block oth
 device for them, and a published prefix block held by nobody else becomes cached-idle (still a prefix hit for
 other requests). On `prefetch` the cache gets new device blocks holding the copies; blocks it shared before are its
 own copies afterwards (the device tier holds them twice while the other holders live). The pad block (whole blocks
-of left padding, `BlockPool.ensure_pad_block`) never moves: an offloaded row records its positions as `PAD` and
+of left padding, `BlockGroup.set_pad_block`) never moves: an offloaded row records its positions as `PAD` and
 names the device's pad block again on `prefetch`.
 
 Both moves are all or nothing, an error or interrupt included: `offload_cache` copies every group or holds no host
@@ -55,7 +55,7 @@ def offload_cache(pool, owner: int, groups: list[RowTables]) -> list[OffloadedGr
         raise ValueError("offload() needs a pool with a host tier: BlockPool(..., host_memory=\"8GiB\").")
     plans = []
     for rt in groups:
-        pad = pool.pad_block(rt.group)  # stays on the device
+        pad = pool.groups[rt.group].pad_block  # stays on the device
         unique = list(dict.fromkeys(b for row in rt.rows for b in row.blocks if b != pad))  # each once, in order
         plans.append((rt, unique))
     need = {rt.group: len(unique) for rt, unique in plans}
@@ -67,8 +67,8 @@ def offload_cache(pool, owner: int, groups: list[RowTables]) -> list[OffloadedGr
     for rt, unique in plans:
         group = pool.groups[rt.group]
         to_host = dict(zip(unique, hosts.get(rt.group, [])))
-        if pool.pad_block(rt.group) is not None:
-            to_host[pool.pad_block(rt.group)] = PAD
+        if pool.groups[rt.group].pad_block is not None:
+            to_host[pool.groups[rt.group].pad_block] = PAD
         out.append(OffloadedGroup(
             group=rt.group, num_dropped=rt.num_dropped, num_tokens=rt.rows[0].num_tokens if rt.rows else 0,
             rows=tuple(tuple(to_host[b] for b in row.blocks) for row in rt.rows),
@@ -83,7 +83,7 @@ def drop_device_blocks(pool, groups: list[RowTables]) -> None:
     held = {rt.group: [b for row in rt.rows for b in row.blocks] for rt in groups}
     for rt in groups:
         rt.reset(0)  # plain Python
-    pool.free_groups(held)
+    pool._free_groups(held)
 
 
 def prefetch_cache(pool, owner: int, groups: list[RowTables], offloaded: list[OffloadedGroup]) -> None:
@@ -95,9 +95,9 @@ def prefetch_cache(pool, owner: int, groups: list[RowTables], offloaded: list[Of
             stays offloaded).
     """
     by_group = {rt.group: rt for rt in groups}
-    needs = {og.group: len(og.fills) + (pool.pad_block(og.group) is None and any(PAD in r for r in og.rows))
+    needs = {og.group: len(og.fills) + (pool.groups[og.group].pad_block is None and any(PAD in r for r in og.rows))
              for og in offloaded}
-    short = [g for g, n in needs.items() if not pool.can_reserve(n, g)]
+    short = [g for g, n in needs.items() if not pool.groups[g].can_reserve(n)]
     if short:
         g = short[0]
         raise PoolExhaustedError(f"prefetch(): {counted(needs[g], 'device block')} needed in layer group {g}, the pool "
@@ -109,26 +109,26 @@ def prefetch_cache(pool, owner: int, groups: list[RowTables], offloaded: list[Of
         for og in offloaded:
             host = list(og.fills)
             if host:
-                dev[og.group] = pool.allocate(len(host), group=og.group)
+                dev[og.group] = pool._allocate(len(host), group=og.group)
                 pool.groups[og.group].import_blocks(dev[og.group], pool.host.read(og.group, host))
-                pool.mark_written(dev[og.group], [og.fills[h] for h in host], group=og.group)
-            pad = pool.ensure_pad_block(og.group) if any(PAD in hosts for hosts in og.rows) else None
+                pool.groups[og.group].mark_written(dev[og.group], [og.fills[h] for h in host])
+            pad = pool._ensure_pad_block(og.group) if any(PAD in hosts for hosts in og.rows) else None
             rows = _rows_on_device(og, dict(zip(host, dev.get(og.group, []))), pad)
             tables.append((og, rows, RowTables.mirror_of(rows), pad))
     except BaseException:
-        pool.free_groups(dev)
+        pool._free_groups(dev)
         raise
     # every copy and every table is made: plain Python from here on, nothing can fail half-way
     for og, rows, table, pad in tables:
         num_pad = sum(hosts.count(PAD) for hosts in og.rows)
         if num_pad:  # one reference per entry naming the pad block
-            pool.incref([pad] * num_pad, og.group)
+            pool.groups[og.group].incref([pad] * num_pad)
         seen: set[int] = set()
         for row in rows:  # the allocation holds one reference per block; a block named again gets one more
             again = [b for b in row.blocks if b in seen and b != pad]
             seen.update(row.blocks)
             if again:
-                pool.incref(again, og.group)
+                pool.groups[og.group].incref(again)
         by_group[og.group].restore(rows, table)
     pool.host.release(owner)
 

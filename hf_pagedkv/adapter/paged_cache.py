@@ -92,10 +92,10 @@ class PagedCache(Cache):
         self.pool = pool  # the BlockPool holding this cache's blocks; fixed
         self.block_size = pool.block_size  # tokens per block; fixed
         self.debug = debug  # check invariants after every step; fixed
-        self.seq_id = pool.register_owner()  # this cache's token in the pool's registry; names it in the event log
-        self._finalizer = weakref.finalize(self, pool.release_owner, self.seq_id)  # frees blocks if never released
+        self.seq_id = pool._register_owner()  # this cache's token in the pool's registry; names it in the event log
+        self._finalizer = weakref.finalize(self, pool.owners.release, self.seq_id)  # frees blocks if never released
         # `hf_pagedkv.generate(..., swap_on_exhaustion=True)` may swap this cache out while it is idle
-        pool.set_owner_swapper(self.seq_id, weakref.WeakMethod(self.offload))
+        pool.owners.set_swapper(self.seq_id, weakref.WeakMethod(self.offload))
         self.rows = CacheRows(pool, self.seq_id)  # the rows' block tables, per layer group; fixed
         layers = []  # the model's layers, built below; the runner runs the list `Cache` keeps
         self.runner = StepRunner(self.rows, layers, debug=debug, config=config, num_layers=len(plan) or None,
@@ -138,7 +138,7 @@ class PagedCache(Cache):
     def set_padding(self, attention_mask: torch.Tensor) -> None:
         """Declare the left padding of the prompt this (empty) cache is about to store, so that padding costs
         nothing: each whole block of a row's leading padding names the pool's one shared pad block (zeros, never
-        written; `BlockPool.ensure_pad_block`) instead of a block of its own. `generate()` gives the mask to the
+        written; `BlockGroup.set_pad_block`) instead of a block of its own. `generate()` gives the mask to the
         model, not to the cache, so pass it here first. Outputs are unchanged (see `LeftPadding`); padding is still
         counted by `get_seq_length()` and never published. It applies until the coming steps covered the padding,
         and is forgotten by `reset()`, `crop()` and row selections; with a `retention` policy it has no effect.
@@ -262,7 +262,7 @@ class PagedCache(Cache):
         >>> cache.release()
         ```
         """
-        if getattr(pool, "prefix_index", None) is None:
+        if not getattr(pool, "prefix_caching", False):
             raise ValueError("from_prefix needs a pool created with BlockPool(prefix_caching=True).")
         if model is not None:
             kwargs.setdefault("config", model.config)
@@ -323,7 +323,7 @@ class PagedCache(Cache):
             self.reset()  # raises, if at all, after the rows are empty and their references dropped
         finally:
             self._finalizer.detach()
-            self.pool.unregister_owner(self.seq_id)  # the rows are empty now
+            self.pool.owners.unregister(self.seq_id)  # the rows are empty now
             self.rows.released = True
 
     def __enter__(self) -> PagedCache:
@@ -489,6 +489,7 @@ def _model_layers(config, plan: list, retention, rows: CacheRows, runner: StepRu
                              f"sliding-window layers (window {window}): its reconstruction pass would move "
                              "their windows. Use SnapKV, PyramidKV, KeyDiff, KeyNorm or SinkWindow there.")
         rt = rows.tables_for(window, tier_of.get(idx, 0))
-        rows.pool.check_layer_group(idx, rt.group)  # a shared pool's layers: same groups (raises ValueError)
+        with rows.pool.lock:  # a shared pool's layers: same groups (raises ValueError)
+            rows.pool.layers.check_group(idx, rt.group)
         layers.append(PagedLayer(runner, idx, window, group=rt.group))
     return layers

@@ -66,11 +66,11 @@ def hit_length(pool, groups: list[RowTables], hashes: list) -> int:
     hit = len(hashes)
     for rt in groups:
         if rt.window is None:
-            hit = min(hit, len(pool.match_prefix(hashes[:hit], rt.group)))
+            hit = min(hit, len(pool.groups[rt.group].match_prefix(hashes[:hit])))
     for rt in groups:
         while rt.window is not None and hit:
             lo = rt.droppable(hit * B)
-            if len(pool.match_prefix(hashes[lo:hit], rt.group)) == hit - lo:
+            if len(pool.groups[rt.group].match_prefix(hashes[lo:hit])) == hit - lo:
                 break
             hit -= 1
     return hit
@@ -88,7 +88,7 @@ def publish_rows(pool, groups: list[RowTables], rows: list[list[int]], written: 
         ValueError: a block already published for other tokens.
     """
     published = 0
-    pads = {rt.group: pool.pad_block(rt.group) for rt in groups}
+    pads = {rt.group: pool.groups[rt.group].pad_block for rt in groups}
     for r, ids in enumerate(rows):
         if any(pads[rt.group] is not None and pads[rt.group] in rt.rows[r].blocks for rt in groups):
             continue
@@ -97,7 +97,8 @@ def publish_rows(pool, groups: list[RowTables], rows: list[list[int]], written: 
         for rt in groups:
             row = rt.rows[r]
             mine = hashes[row.num_dropped: max_blocks]  # held positions below max_blocks (None: all)
-            published += pool.publish_blocks(mine, row.blocks[: len(mine)], group=rt.group)
+            with pool.lock:
+                published += pool.groups[rt.group].publish(mine, row.blocks[: len(mine)])
     return published
 
 

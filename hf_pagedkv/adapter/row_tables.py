@@ -142,7 +142,7 @@ class RowTables:
         """For several rows that each hold consecutive blocks, the rows evenly spaced (row `r`'s first held block is
         row 0's plus ``r * stride``, ``stride`` at least the blocks a row holds): ``(first, stride)`` with `first`
         the block position 0 of row 0 would have (token `p` of row `r` is in slot ``(first + r * stride) *
-        block_size + p``); else None. Laid out so by `BlockPool.allocate_rows`."""
+        block_size + p``); else None. Laid out so by `BlockGroup.allocate_rows`."""
         rows = self.rows
         if len(rows) < 2 or not rows[0].blocks or not rows[1].blocks:
             return None

@@ -51,7 +51,7 @@ class StepPlanner:
             grad_history (`bool`): some cached tokens were written from K/V that required grad.
             padding (`list[int]`, *optional*): leading padding tokens of each row (`PagedCache.set_padding`). A new
                 block position wholly inside a row's padding and wholly written by this step names the group's pad
-                block (`BlockPool.ensure_pad_block`) instead of a block of its own; the plan's `pad_skip` says which
+                block (`BlockPool._ensure_pad_block`) instead of a block of its own; the plan's `pad_skip` says which
                 tokens are then not stored::
 
                     padding 9, B = 4:  [ pad | pad | b5: p8 t9 t10 t11 | b6: ... ]   p: padding (masked)
@@ -69,7 +69,7 @@ class StepPlanner:
             drop = rt.droppable(start)
             if drop > rt.num_dropped:
                 for row in rt.rows:
-                    pool.free(row.drop_front(drop), rt.group)
+                    pool._free(row.drop_front(drop), rt.group)
         find = batch > 1 and (q > 1 or maybe_dups)
         dup_of = self.find_duplicates(groups, key_states, value_states, padding) if find else {}
         writers = [r for r in range(batch) if r not in dup_of]
@@ -92,18 +92,18 @@ class StepPlanner:
                     last = rows[r].blocks[-1]
                     holders.setdefault(last, group.refcount(last) - dropped[last])
                     # another holder still reads it, or the prefix index names its content: copy before writing
-                    if holders[last] > 1 or pool.is_published(last, rt.group):
+                    if holders[last] > 1 or pool.groups[rt.group].is_published(last):
                         cow.append(r)
                         holders[last] -= 1
             need = sum(n_new - pads[r] for r in writers) + len(cow)
-            if padded and pool.pad_block(rt.group) is None:
+            if padded and pool.groups[rt.group].pad_block is None:
                 need += 1  # the pad block itself, reserved once
             plans.append((rt, cow, need, self._row_stride(rt, writers, n_new, padded)))
         for rt, _, need, _ in plans:  # all groups or none: a group that cannot serve raises before any reservation
-            if not pool.can_reserve(need, rt.group):
-                pool.reserve(need, rt.group)  # raises PoolExhaustedError; nothing changed yet
+            if not pool.groups[rt.group].can_reserve(need):
+                pool._reserve(need, rt.group)  # raises PoolExhaustedError; nothing changed yet
         for rt, _, need, stride in plans:
-            pool.reserve(need, rt.group, rows=len(writers), run=len(writers) * stride if stride else 0)
+            pool._reserve(need, rt.group, rows=len(writers), run=len(writers) * stride if stride else 0)
         # Apply.
         view_base, view_rows = {}, {}
         total_src, cow0 = 0, ((), (), ())
@@ -111,30 +111,30 @@ class StepPlanner:
         fills = [min(B, end - p * B) for p in range(first, num_blocks_for(end, B))]
         for rt, cow, _, stride in plans:
             g, rows = rt.group, rt.rows
-            placed = pool.allocate_rows(len(writers), n_new, stride, g) if stride else None  # evenly laid out rows
+            placed = pool._allocate_rows(len(writers), n_new, stride, g) if stride else None  # evenly laid out rows
             placed = dict(zip(writers, placed)) if placed is not None else {}
             for r in dup_of:
-                pool.free(rows[r].blocks, g)  # never frees: the writer row holds the same blocks
+                pool._free(rows[r].blocks, g)  # never frees: the writer row holds the same blocks
             src, dst = [], []
             for r in cow:
                 row = rows[r]
-                new = pool.allocate(1, after=row.blocks[-2] if len(row.blocks) > 1 else None, group=g)[0]
+                new = pool._allocate(1, after=row.blocks[-2] if len(row.blocks) > 1 else None, group=g)[0]
                 src.append(row.replace_last(new))
                 dst.append(new)
-            pool.copy_on_write(src, dst, g)
-            pool.free(src, g)  # each copied block keeps its other holders (or stays cached if published)
+            pool.groups[g].copy_on_write(src, dst)
+            pool._free(src, g)  # each copied block keeps its other holders (or stays cached if published)
             written, filled = [], []  # blocks of the writers' positions from `first` on (not the pad block), fills
             copied = set(cow)
-            pad = pool.ensure_pad_block(g) if padded else None
+            pad = pool._ensure_pad_block(g) if padded else None
             for r in writers:
                 row = rows[r]
                 if pads[r]:
                     row.append([pad] * pads[r])
-                    pool.incref([pad] * pads[r], g)
+                    pool.groups[g].incref([pad] * pads[r])
                 if r in placed:
                     row.append(placed[r])
                 elif n_new > pads[r]:
-                    row.append(pool.allocate(n_new - pads[r], after=row.blocks[-1] if row.blocks else None, group=g))
+                    row.append(pool._allocate(n_new - pads[r], after=row.blocks[-1] if row.blocks else None, group=g))
                 row.num_tokens = end
                 if n_new or r in copied:  # NOTE: a decode step inside a block leaves the row's block ids as they were
                     rt.set_row(r, first)
@@ -142,10 +142,10 @@ class StepPlanner:
                     if b != pad:
                         written.append(b)
                         filled.append(f)
-            pool.mark_written(written, filled, g)
+            pool.groups[g].mark_written(written, filled)
             for r, w in dup_of.items():
                 rows[r] = rows[w].copy()
-                pool.incref(rows[r].blocks, g)
+                pool.groups[g].incref(rows[r].blocks)
                 rt.table[r] = rt.table[w]
             view_base[g] = rt.view_base()
             view_rows[g] = rt.view_rows()
@@ -160,7 +160,7 @@ class StepPlanner:
 
     def _row_stride(self, rt: RowTables, writers: list[int], n_new: int, padded: bool) -> int:
         """Blocks between the first blocks of consecutive rows when this step should lay its rows out evenly
-        (`BlockPool.allocate_rows`), else 0. Only a full-precision group's first step of several new rows without
+        (`BlockGroup.allocate_rows`), else 0. Only a full-precision group's first step of several new rows without
         pad blocks (a batch prefill) does: each row gets `n_new` blocks and ``min(n_new, ROW_HEADROOM_TOKENS //
         block_size)`` (at least 1) free blocks after them, which its decode blocks take (`allocate` prefers the id
         after a row's last block), so the whole batch stays one strided view of the pool (`RowTables.view_rows`)
@@ -172,7 +172,7 @@ class StepPlanner:
 
     def _only_padding(self, groups: list[RowTables], r: int) -> bool:
         """Whether every block row `r` holds, in every group, is the group's pad block (or it holds none)."""
-        return all(b == self.pool.pad_block(rt.group) for rt in groups for b in rt.rows[r].blocks)
+        return all(b == self.pool.groups[rt.group].pad_block for rt in groups for b in rt.rows[r].blocks)
 
     def find_duplicates(self, groups: list[RowTables], key_states: torch.Tensor, value_states: torch.Tensor,
                         padding: list[int] | None = None) -> dict[int, int]:
@@ -208,24 +208,24 @@ class StepPlanner:
         pool, first = self.pool, plan.start // self.block_size
 
         def own(rt: RowTables) -> list[int]:  # the step's blocks of row r that it copies (the pad block it shares)
-            pad = pool.pad_block(rt.group)
+            pad = pool.groups[rt.group].pad_block
             return [b for b in rt.rows[r].after(first) if b != pad]
 
         for rt in groups:  # all groups or none
-            if not pool.can_reserve(len(own(rt)), rt.group):
-                pool.reserve(len(own(rt)), rt.group)  # raises
+            if not pool.groups[rt.group].can_reserve(len(own(rt))):
+                pool._reserve(len(own(rt)), rt.group)  # raises
         for rt in groups:
-            pool.reserve(len(own(rt)), rt.group)
+            pool._reserve(len(own(rt)), rt.group)
         for rt in groups:
             row, copied = rt.rows[r], own(rt)
             old = row.truncate(first)
             pads = old[: len(old) - len(copied)]  # leading entries naming the pad block: shared, not copied
             row.append(pads)
-            pool.incref(pads, rt.group)
-            new = pool.allocate(len(copied), after=row.blocks[-1] if row.blocks else None, group=rt.group)
+            pool.groups[rt.group].incref(pads)
+            new = pool._allocate(len(copied), after=row.blocks[-1] if row.blocks else None, group=rt.group)
             row.append(new)
-            pool.copy_on_write(copied, new, rt.group)  # earlier layers were identical: exact
-            pool.free(old, rt.group)  # still held by the writer row
+            pool.groups[rt.group].copy_on_write(copied, new)  # earlier layers were identical: exact
+            pool._free(old, rt.group)  # still held by the writer row
             rt.set_row(r, first)
         return plan.with_writer(r)
 

@@ -87,8 +87,9 @@ class StepRunner:
         self.rows.check_usable()
 
     def register_layer(self, layer: PagedLayer, spec: LayerSpec) -> None:
-        """Storage for `layer`'s first K/V (`BlockPool.register_layer`)."""
-        self.pool.register_layer(layer.layer_idx, spec, self.num_layers, group=layer.group)
+        """Storage for `layer`'s first K/V (`LayerRegistry.register`)."""
+        with self.pool.lock:
+            self.pool.layers.register(layer.layer_idx, spec, self.num_layers, layer.group)
 
     def first_held(self, layer: PagedLayer) -> int:
         """The first logical token full-attention `layer` holds: 0, or in a retention tier that holds fewer tokens
@@ -210,7 +211,7 @@ class StepRunner:
         rows.num_tokens = plan.end
         if padding is not None and plan.end >= rows.padding.num_tokens:  # every position of the padding is planned
             rows.padding = None
-        self.pool.touch_owner(rows.owner)  # its last use, for swapping out the least recently used idle caches
+        self.pool.owners.touch(rows.owner)  # its last use, for swapping out the least recently used idle caches
         self.last_step_tokens = plan.num_new
         rows.maybe_dups = False
         self.pool.events.on_step(rows.owner, plan, rows.first_group)
@@ -357,7 +358,7 @@ class StepRunner:
             CacheReleasedError, CacheOffloadedError: as `check_usable`.
         """
         self.check_usable()
-        if self.pool.prefix_index is None:
+        if not self.pool.prefix_caching:
             raise ValueError("publish needs a pool created with BlockPool(prefix_caching=True).")
         if self.num_layers is None:
             raise ValueError("publish needs a cache built with config= (or by from_prefix), so it knows every "

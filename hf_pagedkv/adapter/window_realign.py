@@ -103,7 +103,7 @@ class WindowRealign:
         for rt in self.shifts:
             before = rt.droppable(self.held)
             for r, row in enumerate(rt.rows):
-                self.cache.pool.free(row.drop_front(before), rt.group)
+                self.cache.pool._free(row.drop_front(before), rt.group)
                 row.num_dropped -= d
                 row.num_tokens = self.new_held
                 rt.set_row(r, 0)
@@ -129,7 +129,7 @@ class WindowRealign:
         writers = [members[0] for members in by_table.values()]
         fresh: dict[int, list[int]] = {}
         for w in writers:
-            fresh[w] = pool.allocate(nb, after=fresh[writers[0]][-1] if fresh else None, group=g)
+            fresh[w] = pool._allocate(nb, after=fresh[writers[0]][-1] if fresh else None, group=g)
         local = torch.arange(new - first * B)
         blocks = torch.tensor([fresh[w] for w in writers], dtype=torch.long)  # [writers, nb]
         slots = (blocks[:, local // B] * B + local % B).reshape(-1)  # [writers * (new - first * B)], row-major

@@ -13,9 +13,9 @@ listed block's refcount:
 
 | kind | emitted by | refcount |
 | --- | --- | --- |
-| ``allocate`` | `BlockPool.allocate` | 0 -> 1 |
-| ``fork`` | `BlockPool.incref` (fork, beam reorder, shared duplicate rows) | +1 |
-| ``free`` | `BlockPool.free` (before the decrement, so a double free is recorded even if it raises) | -1 |
+| ``allocate`` | `BlockGroup.allocate` | 0 -> 1 |
+| ``fork`` | `BlockGroup.incref` (fork, beam reorder, shared duplicate rows) | +1 |
+| ``free`` | `BlockGroup.free` (before the decrement, so a double free is recorded even if it raises) | -1 |
 | ``hit`` | prefix caching: a cache attached to cached blocks | +1 |
 | ``append`` | a forward step: row `row` of `seq` grew from `start` to `end` tokens into these new blocks | - |
 | ``cow`` | a forward step: shared last blocks `src` copied to `dst` before a write | - |
@@ -123,9 +123,9 @@ class EventLog:
         pool = self._pool()
         if pool is not None:
             with pool.lock:
-                alloc = pool.allocator
-                used = [b for b in range(alloc.num_blocks) if alloc.refcount(b) > 0 and self._sampled(b)]
-                self.emit("state", used, refcounts=[alloc.refcount(b) for b in used])
+                group = pool.groups[0]
+                used = [b for b in range(group.num_blocks) if group.refcount(b) > 0 and self._sampled(b)]
+                self.emit("state", used, refcounts=[group.refcount(b) for b in used])
 
     def disable(self) -> None:
         """Stop recording (the trace is kept)."""

@@ -65,7 +65,7 @@ class PoolMetrics:
 
     # -- hooks (called by BlockPool and PagedCache; keep them O(1)) -------------------------------------------------
     def count_allocation(self, num_blocks: int, blocks_in_use: int) -> None:
-        """`BlockPool.allocate` handed out `num_blocks` blocks; `blocks_in_use` are in use now."""
+        """`BlockPool._allocate` handed out `num_blocks` blocks; `blocks_in_use` are in use now."""
         self.num_requests += 1
         self.num_blocks_allocated += num_blocks
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, blocks_in_use)

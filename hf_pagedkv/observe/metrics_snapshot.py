@@ -20,7 +20,7 @@ class MetricsSnapshot:
     occupancy: float  # blocks in use / blocks held
     fragmentation: float  # unused slots inside blocks in use / their slots
     peak_blocks_in_use: int  # most blocks in use at once since creation
-    allocation_requests: int  # `BlockPool.allocate` calls plus failed reservations
+    allocation_requests: int  # `BlockPool._allocate` calls plus failed reservations
     allocation_failures: int  # reservations a fixed pool could not satisfy (PoolExhaustedError)
     blocks_allocated: int  # blocks handed out
     failure_rate: float | None  # failures / requests in the window

@@ -57,7 +57,7 @@ class BlockGroup:
     5. the free queue names only real blocks, none in use;
     6. quantized: every stage and sink stage is owned by exactly one live block;
     8. the written-slot counter (`allocator.num_filled_slots`) agrees with the tables;
-    10. the pad block (`pad_block`, once reserved by `BlockPool.ensure_pad_block`): one block of zeros that every
+    10. the pad block (`pad_block`, once reserved by `BlockPool._ensure_pad_block`): one block of zeros that every
         whole block of left padding names (as vLLM's null block). The pool holds one reference to it, so it is
         never freed; it is never written, never published and holds no token (fill 0).
     """
@@ -79,7 +79,7 @@ class BlockGroup:
         self.prefix_index = PrefixIndex() if prefix_caching else None  # full-block hashes -> blocks, or None
         self.tables: dict[int, list[BlockTable]] = {}  # owner token -> that cache's rows here; `PoolOwners` only
         # owner token -> callback(group, {old: new}) that prepares the renaming of moved blocks in its tables and
-        # returns the function doing it (a weak method, see `BlockPool.add_rows`), if any; `PoolOwners` only
+        # returns the function doing it (a weak method, see `PoolOwners.add_rows`), if any; `PoolOwners` only
         self.movers: dict[int, Callable[[], Callable[[int, dict[int, int]], Callable[[], None]] | None]] = {}
         self.num_cow_copies = 0  # blocks copied before a write; changed by `copy_on_write` only
         self.pad_block: int | None = None  # the pad block, or None until `set_pad_block`; renamed by `compact`

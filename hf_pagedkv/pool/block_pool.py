@@ -31,10 +31,9 @@ import functools
 import logging
 import threading
 
-from hf_pagedkv.blocks.block_allocator import BlockAllocator
 from hf_pagedkv.blocks.block_table import BlockTable
 from hf_pagedkv.blocks.owner_registry import IdleOwner
-from hf_pagedkv.blocks.prefix_index import BlockHash, PrefixIndex
+from hf_pagedkv.blocks.prefix_index import BlockHash
 from hf_pagedkv.config import QuantConfig, check_positive_int
 from hf_pagedkv.observe.alerts import Health
 from hf_pagedkv.observe.events import EventLog
@@ -46,7 +45,6 @@ from hf_pagedkv.pool.layer_registry import LayerRegistry
 from hf_pagedkv.pool.pool_owners import PoolOwners
 from hf_pagedkv.pool.pool_settings import PoolSettings
 from hf_pagedkv.pool.stats_snapshot import snapshot_stats
-from hf_pagedkv.storage.page_store import LayerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +146,9 @@ class BlockPool:
         # gives free segments back after `shrink_after` idle seconds (idle_shrink.py), or None; fixed
         self.idle_shrink = None if settings.shrink_after is None else IdleShrink(self, settings.shrink_after)
         self.lock = threading.RLock()  # guards all bookkeeping; held by a cache for a whole step's extension
-        self._prefix_keys: dict[bytes, None] = {}  # keys published blocks were hashed under; note_prefix_key only
+        # the prefix keys (`fingerprint.prefix_key`) published blocks were hashed under, oldest first (one, for a pool
+        # used by one model), for `save_prefix_cache`; added under `lock` by `CacheRows.publish`, `load_prefix_cache`
+        self.prefix_keys: dict[bytes, None] = {}
         self.last_loaded_blocks = 0  # blocks the last load_prefix_cache published; set by it only
         # the host tier (`cache.offload()`, evicted prefix blocks), or None; fixed
         self.host = None if settings.host_memory is None else HostTiers(self, settings.host_memory)
@@ -181,26 +181,14 @@ class BlockPool:
         return self.settings.prefix_caching
 
     @property
-    def allocator(self) -> BlockAllocator:
-        """The full-attention group's (group 0: all a model without sliding windows has), as `store`, `prefix_index`."""
-        return self.groups[0].allocator
-
-    @property
-    def store(self):
-        return self.groups[0].store
-
-    @property
-    def prefix_index(self) -> PrefixIndex | None:
-        return self.groups[0].prefix_index
-
-    @property
-    def num_cow_copies(self) -> int:
-        return sum(group.num_cow_copies for group in self.groups)
-
-    @property
     def num_blocks(self) -> int:
         """Blocks the pool holds storage for, summed over its layer groups."""
         return sum(group.allocator.num_blocks for group in self.groups)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks in use (refcount >= 1), summed over layer groups."""
+        return sum(group.allocator.num_used_blocks for group in self.groups)
 
     def group_for(self, window: int | None, tier: int = 0) -> int:
         """The index of the layer group of layers with this sliding window (`None`: full attention), made on first
@@ -208,28 +196,14 @@ class BlockPool:
         with self.lock:
             return self.layers.group_for(window, tier)
 
-    def check_layer_group(self, layer_idx: int, group: int) -> None:
-        """`ValueError` if another group than `group` holds layer `layer_idx` (`LayerRegistry.check_group`)."""
-        with self.lock:
-            self.layers.check_group(layer_idx, group)
-
-    def register_layer(self, layer_idx: int, spec: LayerSpec, num_layers: int | None = None, group: int = 0) -> None:
-        """`LayerRegistry.register`: storage for `layer_idx` in `group` (a `max_memory` pool is sized by its first
-        layer); `ValueError` for a layer of another model or one that does not fit the devices."""
-        with self.lock:
-            self.layers.register(layer_idx, spec, num_layers, group)
-
-    # -- blocks: each a `BlockGroup` operation under the lock, plus what spans groups: draining the owners collected
-    # since the last operation (`PoolOwners.drain`), metrics, idle shrinking --------------------------------------
-    def can_reserve(self, n: int, group: int = 0) -> bool:
-        """Whether `reserve(n, group)` would succeed. No side effects."""
-        with self.lock:
-            return self.groups[group].can_reserve(n)
-
-    def reserve(self, n: int, group: int = 0, rows: int = 1, run: int = 0) -> None:
+    # -- blocks, for the pool's collaborators (`PagedCache`'s parts, `HostTiers`, prefix files): the `BlockGroup`
+    # operations that also need what spans groups: draining the owners collected since the last operation
+    # (`PoolOwners.drain`), metrics, idle shrinking, the prefix-cache budget. A group's other operations are called
+    # on it (``with pool.lock: pool.groups[g].incref(blocks)``) ------------------------------------------------------
+    def _reserve(self, n: int, group: int = 0, rows: int = 1, run: int = 0) -> None:
         """`BlockGroup.reserve`: `n` free blocks in `group`, evicting or growing, else `PoolExhaustedError`."""
         with self.lock:
-            self.owners.drain(self.free_groups)
+            self.owners.drain(self._free_groups)
             if self.idle_shrink is not None:
                 self.idle_shrink.touch()
             g = self.groups[group]
@@ -238,15 +212,15 @@ class BlockPool:
                 raise g.exhausted_error(n, named=len(self.groups) > 1)
             g.reserve(n, rows, run)
 
-    def allocate(self, n: int, after: int | None = None, group: int = 0) -> list[int]:
+    def _allocate(self, n: int, after: int | None = None, group: int = 0) -> list[int]:
         """Allocate `n` blocks of `group` (refcount 1 each), growing or raising `PoolExhaustedError` first if needed."""
         with self.lock:
-            self.reserve(n, group)
+            self._reserve(n, group)
             blocks = self.groups[group].allocate(n, after)
             self.metrics.count_allocation(n, self.num_used_blocks)
             return blocks
 
-    def allocate_rows(self, rows: int, n: int, stride: int, group: int = 0) -> list[list[int]] | None:
+    def _allocate_rows(self, rows: int, n: int, stride: int, group: int = 0) -> list[list[int]] | None:
         """`BlockGroup.allocate_rows`: rows of `n` blocks `stride` apart, or None (reserve ``run=rows*stride``)."""
         with self.lock:
             out = self.groups[group].allocate_rows(rows, n, stride)
@@ -254,70 +228,37 @@ class BlockPool:
                 self.metrics.count_allocation(rows * n, self.num_used_blocks)
             return out
 
-    def pad_block(self, group: int = 0) -> int | None:
-        """The pad block of `group`, or None if none was reserved yet (see `ensure_pad_block`). No side effects."""
-        return self.groups[group].pad_block
-
-    def ensure_pad_block(self, group: int = 0) -> int:
+    def _ensure_pad_block(self, group: int = 0) -> int:
         """The pad block of `group` (`BlockGroup.set_pad_block`), reserved on first use (may raise as `allocate`)."""
         with self.lock:
             g = self.groups[group]
             if g.pad_block is None:
-                g.set_pad_block(self.allocate(1, group=group)[0])  # the pool's own reference: never dropped
+                g.set_pad_block(self._allocate(1, group=group)[0])  # the pool's own reference: never dropped
             return g.pad_block
 
-    @property
-    def num_used_blocks(self) -> int:
-        """Blocks in use (refcount >= 1), summed over layer groups."""
-        return sum(group.allocator.num_used_blocks for group in self.groups)
-
-    def incref(self, blocks: list[int], group: int = 0) -> None:
-        with self.lock:
-            self.groups[group].incref(blocks)
-
-    def free(self, blocks: list[int], group: int = 0) -> None:
+    def _free(self, blocks: list[int], group: int = 0) -> None:
         """`BlockGroup.free` (references dropped first), then the prefix cache trimmed to its budget."""
         with self.lock:
             g = self.groups[group]
             freed = g.free(blocks)
             if g.prefix_index is not None:  # (the budget is computed after: a torch call, which may fail)
-                g.trim_prefix_cache(self.max_idle_blocks(group))
+                g.trim_prefix_cache(self.layers.max_idle_blocks(group))
             if freed and self.idle_shrink is not None:
                 self.idle_shrink.arm()
 
-    def free_groups(self, blocks: dict[int, list[int]]) -> None:
-        """`free(blocks[g], g)` for every group `g`, every group's references dropped even when releasing one
-        group's storage (the last part of `free`, which may raise) fails: then that error is raised after all."""
+    def _free_groups(self, blocks: dict[int, list[int]]) -> None:
+        """`_free(blocks[g], g)` for every group `g`, every group's references dropped even when releasing one
+        group's storage (the last part of `_free`, which may raise) fails: then that error is raised after all."""
         with self.lock, contextlib.ExitStack() as frees:
             for group, ids in reversed(blocks.items()):  # run first in, so in group order
-                frees.callback(self.free, ids, group)
+                frees.callback(self._free, ids, group)
 
-    def max_idle_blocks(self, group: int = 0) -> int | None:
-        """Cached-idle blocks `group` keeps at most (`LayerRegistry.max_idle_blocks`)."""
-        return self.layers.max_idle_blocks(group)
-
-    def mark_written(self, blocks: list[int], fills: list[int], group: int = 0) -> None:
-        self.groups[group].mark_written(blocks, fills)
-
-    def copy_on_write(self, src: list[int], dst: list[int], group: int = 0) -> None:
+    def _acquire_prefix(self, hashes: list[BlockHash], num_tokens: int, group: int = 0,
+                        count: bool = True) -> list[int]:
+        """`BlockGroup.acquire_prefix` (one reference to each cached block of the prefix), owners drained first."""
         with self.lock:
-            self.groups[group].copy_on_write(src, dst)
-
-    def is_published(self, block: int, group: int = 0) -> bool:
-        return self.groups[group].is_published(block)
-
-    def acquire_prefix(self, hashes: list[BlockHash], num_tokens: int, group: int = 0, count: bool = True) -> list[int]:
-        with self.lock:
-            self.owners.drain(self.free_groups)
+            self.owners.drain(self._free_groups)
             return self.groups[group].acquire_prefix(hashes, num_tokens, count)
-
-    def match_prefix(self, hashes: list[BlockHash], group: int = 0) -> list[int]:
-        with self.lock:
-            return self.groups[group].match_prefix(hashes)
-
-    def publish_blocks(self, hashes: list[BlockHash], blocks: list[int], group: int = 0) -> int:
-        with self.lock:
-            return self.groups[group].publish(hashes, blocks)
 
     # -- compaction and shrinking ------------------------------------------------------------------------------------
     def compact(self, max_blocks: int = 64) -> int:
@@ -332,7 +273,7 @@ class BlockPool:
         """
         check_positive_int("max_blocks", max_blocks)
         with self.lock:
-            self.owners.drain(self.free_groups)
+            self.owners.drain(self._free_groups)
             moved = 0
             for g in self.groups:
                 n = g.compact(max_blocks)
@@ -345,7 +286,7 @@ class BlockPool:
         pool; a fixed one keeps its preallocation and returns 0); `compact` first moves live blocks down. Returns
         the bytes returned (also summed in `stats().bytes_returned`)."""
         with self.lock:
-            self.owners.drain(self.free_groups)
+            self.owners.drain(self._free_groups)
             if not self.growable:
                 return 0
             returned = sum(g.shrink() for g in self.groups)
@@ -353,27 +294,11 @@ class BlockPool:
             return returned
 
     # -- owners (live block tables): `PoolOwners` says what each does ----------------------------------------------
-    def register_owner(self, rows: list[BlockTable] | None = None, group: int = 0) -> int:
+    def _register_owner(self, rows: list[BlockTable] | None = None, group: int = 0) -> int:
         """A new owner token; `rows` (a list object the owner keeps filling) are its tables in `group`."""
         with self.lock:
-            self.owners.drain(self.free_groups)
+            self.owners.drain(self._free_groups)
             return self.owners.register(rows, group)
-
-    def add_rows(self, token: int, group: int, rows: list[BlockTable], mover=None) -> None:
-        self.owners.add_rows(token, group, rows, mover)
-
-    def unregister_owner(self, token: int) -> None:
-        self.owners.unregister(token)
-
-    def release_owner(self, token: int) -> None:
-        """Queue a released or collected owner; its blocks are freed at the start of the next pool operation."""
-        self.owners.release(token)
-
-    def touch_owner(self, token: int) -> None:
-        self.owners.touch(token)
-
-    def set_owner_swapper(self, token: int, hook) -> None:
-        self.owners.set_swapper(token, hook)
 
     def owner_busy(self, token: int):
         """``with pool.owner_busy(cache.seq_id):``: `idle_owners` does not offer the cache meanwhile."""
@@ -382,7 +307,7 @@ class BlockPool:
     def idle_owners(self, exclude=()) -> list[IdleOwner]:
         """The caches that could be swapped out to the host tier now, least recently used first (`PoolOwners.idle`)."""
         with self.lock:
-            self.owners.drain(self.free_groups)
+            self.owners.drain(self._free_groups)
             return self.owners.idle(exclude)
 
     # -- observation -------------------------------------------------------------------------------------------------
@@ -390,7 +315,7 @@ class BlockPool:
         """A consistent snapshot of occupancy and prefix-cache counters (see `PoolStats`), summed over layer groups,
         with one `GroupStats` per group in `groups`."""
         with self.lock:
-            self.owners.drain(self.free_groups)
+            self.owners.drain(self._free_groups)
             return snapshot_stats(self)
 
     def health(self) -> Health:
@@ -403,24 +328,13 @@ class BlockPool:
         `BlockGroup` (checked per group), 9 in `HostTiers`, 11 in `OwnerRegistry` (7, a cache's tables against
         their mirror, is `PagedCache.check_invariants()`'s)."""
         with self.lock:
-            self.owners.drain(self.free_groups)
+            self.owners.drain(self._free_groups)
             tiered = any(group.window is None and group.tier for group in self.groups)
             for group in self.groups:
                 group.check_invariants(tiered)
             if self.host is not None:
                 self.host.check()
             self.owners.check()
-
-    # -- prefix cache on disk (prefix_persistence.py, storage/prefix_file.py) -------------------------------------
-    def note_prefix_key(self, key: bytes) -> None:
-        """Record the prefix key (`fingerprint.prefix_key`) blocks published here are hashed under (for saving)."""
-        with self.lock:
-            self._prefix_keys.setdefault(bytes(key))
-
-    def prefix_keys(self) -> list[bytes]:
-        """The prefix keys noted so far (one, for a pool used by one model), oldest first."""
-        with self.lock:
-            return list(self._prefix_keys)
 
     def save_prefix_cache(self, path, model=None, config=None) -> int:
         """Save every published block (in use or cached-idle, all layer groups, both tiers) with its chain hash, the

@@ -228,7 +228,7 @@ class HostTiers:
                 continue
             # hold the device blocks of the prefix, so making room for the copies does not evict them
             pinned = [b for h in hashes if on_device.block_of(h) is not None
-                      for b in pool.acquire_prefix([h], 0, group=g, count=False)]
+                      for b in pool._acquire_prefix([h], 0, group=g, count=False)]
             try:
                 alloc = pool.groups[g].allocator
                 n = min(len(back), alloc.num_free_blocks + alloc.num_idle_blocks)
@@ -236,24 +236,24 @@ class HostTiers:
                     continue
                 hosts = tier.pin([h for h, _ in back[:n]])  # not dropped by the demotions allocate may cause
                 try:
-                    dev = pool.allocate(n, group=g)  # may evict (and demote) other idle device blocks
+                    dev = pool._allocate(n, group=g)  # may evict (and demote) other idle device blocks
                     try:
                         export = store.read(hosts, self._copy_device(g))
                         pool.groups[g].store.import_blocks(dev, export)
                     except BaseException:
-                        pool.free(dev, g)
+                        pool._free(dev, g)
                         raise
                 finally:
                     tier.unpin(hosts)
                 for host in hosts:  # copied: the device holds them now, once
                     tier.take(host)
-                pool.mark_written(dev, [pool.block_size] * n, group=g)
-                pool.publish_blocks([h for h, _ in back[:n]], dev, group=g)
-                pool.free(dev, g)  # cached-idle on the device now
+                pool.groups[g].mark_written(dev, [pool.block_size] * n)
+                pool.groups[g].publish([h for h, _ in back[:n]], dev)
+                pool._free(dev, g)  # cached-idle on the device now
                 self.num_promoted += n
                 self.num_bytes_from_host += _nbytes(export)
             finally:
-                pool.free(pinned, g)
+                pool._free(pinned, g)
 
     def _copy_device(self, group: int) -> torch.device:
         """Where copies back of `group` land first: its layers' CUDA device when they share one (the host store

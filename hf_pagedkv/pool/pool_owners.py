@@ -86,7 +86,7 @@ class PoolOwners:
         self._pending.append(token)  # deque.append is atomic
 
     def drain(self, free_groups: Callable[[dict[int, list[int]]], None]) -> None:
-        """Free the blocks of the queued owners through `free_groups` (`BlockPool.free_groups`). Each owner's tables
+        """Free the blocks of the queued owners through `free_groups` (`BlockPool._free_groups`). Each owner's tables
         and references are all dropped before the first call that may fail (releasing the freed blocks' storage)."""
         with self.lock:
             while self._pending:

@@ -172,14 +172,14 @@ def load_prefix_cache(pool, path: str | os.PathLike, model=None, config=None, de
         for (window, _, _, tier), layer_specs in zip(groups, specs):
             gi = pool.group_for(window, tier)
             for layer_idx, spec in layer_specs.items():
-                pool.register_layer(layer_idx, spec, len(plan), group=gi)
+                pool.layers.register(layer_idx, spec, len(plan), gi)
         targets = []  # (pool group, file group, blocks for the device tier, blocks for the host tier)
         for fi, (window, n, _, tier) in enumerate(groups):
             if not n:
                 continue
             gi = pool.group_for(window, tier)
             alloc = pool.groups[gi].allocator
-            on_device = n if pool.can_reserve(n, gi) else alloc.num_free_blocks + alloc.num_idle_blocks
+            on_device = n if pool.groups[gi].can_reserve(n) else alloc.num_free_blocks + alloc.num_idle_blocks
             room = pool.host.room_for_cached(gi) if pool.host is not None and on_device < n else 0
             if n - on_device > room:
                 host = (f" and its host tier room for {room}" if pool.host is not None
@@ -191,7 +191,7 @@ def load_prefix_cache(pool, path: str | os.PathLike, model=None, config=None, de
                     "loaded).")
             targets.append((gi, fi, on_device, n - on_device))
         loaded = _import(pool, f.tensors, targets)
-        pool.note_prefix_key(key)
+        pool.prefix_keys.setdefault(bytes(key))
         return loaded
 
 
@@ -214,12 +214,12 @@ def _import(pool, tensors: dict[str, torch.Tensor], targets: list[tuple[int, int
             hashes = [BlockHash(bytes(digests[j].tolist()), counts[j]) for j in range(n)]
             order = sorted(range(n), key=lambda j: counts[j])  # a saved file lists device blocks before host ones
             dev, rest = order[:n_dev], order[n_dev:]
-            blocks = pool.allocate(n_dev, group=gi) if n_dev else []
+            blocks = pool._allocate(n_dev, group=gi) if n_dev else []
             held.append((gi, blocks, [hashes[j] for j in dev]))
             if n_dev:
                 export = mine if dev == list(range(n)) else select_blocks(mine, dev)
                 pool.groups[gi].store.import_blocks(blocks, export)
-                pool.mark_written(blocks, [pool.block_size] * n_dev, group=gi)
+                pool.groups[gi].mark_written(blocks, [pool.block_size] * n_dev)
             if rest:
                 rest.reverse()  # the longest prefixes first: dropped first
                 host_export = {k: t.cpu() for k, t in select_blocks(mine, rest).items()}
@@ -228,12 +228,12 @@ def _import(pool, tensors: dict[str, torch.Tensor], targets: list[tuple[int, int
         for gi, host in parked:
             pool.host.unload(gi, host)
         for gi, blocks, _ in held:
-            pool.free(blocks, gi)
+            pool._free(blocks, gi)
         raise
     published = sum(len(host) for _, host in parked)
     for gi, blocks, hashes in held:
-        published += pool.publish_blocks(hashes, blocks, group=gi)  # a hash the pool holds already is skipped
-        pool.free(blocks, gi)  # published: cached-idle; skipped ones: free again
+        published += pool.groups[gi].publish(hashes, blocks)  # a hash the pool holds already is skipped
+        pool._free(blocks, gi)  # published: cached-idle; skipped ones: free again
     return published
 
 
@@ -283,7 +283,8 @@ def _default_device(model, device) -> torch.device:
 
 def _saved_key(pool, model, config) -> bytes:
     """The prefix key the pool's published blocks were hashed under (checked against `model` when given)."""
-    noted = pool.prefix_keys()
+    with pool.lock:
+        noted = list(pool.prefix_keys)
     given = prefix_key(pool, model, config) if model is not None or config is not None else None
     if given is not None:
         if noted and noted != [given]:

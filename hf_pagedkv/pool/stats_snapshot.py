@@ -39,7 +39,7 @@ def snapshot_stats(pool: BlockPool) -> PoolStats:
         lookup_tokens=sum(i.num_lookup_tokens for i in indexes),
         hit_tokens=sum(i.num_hit_tokens for i in indexes),
         evictions=sum(i.num_evictions for i in indexes),
-        cow_copies=pool.num_cow_copies,
+        cow_copies=sum(g.num_cow_copies for g in pool.groups),
         groups=per_group,
         **({} if host is None else dict(
             host_memory=host.host_memory, host_blocks=host.num_blocks,
@@ -52,7 +52,7 @@ def snapshot_stats(pool: BlockPool) -> PoolStats:
 
 def _prefix_budget_bytes(pool: BlockPool) -> int | None:
     """Bytes the cached-idle blocks may take, all groups (None without prefix caching or before a layer)."""
-    limits = [pool.max_idle_blocks(g.index) for g in pool.groups]
+    limits = [pool.layers.max_idle_blocks(g.index) for g in pool.groups]
     if pool.prefix_budget is None or None in limits:
         return None
     return sum(n * g.store.bytes_per_block for n, g in zip(limits, pool.groups))

@@ -11,7 +11,7 @@ Each step has a budget of `max_batch_tokens` tokens. The scheduler fills it in t
 
 Blocks: a request computing tokens ``start .. start + n - 1`` needs ``ceil((start + n) / B) - ceil(start / B)`` new
 blocks in each layer group (its cache allocates them in the forward). The scheduler only promises blocks the pool
-can reserve (free or cached-idle: `BlockPool.can_reserve`), summing its promises, so no allocation in the forward
+can reserve (free or cached-idle: `BlockGroup.can_reserve`), summing its promises, so no allocation in the forward
 fails. When a running request cannot get its blocks, the scheduler **preempts the latest-arrived running
 request** (possibly the one asking) and queues it again (it keeps its arrival):
 
@@ -148,7 +148,8 @@ class Scheduler:
         return {g: new for g in self.groups}
 
     def _fits(self, promised: Counter, needs: dict[int, int]) -> bool:
-        return all(self.pool.can_reserve(promised[g] + n, g) for g, n in needs.items() if n)
+        with self.pool.lock:
+            return all(self.pool.groups[g].can_reserve(promised[g] + n) for g, n in needs.items() if n)
 
     # -- one step ---------------------------------------------------------------------------------------------------
     def schedule(self) -> StepBatch:

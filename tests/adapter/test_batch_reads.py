@@ -128,7 +128,7 @@ def test_a_growable_pool_never_grows_only_to_lay_rows_out_evenly():
     g = torch.Generator().manual_seed(8)
     pool = BlockPool(4)
     singles = []
-    while not singles or pool.allocator.num_free_blocks:  # fill the pool with one-block caches
+    while not singles or pool.groups[0].allocator.num_free_blocks:  # fill the pool with one-block caches
         c = PagedCache(pool=pool)
         c.update(torch.randn(1, HEADS, 4, DIM, generator=g), torch.randn(1, HEADS, 4, DIM, generator=g), 0)
         singles.append(c)

@@ -15,16 +15,18 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def block_content(pool: BlockPool, blocks: list[int]) -> list[torch.Tensor]:
     """Keys and values of every layer for the slots of `blocks`."""
-    slots = pool.store.block_slots(blocks, torch.device("cpu"))
+    store = pool.groups[0].store
+    slots = store.block_slots(blocks, torch.device("cpu"))
     out = []
-    for layer in pool.store.keys:
-        out += [pool.store.keys[layer].index_select(1, slots), pool.store.values[layer].index_select(1, slots)]
+    for layer in store.keys:
+        out += [store.keys[layer].index_select(1, slots), store.values[layer].index_select(1, slots)]
     return out
 
 
 def slot_content(pool: BlockPool, slots: list[int]) -> list[torch.Tensor]:
     idx = torch.tensor(slots)
-    return [t.index_select(1, idx) for store in (pool.store.keys, pool.store.values) for t in store.values()]
+    kv = (pool.groups[0].store.keys, pool.groups[0].store.values)
+    return [t.index_select(1, idx) for store in kv for t in store.values()]
 
 
 # -- poisoning ---------------------------------------------------------------------------------------------------------
@@ -131,26 +133,26 @@ def two_caches():
 
 def test_corrupted_refcount_is_named(two_caches):
     pool = two_caches[0]
-    pool.allocator._refcount[1] += 1  # a third reference no table holds
+    pool.groups[0].allocator._refcount[1] += 1  # a third reference no table holds
     with pytest.raises(InvariantError, match=r"invariant 2 \(refcount == live table entries\).*1: refcount 3 vs 2"):
         pool.check_invariants()
-    pool.allocator._refcount[1] -= 1
+    pool.groups[0].allocator._refcount[1] -= 1
 
 
 def test_block_both_free_and_in_use_is_named(two_caches):
     pool = two_caches[0]
-    pool.allocator._free.add(2)  # a block in use put back on the free set
+    pool.groups[0].allocator._free.add(2)  # a block in use put back on the free set
     with pytest.raises(InvariantError, match=r"invariant 1/5 \(free xor in use xor cached-idle\) broken: 2: refcount 2, free True"):
         pool.check_invariants()
-    pool.allocator._free.discard(2)
+    pool.groups[0].allocator._free.discard(2)
 
 
 def test_free_block_with_refcount_is_named(two_caches):
     pool = two_caches[0]
-    pool.allocator._free.discard(5)  # a free block lost from the free set (refcount 0)
+    pool.groups[0].allocator._free.discard(5)  # a free block lost from the free set (refcount 0)
     with pytest.raises(InvariantError, match=r"invariant 1/5 .* 5: refcount 0, free False, idle False"):
         pool.check_invariants()
-    pool.allocator._free.add(5)
+    pool.groups[0].allocator._free.add(5)
 
 
 def test_table_with_an_extra_block_is_named(two_caches):
@@ -173,10 +175,10 @@ def test_table_naming_a_block_twice_is_named(two_caches):
 
 def test_leaked_block_is_named():
     pool = BlockPool(block_size=4)
-    pool.allocate(2)  # blocks taken outside any block table
+    pool._allocate(2)  # blocks taken outside any block table
     with pytest.raises(InvariantError, match=r"invariant 2 .*\(a leak\): 0: refcount 1 vs 0 entries, 1: refcount 1"):
         pool.check_invariants()
-    pool.free([0, 1])
+    pool._free([0, 1])
     pool.check_invariants()
 
 
@@ -189,7 +191,7 @@ def test_corruption_during_generate_stops_the_next_step():
     def corrupt_after_prefill(*args):
         steps.append(1)
         if len(steps) == 1:
-            pool.allocator._refcount[0] += 1
+            pool.groups[0].allocator._refcount[0] += 1
 
     handle = model.register_forward_hook(corrupt_after_prefill)
     try:
@@ -198,7 +200,7 @@ def test_corruption_during_generate_stops_the_next_step():
     finally:
         handle.remove()
     assert len(steps) == 1  # the step after the corruption did not complete
-    pool.allocator._refcount[0] -= 1
+    pool.groups[0].allocator._refcount[0] -= 1
     cache.release()
     pool.check_invariants()
     assert pool.stats().blocks_in_use == 0
@@ -208,13 +210,13 @@ def test_corruption_during_generate_stops_the_next_step():
 def _free_first_block_behind_the_cache(cache: PagedCache) -> int:
     """Simulate a bookkeeping bug: the pool frees block 0 while the cache's table still names it."""
     b = cache.block_tables()[0][0]
-    cache.pool.free([b])
+    cache.pool._free([b])
     return b
 
 
 def _undo_free(cache: PagedCache, b: int) -> None:
-    cache.pool.allocator._free.discard(b)
-    cache.pool.allocator._refcount[b] = 1
+    cache.pool.groups[0].allocator._free.discard(b)
+    cache.pool.groups[0].allocator._refcount[b] = 1
 
 
 @pytest.mark.parametrize("mode", ["poison", "poison+check", "off"])

@@ -118,7 +118,7 @@ def assert_prefix_shared(cache: PagedCache, prefix_tokens: int) -> None:
     tables = cache.block_tables()
     assert len(tables) > 1 and k > 0
     assert all(t[:k] == tables[0][:k] for t in tables)
-    assert [cache.pool.allocator.refcount(b) for b in tables[0][:k]] == [len(tables)] * k
+    assert [cache.pool.groups[0].allocator.refcount(b) for b in tables[0][:k]] == [len(tables)] * k
 
 
 def release(cache: PagedCache) -> None:
@@ -157,7 +157,8 @@ class CopySpy:
 
     def __init__(self, cache):
         self.copied, self.copied_in_reorder, self.reorders, self._in_reorder = 0, 0, 0, False
-        store, real_copy, real_reorder = cache.pool.store, cache.pool.store.copy_blocks, cache.reorder_cache
+        store = cache.pool.groups[0].store
+        real_copy, real_reorder = store.copy_blocks, cache.reorder_cache
 
         def copy_blocks(src, dst):
             self.copied += len(src)
@@ -453,7 +454,7 @@ def test_forks_of_a_prefilled_prompt_continue_independently(arch, note_exact):
     base = PagedCache(block_size=4, debug=True, config=model.config)
     model(system, **cache_kwargs(base))
     forks = [base.fork(), base.fork()]
-    assert [base.pool.allocator.refcount(b) for b in base.block_tables()[0]] == [3] * 5
+    assert [base.pool.groups[0].allocator.refcount(b) for b in base.block_tables()[0]] == [3] * 5
     release_first = base.pool.stats().blocks_in_use
     base.release()
     assert base.pool.stats().blocks_in_use == release_first  # the forks still hold every block
@@ -492,7 +493,7 @@ def test_smollm_left_padded_batch_with_a_pad_block(smollm, quant, kw):
     assert torch.equal(out.sequences, ref.sequences)
     assert all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits))
     cache.check_invariants()
-    pad, B = cache.pool.pad_block(), cache.block_size
+    pad, B = cache.pool.groups[0].pad_block, cache.block_size
     padding = (1 - mask).sum(1).repeat_interleave(cache.num_rows // 3).tolist()
     assert [row.count(pad) for row in cache.block_tables()] == [p // B for p in padding]
     if isinstance(ref_cache, PagedCache):

@@ -46,12 +46,12 @@ def test_whole_blocks_of_left_padding_name_one_pad_block():
     # rows of 12 tokens: 9, 4 and 0 tokens of padding; B = 4
     cache = prefill([9, 4, 0])
     pool = cache.pool
-    pad = pool.pad_block()
+    pad = pool.groups[0].pad_block
     # the pad block is reserved first (block 0); row 0's padding covers blocks 0-1 wholly, row 1's block 0; the
     # block of each row's first real token (row 0: tokens 8-11, with padding token 8) is stored normally
     assert pad == 0
     assert cache.block_tables() == [[0, 0, 1], [0, 2, 3], [4, 5, 6]]
-    assert pool.allocator.refcount(pad) == 3 + 1  # three table entries and the pool's own reference
+    assert pool.groups[0].allocator.refcount(pad) == 3 + 1  # three table entries and the pool's own reference
     stats = pool.stats()
     assert stats.blocks_in_use == 7  # 6 blocks of the rows + the pad block, counted once
     assert stats.tokens_stored == 6 * B  # the pad block holds no token
@@ -67,42 +67,43 @@ def test_whole_blocks_of_left_padding_name_one_pad_block():
     cache.update(*kv(3, 12, 1, 1.0), 0)
     cache.check_invariants()
     assert [t[-1] for t in cache.block_tables()] == [7, 8, 9]
-    assert pool.allocator.refcount(pad) == 4
+    assert pool.groups[0].allocator.refcount(pad) == 4
     cache.release()
     pool.check_invariants()
     # the pad block is never freed: it stays the pool's, with no table naming it
-    assert pool.stats().blocks_in_use == 1 and pool.allocator.refcount(pad) == 1
+    assert pool.stats().blocks_in_use == 1 and pool.groups[0].allocator.refcount(pad) == 1
 
 
 def test_the_pad_block_is_never_written_and_a_write_into_it_is_caught():
     cache = prefill([8, 0])
     pool = cache.pool
-    pad = pool.pad_block()
-    assert not pool.store.keys[0].index_select(1, pool.store.block_slots([pad], torch.device("cpu"))).any()
-    pool.store.keys[0].index_fill_(1, torch.tensor([pad * B + 1]), 1.0)  # a stray write
+    pad = pool.groups[0].pad_block
+    store = pool.groups[0].store
+    assert not store.keys[0].index_select(1, store.block_slots([pad], torch.device("cpu"))).any()
+    pool.groups[0].store.keys[0].index_fill_(1, torch.tensor([pad * B + 1]), 1.0)  # a stray write
     with pytest.raises(InvariantError, match="invariant 10"):
         pool.check_invariants()
 
 
 def test_forks_and_beam_reorders_share_the_pad_block():
     cache = prefill([9, 4, 0])
-    pool, pad = cache.pool, cache.pool.pad_block()
+    pool, pad = cache.pool, cache.pool.groups[0].pad_block
     other = cache.fork()
-    assert pool.allocator.refcount(pad) == 2 * 3 + 1
+    assert pool.groups[0].allocator.refcount(pad) == 2 * 3 + 1
     cache.reorder_cache(torch.tensor([0, 0, 2]))  # row 1 (one pad entry) becomes a copy of row 0 (two)
     pool.check_invariants()
     assert cache.block_tables()[:2] == [[0, 0, 1]] * 2
-    assert pool.allocator.refcount(pad) == 3 + 4 + 1
+    assert pool.groups[0].allocator.refcount(pad) == 3 + 4 + 1
     cache.batch_select_indices(torch.tensor([2]))
     other.release()
     pool.check_invariants()
-    assert pool.allocator.refcount(pad) == 1
+    assert pool.groups[0].allocator.refcount(pad) == 1
     cache.release()
 
 
 def test_crop_into_the_padding_copies_the_pad_block_before_a_write():
     cache = prefill([9, 0])
-    pool, pad = cache.pool, cache.pool.pad_block()
+    pool, pad = cache.pool, cache.pool.groups[0].pad_block
     cache.crop(-6)  # 6 tokens left: row 0 ends inside its second pad block
     assert cache.block_tables() == [[0, 0], [2, 3]]
     cache.check_invariants()
@@ -112,7 +113,7 @@ def test_crop_into_the_padding_copies_the_pad_block_before_a_write():
     assert tables[0][0] == pad and tables[0][1] != pad
     k = cache.layers[0].keys  # [2, 1, 9, 2]
     assert torch.equal(k[0, 0, 6:, 0], torch.full((3,), 5.0)) and not k[0, :, :6].any()
-    assert pool.allocator.refcount(pad) == 2
+    assert pool.groups[0].allocator.refcount(pad) == 2
     cache.release()
 
 
@@ -123,7 +124,7 @@ def test_a_chunked_prefill_names_the_pad_block_only_in_a_leading_run():
     cache.check_invariants()
     cache.update(*kv(2, 6, 10, 1.0), 0)  # tokens 6-15: block 2 (8-11) is padding, but follows a stored block
     cache.check_invariants()
-    pad = cache.pool.pad_block()
+    pad = cache.pool.groups[0].pad_block
     assert cache.block_tables()[0][0] == pad and pad not in cache.block_tables()[0][1:]
     k = cache.layers[0].keys  # [2, 1, 16, 2]
     want, _ = kv(2, 0, 16, 1.0)
@@ -177,7 +178,7 @@ def test_padding_is_never_published():
         model(x, attention_mask=mask, **cache_kwargs(cache))
     assert cache.publish(x, model=model) == 12 // B  # row 0 (no padding): its full blocks
     # row 1 names the pad block and publishes nothing
-    assert pool.pad_block() not in pool.prefix_index
+    assert pool.groups[0].pad_block not in pool.groups[0].prefix_index
     pool.check_invariants()
     cache.release()
 
@@ -186,9 +187,9 @@ def test_offload_leaves_the_pad_block_on_the_device():
     pool = BlockPool(block_size=B, host_memory="1MiB", debug=True)
     cache = prefill([9, 0], pool=pool)
     before = cache.layers[0].keys.clone()
-    pad = pool.pad_block()
+    pad = pool.groups[0].pad_block
     cache.offload()
-    assert pool.allocator.refcount(pad) == 1
+    assert pool.groups[0].allocator.refcount(pad) == 1
     assert pool.host.stats().blocks_in_use == 1 + 3  # row 0's real block, row 1's three
     cache.prefetch()
     cache.check_invariants()
@@ -203,11 +204,11 @@ def test_compaction_moves_the_pad_block_with_its_name():
     filler.update(*kv(1, 0, 4 * B, 9.0), 0)  # blocks 0-3
     cache = prefill([9], pool=pool)
     before = cache.layers[0].keys.clone()
-    assert pool.pad_block() == 4 and cache.block_tables() == [[4, 4, 5]]
+    assert pool.groups[0].pad_block == 4 and cache.block_tables() == [[4, 4, 5]]
     filler.release()
     assert pool.compact(max_blocks=64) == 2  # 5 -> 0, then the pad block 4 -> 1
     pool.check_invariants()
-    assert pool.pad_block() == 1 and cache.block_tables() == [[1, 1, 0]]
+    assert pool.groups[0].pad_block == 1 and cache.block_tables() == [[1, 1, 0]]
     assert torch.equal(cache.layers[0].keys, before)
     cache.release()
 
@@ -216,7 +217,7 @@ def test_retention_ignores_the_padding():
     cache = PagedCache(block_size=B, debug=True, retention=SinkWindow(sink_tokens=B, window=2 * B))
     cache.set_padding(padded_mask([8, 0], 12))
     cache.update(*kv(2, 0, 12, 1.0), 0)
-    assert cache.pool.pad_block() is None and cache.pool.stats().blocks_in_use == 6
+    assert cache.pool.groups[0].pad_block is None and cache.pool.stats().blocks_in_use == 6
     cache.release()
 
 
@@ -264,7 +265,7 @@ def test_generate_with_padding_is_bit_identical(arch, mode, quant):
     cache.check_invariants()
     n = cache.get_seq_length()
     assert n == x.shape[1] + len(out.logits) - 1
-    pad = cache.pool.pad_block()
+    pad = cache.pool.groups[0].pad_block
     assert pad is not None
     padding = (1 - mask).sum(1).repeat_interleave(cache.num_rows // x.shape[0]).tolist()
     for row, p in zip(cache.block_tables(), padding):  # full attention: whole blocks of padding name the pad block
@@ -327,7 +328,7 @@ def test_a_mask_shorter_than_the_prompt_is_refused_and_nothing_is_stored():
     cache.check_invariants()
     cache.set_padding(padded_mask([8, 0], 16))  # the right mask: the cache is still usable
     cache.update(*kv(2, 0, 16, 1.0), 0)
-    assert cache.block_tables()[0][:2] == [cache.pool.pad_block()] * 2
+    assert cache.block_tables()[0][:2] == [cache.pool.groups[0].pad_block] * 2
     cache.release()
 
 
@@ -335,6 +336,6 @@ def test_a_mask_given_as_nested_lists_is_read_as_the_tensor():
     cache = PagedCache(block_size=B, debug=True)
     cache.set_padding(padded_mask([8, 0], 12).tolist())
     cache.update(*kv(2, 0, 12, 1.0), 0)
-    assert cache.block_tables()[0][:2] == [cache.pool.pad_block()] * 2
+    assert cache.block_tables()[0][:2] == [cache.pool.groups[0].pad_block] * 2
     cache.check_invariants()
     cache.release()

@@ -75,13 +75,14 @@ def test_deepcopy_is_a_fork_without_tensor_copies():
     cache = PagedCache(pool=pool)
     with torch.no_grad():
         model(ids(1, 10), past_key_values=cache)
-    reserved, cow = pool.stats().bytes_reserved, pool.num_cow_copies
+    reserved, cow = pool.stats().bytes_reserved, sum(g.num_cow_copies for g in pool.groups)
     for clone in (copy.deepcopy(cache), copy.copy(cache), copy.deepcopy({"past_key_values": cache})["past_key_values"]):
         assert isinstance(clone, PagedCache) and clone is not cache and clone.pool is pool
         assert clone.block_tables() == cache.block_tables() and clone.get_seq_length() == 10
         assert clone.layers[0] is not cache.layers[0]
         clone.release()
-    assert pool.num_cow_copies == cow and pool.stats().bytes_reserved == reserved  # no block or tensor was copied
+    # no block or tensor was copied
+    assert sum(g.num_cow_copies for g in pool.groups) == cow and pool.stats().bytes_reserved == reserved
     assert pool.stats().blocks_in_use == 3
     cache.release()
     assert pool.stats().blocks_in_use == 0
@@ -188,10 +189,10 @@ def test_del_cache_frees_its_blocks_without_cyclic_gc(quant):
             del dyn, paged
             assert [r() for r in dead] == [None, None]  # both caches freed at once, DynamicCache and PagedCache
             assert pool.owners.num_pending == 1  # queued by the finalizer, freed by the pool's next operation
-            assert pool.allocator.num_used_blocks == 3
-            block = pool.allocate(1)  # the next allocation drains the queue first
-            assert pool.owners.num_pending == 0 and pool.allocator.num_used_blocks == 1
-            pool.free(block)
+            assert pool.groups[0].allocator.num_used_blocks == 3
+            block = pool._allocate(1)  # the next allocation drains the queue first
+            assert pool.owners.num_pending == 0 and pool.groups[0].allocator.num_used_blocks == 1
+            pool._free(block)
             pool.check_invariants()
     finally:
         gc.enable()
@@ -317,7 +318,7 @@ def test_a_pool_that_fills_and_an_ordinary_generate_print_nothing(capsys, caplog
 def test_alerts_are_info_records_on_their_own_logger(caplog):
     caplog.set_level(logging.INFO, logger="hf_pagedkv.observe.alerts")
     pool = BlockPool(block_size=4, num_blocks=2)
-    pool.allocate(2)
+    pool._allocate(2)
     assert [a.name for a in pool.health().alerts] == ["occupancy"]
     fired = [r for r in caplog.records if "alert occupancy:" in r.getMessage()]
     assert [(r.name, r.levelno) for r in fired] == [("hf_pagedkv.observe.alerts", logging.INFO)]

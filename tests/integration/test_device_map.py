@@ -48,11 +48,11 @@ def test_device_map_split_layers(devices, tmp_path):
 
     pool = cache.pool
     layer_devices = [torch.device(first), torch.device(second), torch.device(second)]
-    assert [pool.store.keys[i].device for i in range(3)] == layer_devices
-    assert [pool.store.values[i].device for i in range(3)] == layer_devices
+    assert [pool.groups[0].store.keys[i].device for i in range(3)] == layer_devices
+    assert [pool.groups[0].store.values[i].device for i in range(3)] == layer_devices
     per_layer_block = 2 * (16 + 16) * 4 * BLOCK_SIZE  # KV heads x (key_dim + value_dim) x fp32 x tokens = 1024 B
     assert pool.num_blocks == MAX_MEMORY // (3 * per_layer_block) == 19
-    shares = device_shares(pool.store.specs.values(), pool.store.block_bytes, pool.num_blocks)
+    shares = device_shares(pool.groups[0].store.specs.values(), pool.groups[0].store.block_bytes, pool.num_blocks)
     if first == second:
         assert shares == {torch.device(first): 3 * 19 * per_layer_block}
     else:  # one layer's blocks on the first device, two layers' on the second

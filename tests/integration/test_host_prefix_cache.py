@@ -84,7 +84,7 @@ def test_an_exception_during_a_copy_back_leaves_both_tiers_exact(monkeypatch):
     hf_pagedkv.generate(model, ids(1, 17, seed=11), pool=pool, **GEN)  # x's blocks go to the host
     cached = pool.host.stats().blocks_cached
     assert cached > 0
-    store = type(pool.store)
+    store = type(pool.groups[0].store)
 
     def broken(self, blocks, tensors):
         raise RuntimeError("copy failed")

@@ -175,7 +175,7 @@ def test_exception_in_forward_leaks_nothing_and_publishes_nothing(on_call):
     pool = make_pool(debug=True)
     shared = ids(1, 2 * B, seed=51)
     run(model, pool, torch.cat([shared, ids(1, 1, seed=52)], 1))  # publishes the shared blocks (+ generated)
-    published = pool.prefix_index.published()
+    published = pool.groups[0].prefix_index.published()
     x = torch.cat([shared, ids(1, 2 * B + 1, seed=53)], 1)  # hits 2 blocks, computes 2 more full ones
     handle = raise_in_layer(model, 1, on_call)
     try:
@@ -185,7 +185,7 @@ def test_exception_in_forward_leaks_nothing_and_publishes_nothing(on_call):
         handle.remove()
     pool.check_invariants()
     assert pool.stats().blocks_in_use == 0  # the cache was released although generate raised
-    assert pool.prefix_index.published() == published  # nothing of the failed request was published
+    assert pool.groups[0].prefix_index.published() == published  # nothing of the failed request was published
     out, hit = run(model, pool, x)  # the same request again hits only what was complete before
     assert hit == 2 * B
     assert_same_output(fresh_generate(model, x), out)
@@ -205,7 +205,7 @@ def test_publish_after_a_failed_step_skips_half_written_blocks():
     assert cache.publish(x) == 0  # no block is written in every layer
     cache.release()
     pool.check_invariants()
-    assert pool.stats().blocks_in_use == 0 and pool.prefix_index.num_published_blocks == 0
+    assert pool.stats().blocks_in_use == 0 and pool.groups[0].prefix_index.num_published_blocks == 0
     out, hit = run(model, pool, x)
     assert hit == 0
     assert_same_output(fresh_generate(model, x), out)
@@ -221,9 +221,9 @@ def test_failed_allocation_and_copy_on_write_leave_the_pool_as_it_was():
     other, third = cache.fork(), cache.fork()  # all three share the partial last block
 
     def state():
-        idx = pool.prefix_index
-        rc = [pool.allocator.refcount(b) for b in range(pool.num_blocks)]
-        return rc, pool.allocator.free_blocks(), idx.idle_blocks(), idx.published(), pool.stats()
+        idx = pool.groups[0].prefix_index
+        rc = [pool.groups[0].allocator.refcount(b) for b in range(pool.num_blocks)]
+        return rc, pool.groups[0].allocator.free_blocks(), idx.idle_blocks(), idx.published(), pool.stats()
 
     model(input_ids=ids(1, 1, seed=73), past_key_values=cache)  # copy-on-write takes the last free block
     assert pool.stats().blocks_free == pool.stats().blocks_cached == 0
@@ -266,7 +266,7 @@ def test_fault_story_freeing_one_block_too_many(monkeypatch):
         original(self, key_states, value_states)
         if self.rows.num_tokens % self.block_size == 0:
             faults.append(self.rows.num_tokens)
-            self.pool.free([self.rows.first_group[0].blocks[-1]])  # the row still names this block
+            self.pool._free([self.rows.first_group[0].blocks[-1]])  # the row still names this block
 
     model = tiny_model("llama")
     prompts = [ids(1, 2 * B + 2, seed=81)[0].tolist(), ids(1, 2 * B + 1, seed=82)[0].tolist()]

@@ -140,14 +140,14 @@ def test_a_bad_file_is_refused_and_nothing_is_loaded(tmp_path, case):
     pool = BlockPool(prefix_caching=True, **pool_kwargs)
     own = ids(1, 5, seed=7)  # 10 tokens with the generated ones: 2 full blocks cached
     hf_pagedkv.generate(load_model, own, pool=pool, **GEN)  # the pool holds cached blocks of its own
-    before, keys = pool.stats(), pool.prefix_keys()
+    before, keys = pool.stats(), list(pool.prefix_keys)
     err = PoolExhaustedError if case == "too small a pool" else ValueError
     with pytest.raises(err, match=match or "needs 4 blocks"):
         pool.load_prefix_cache(path, model=load_model)
     after = pool.stats()
     assert (after.blocks_cached, after.blocks_in_use, after.blocks_free) == (
         before.blocks_cached, before.blocks_in_use, before.blocks_free)
-    assert pool.prefix_keys() == keys  # a refused load notes no key
+    assert list(pool.prefix_keys) == keys  # a refused load notes no key
     pool.check_invariants()
 
 

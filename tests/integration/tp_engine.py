@@ -75,7 +75,7 @@ def _events(pool) -> list[dict]:
 def _pool_result(pool) -> dict:
     pool.check_invariants()
     s = pool.stats()
-    return {"kv_heads": [spec.num_kv_heads for spec in pool.store.specs.values()], "num_blocks": s.num_blocks,
+    return {"kv_heads": [spec.num_kv_heads for spec in pool.groups[0].store.specs.values()], "num_blocks": s.num_blocks,
             "blocks_in_use": s.blocks_in_use, "blocks_free": s.blocks_free,
             "num_sequences": s.num_sequences, "bytes_in_use": s.bytes_in_use, "bytes_per_block": s.bytes_per_block,
             "events": _events(pool)}

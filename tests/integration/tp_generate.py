@@ -91,9 +91,9 @@ def _rank_main(model_dir: str, out_dir: str) -> None:
     result["dynamic_equal"] = {k: torch.equal(result[k], dynamic[k]) for k in result}
     for name, cache in caches.items():
         pool = cache.pool
-        spec = pool.store.specs[0]
-        result[name] = {"kv_heads": [s.num_kv_heads for s in pool.store.specs.values()],
-                        "head_dim": spec.key_dim, "num_layers": len(pool.store.specs),
+        spec = pool.groups[0].store.specs[0]
+        result[name] = {"kv_heads": [s.num_kv_heads for s in pool.groups[0].store.specs.values()],
+                        "head_dim": spec.key_dim, "num_layers": len(pool.groups[0].store.specs),
                         "num_blocks": pool.num_blocks, "bytes_per_block": pool.stats().bytes_per_block,
                         "tables": cache.block_tables()}
         with torch.inference_mode():  # debug=True poisons the freed blocks: inference tensors, written in this mode

@@ -65,10 +65,10 @@ def test_fork_and_copy_on_write_story():
 def test_double_free_is_recorded_before_the_pool_raises():
     pool = BlockPool(block_size=4, num_blocks=4)
     pool.events.enable()
-    blocks = pool.allocate(2)
-    pool.free(blocks)
+    blocks = pool._allocate(2)
+    pool._free(blocks)
     with pytest.raises(AssertionError, match="double free"):
-        pool.free([blocks[1]])
+        pool._free([blocks[1]])
     report = analyze(pool.events.events())
     assert [(d.block, d.before) for d in report.double_frees] == [(1, 0)]
     assert not report.ok
@@ -153,7 +153,7 @@ def test_events_go_to_the_logger_and_leave_outputs_exact(caplog):
 def test_dump_round_trip(tmp_path):
     pool = BlockPool(block_size=4, num_blocks=8)
     pool.events.enable()
-    pool.allocate(3)
+    pool._allocate(3)
     path = tmp_path / "trace.jsonl"
     assert pool.events.dump(path) == 2
     header, records = read_trace(path)

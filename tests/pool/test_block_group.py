@@ -69,10 +69,10 @@ def test_story_a_growable_group_grows_by_a_headroom_and_lays_rows_out_evenly():
 
 def test_owners_collected_without_release_are_freed_by_the_next_pool_operation():
     pool = BlockPool(block_size=B, num_blocks=6)
-    blocks = pool.allocate(2)
-    token = pool.register_owner([table(blocks, 8)])
+    blocks = pool._allocate(2)
+    token = pool._register_owner([table(blocks, 8)])
     assert pool.idle_owners() == []  # no swap hook: never offered for swapping out
-    pool.release_owner(token)  # what a cache's finalizer does: only queued
+    pool.owners.release(token)  # what a cache's finalizer does: only queued
     assert pool.owners.num_pending == 1 and pool.num_used_blocks == 2
     assert pool.stats().blocks_in_use == 0  # the next operation drained it first
     assert pool.owners.num_pending == 0 and token not in pool.owners.registry.live

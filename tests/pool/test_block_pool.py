@@ -40,7 +40,7 @@ def test_story_stats_through_fork_copy_on_write_and_release():
     # B = A.fork(): shares every block; no block is allocated and shared tokens count once.
     b = a.fork()
     assert b.block_tables() == [[0, 1, 2]]
-    assert [pool.allocator.refcount(x) for x in (0, 1, 2)] == [2, 2, 2]
+    assert [pool.groups[0].allocator.refcount(x) for x in (0, 1, 2)] == [2, 2, 2]
     s = pool.stats()
     assert (s.blocks_in_use, s.tokens_stored, s.num_sequences) == (3, 10, 2)
     pool.check_invariants()
@@ -48,7 +48,7 @@ def test_story_stats_through_fork_copy_on_write_and_release():
     # B appends 1 token: its last block (2) is shared, so B copies it into the lowest free block (3) first.
     b.update(*kv(1, 10, 1, label=200), layer_idx=0)
     assert a.block_tables() == [[0, 1, 2]] and b.block_tables() == [[0, 1, 3]]
-    assert [pool.allocator.refcount(x) for x in (0, 1, 2, 3)] == [2, 2, 1, 1]
+    assert [pool.groups[0].allocator.refcount(x) for x in (0, 1, 2, 3)] == [2, 2, 1, 1]
     s = pool.stats()
     assert (s.blocks_in_use, s.tokens_stored) == (4, 4 + 4 + 2 + 3)
     assert s.fragmentation == pytest.approx(1 - 13 / 16)
@@ -68,7 +68,7 @@ def test_story_stats_through_fork_copy_on_write_and_release():
 
     # A is released: its own blocks 2 and 4 are freed, the shared 0 and 1 stay with B.
     a.release()
-    assert [pool.allocator.refcount(x) for x in range(5)] == [1, 1, 0, 1, 0]
+    assert [pool.groups[0].allocator.refcount(x) for x in range(5)] == [1, 1, 0, 1, 0]
     s = pool.stats()
     assert (s.blocks_in_use, s.tokens_stored, s.num_sequences) == (3, 11, 1)
     pool.check_invariants()
@@ -118,8 +118,8 @@ def test_story_batch_rows_and_exact_multiples():
     # Beam-style reorder: both rows become copies of row 1; row 0's blocks are freed, row 1's are shared.
     cache.reorder_cache(torch.tensor([1, 1]))
     assert cache.block_tables() == [[4, 5, 6], [4, 5, 6]]
-    assert [pool.allocator.refcount(x) for x in range(7)] == [0, 0, 0, 0, 2, 2, 2]
-    assert pool.allocator.free_blocks() >= {0, 1, 2, 3}
+    assert [pool.groups[0].allocator.refcount(x) for x in range(7)] == [0, 0, 0, 0, 2, 2, 2]
+    assert pool.groups[0].allocator.free_blocks() >= {0, 1, 2, 3}
     pool.check_invariants()
     # Crop 5 tokens (9 -> 4): exactly one block per row remains.
     cache.crop(-5)
@@ -156,13 +156,13 @@ def test_growable_pool_grows_in_chunks():
     cache = PagedCache(pool=pool)
     # The first token needs 1 block: the pool grows by 1 + 16 blocks, not by one block.
     cache.update(*kv(1, 0, 1, label=7), layer_idx=0)
-    assert pool.num_blocks == 17 and pool.store.keys[0].shape == (1, 17 * B, 2)
+    assert pool.num_blocks == 17 and pool.groups[0].store.keys[0].shape == (1, 17 * B, 2)
     # Filling all 17 blocks (34 tokens) does not grow the pool ...
     cache.update(*kv(1, 1, 33, label=7), layer_idx=0)
     assert pool.num_blocks == 17 and pool.stats().blocks_free == 0
     # ... the next token does: 1 missing + max(17 // 4, 16) = 17 blocks.
     cache.update(*kv(1, 34, 1, label=8), layer_idx=0)
-    assert pool.num_blocks == 34 and pool.store.keys[0].shape == (1, 34 * B, 2)
+    assert pool.num_blocks == 34 and pool.groups[0].store.keys[0].shape == (1, 34 * B, 2)
     # A request larger than the free blocks: 35 -> 434 tokens is 18 -> 217 blocks, 199 wanted, 16 free, so
     # 183 missing + max(34 // 4, 16) = 199 blocks: the pool is sized to the need, plus 16.
     cache.update(*kv(1, 35, 399, label=9), layer_idx=0)
@@ -186,10 +186,10 @@ def test_fixed_pool_preallocates_once_and_never_grows():
     cache = PagedCache(pool=pool)
     cache.update(*kv(1, 0, 20, label=1), layer_idx=0)  # exactly 5 blocks
     assert cache.block_tables() == [[0, 1, 2, 3, 4]]
-    assert pool.store.keys[0].shape == (1, 20, 2)
+    assert pool.groups[0].store.keys[0].shape == (1, 20, 2)
     with pytest.raises(PoolExhaustedError, match="1 block needed, 0 free of 5"):
         cache.update(*kv(1, 20, 1, label=2), layer_idx=0)
-    assert pool.num_blocks == 5 and pool.store.keys[0].shape == (1, 20, 2)
+    assert pool.num_blocks == 5 and pool.groups[0].store.keys[0].shape == (1, 20, 2)
     assert labels(cache) == [[1] * 20]
     pool.check_invariants()
     cache.release()

@@ -43,14 +43,14 @@ def test_same_config_different_weights_never_share_prefix_blocks():
 
     out_a, hit = run(a, pool, x)
     assert hit == 0
-    published = pool.prefix_index.num_published_blocks
+    published = pool.groups[0].prefix_index.num_published_blocks
     assert published == 4  # the 3 prompt blocks and one more of prompt + generated tokens (18 cached tokens)
 
     out_b, hit = run(b, pool, x)
     assert hit == 0  # the same tokens, another model: nothing of A's may be read
     assert_same_output(fresh_generate(b, x, max_new_tokens=5), out_b, tol=0.0)  # same steps: bit for bit
     assert not torch.equal(out_a.sequences, out_b.sequences)  # (so a wrong hit would have shown in the tokens)
-    assert pool.prefix_index.num_published_blocks == 2 * published  # B published its own copies
+    assert pool.groups[0].prefix_index.num_published_blocks == 2 * published  # B published its own copies
 
     out_a2, hit = run(a, pool, x)
     assert hit == 3 * B  # A still finds its own blocks
@@ -120,5 +120,6 @@ def test_a_quantized_pool_and_a_full_precision_pool_publish_under_different_hash
     fp, q = BlockPool(block_size=B, prefix_caching=True), BlockPool(block_size=B, prefix_caching=True, quant="k8v8")
     run(a, fp, x)
     run(a, q, x)
-    fp_hashes, q_hashes = set(fp.prefix_index.published().values()), set(q.prefix_index.published().values())
+    fp_hashes = set(fp.groups[0].prefix_index.published().values())
+    q_hashes = set(q.groups[0].prefix_index.published().values())
     assert len(fp_hashes) == len(q_hashes) == 4 and not fp_hashes & q_hashes

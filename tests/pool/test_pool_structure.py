@@ -1,25 +1,53 @@
-"""The pool is a face over layer groups that own their blocks: code outside `hf_pagedkv/pool/` reaches a group's
-allocator, store or prefix index only through the group's own methods, and no class of `pool/` grows past the size
-the style guide gives (about 300-400 lines).
+"""The pool is a face over layer groups that own their blocks: `BlockPool` shows its users only what they call,
+code outside `hf_pagedkv/pool/` reaches a group's allocator, store or prefix index only through the group's own
+methods, and no class of `pool/` grows past the size the style guide gives (about 300-400 lines).
 
-Both checks read the source with `ast`, so they see every access, lazy or not.
+The last two checks read the source with `ast`, so they see every access, lazy or not.
 """
 
 from __future__ import annotations
 
 import ast
+import inspect
 from collections import Counter
 from pathlib import Path
 
 import pytest
+
+from hf_pagedkv import BlockPool
 
 ROOT = Path(__file__).resolve().parents[2] / "hf_pagedkv"
 POOL = ROOT / "pool"
 GROUP_INTERNALS = ("allocator", "store", "prefix_index")
 MAX_CLASS_LINES = 400
 
+# the face: what README.md and docs/*.md call on a pool, and nothing that only its collaborators call (they use
+# `pool.groups[g]`, `pool.owners`, `pool.layers`, or the pool's underscored operations that need all of it)
+FACE_METHODS = {
+    "stats", "health", "check_invariants", "compact", "shrink", "save_prefix_cache", "load_prefix_cache", "group_for",
+    "owner_busy", "idle_owners",
+}
+FACE_PROPERTIES = {"debug", "prefix_caching", "num_blocks", "num_used_blocks"}
+
 # Accesses of a group's internals allowed outside pool/, as (file, attribute) -> count: none.
 PENDING: dict[tuple[str, str], int] = {}
+
+
+def test_block_pool_public_methods_are_exactly_the_face():
+    own = {name: inspect.getattr_static(BlockPool, name) for name in vars(BlockPool) if not name.startswith("_")}
+    properties = {name for name, value in own.items() if isinstance(value, property)}
+    # functions, and descriptors that bind as one (`load_prefix_cache`, callable on the class or a pool)
+    methods = {name for name, value in own.items() if name not in properties and hasattr(value, "__get__")}
+    assert set(own) == methods | properties  # no public class attribute besides
+    assert methods == FACE_METHODS
+    assert properties == FACE_PROPERTIES
+    # nothing public comes from elsewhere (BlockPool has no base class but object)
+    assert BlockPool.__bases__ == (object,)
+    # the collaborators' parts are there, and the removed delegates are gone for good
+    pool = BlockPool(block_size=4)
+    assert pool.owners.groups is pool.groups and pool.layers.groups is pool.groups
+    for gone in ("allocate", "free", "reserve", "incref", "register_owner", "allocator", "store", "prefix_index"):
+        assert not hasattr(pool, gone), gone
 
 
 def _group_subscript(node: ast.AST) -> bool:

@@ -57,7 +57,7 @@ def test_a_small_budget_evicts_least_recently_used_beyond_it():
         pool.check_invariants()
     s = pool.stats()
     assert s.blocks_cached == 20 and s.evictions > 0 and s.prefix_cache_budget == 20 * per_block
-    idle = pool.prefix_index.idle_blocks()  # eviction order: least recently released first
+    idle = pool.groups[0].prefix_index.idle_blocks()  # eviction order: least recently released first
     # the newest prompt is still cached in full, the first one is gone
     before = pool.stats().hit_tokens
     hf_pagedkv.generate(model, prompts[-1], pool=pool, **GEN)
@@ -76,7 +76,7 @@ def test_a_fraction_of_a_fixed_pool():
     for i in range(4):
         hf_pagedkv.generate(model, ids(1, 100, seed=300 + i), pool=pool, **GEN)
         assert pool.stats().blocks_cached <= 10
-    assert pool.stats().blocks_cached == 10 and pool.max_idle_blocks() == 10
+    assert pool.stats().blocks_cached == 10 and pool.layers.max_idle_blocks(0) == 10
     pool.check_invariants()
 
 

@@ -176,7 +176,7 @@ def test_a_prefix_hit_promoting_host_blocks_is_all_or_nothing(kind):
             model(prompt, **cache_kwargs(cache))
             cache.publish(prompt)  # 2 full blocks, cached-idle once released
         for g in range(len(pool.groups)):  # taking every block evicts (demotes) them to the host tier
-            pool.free(pool.allocate(6, group=g), g)
+            pool._free(pool._allocate(6, group=g), g)
         assert pool.host.stats().blocks_cached > 0 and pool.stats().blocks_cached == 0
         return {"pool": pool, "caches": []}
 

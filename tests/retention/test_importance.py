@@ -99,7 +99,7 @@ def test_identical_rows_share_the_compacted_blocks_and_beams_work(llama):
     run_steps(llama, x, [20, 1], cache)
     a, b = cache.block_tables()  # compacted once: both rows name the same full blocks (the partial last block was
     assert len(a) == 3 and a[:2] == b[:2]  # copied on the decode write, as without retention)
-    assert all(cache.pool.allocator.refcount(blk) == 2 for blk in a[:2])
+    assert all(cache.pool.groups[0].allocator.refcount(blk) == 2 for blk in a[:2])
     cache.release()
     pool = BlockPool(block_size=B)
     beams = PagedCache(pool=pool, config=llama.config, retention=KeyNorm(budget=12, recent_tokens=4), debug=True)

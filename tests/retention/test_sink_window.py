@@ -119,13 +119,13 @@ def test_forks_and_beams_share_the_kept_blocks(llama):
     fork = cache.fork()
     pool = cache.pool
     shared = cache.block_tables()[0]
-    assert fork.block_tables()[0] == shared and all(pool.allocator.refcount(b) == 2 for b in shared)
+    assert fork.block_tables()[0] == shared and all(pool.groups[0].allocator.refcount(b) == 2 for b in shared)
     # the fork continues with other tokens: both evict, the sink block stays shared, each equals a lone run
     a, b = ids(1, 9, seed=10), ids(1, 9, seed=11)
     la = run_steps(llama, a, [1] * 9, cache)
     lb = run_steps(llama, b, [1] * 9, fork)
     assert cache.block_tables()[0][0] == fork.block_tables()[0][0] == shared[0]
-    assert pool.allocator.refcount(shared[0]) == 2
+    assert pool.groups[0].allocator.refcount(shared[0]) == 2
     lone = PagedCache(block_size=B, config=llama.config, retention=SinkWindow(sink_tokens=4, window=8))
     run_steps(llama, x, [17, 1, 1, 1, 1], lone)
     assert torch.equal(run_steps(llama, b, [1] * 9, lone), lb)

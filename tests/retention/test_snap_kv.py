@@ -112,7 +112,7 @@ def test_beams_and_return_sequences_share_the_compacted_blocks(llama):
     run_steps(llama, ids(1, 25, seed=4).repeat(3, 1), [24, 1], shared)
     tables = shared.block_tables()
     assert tables[0][:3] == tables[1][:3] == tables[2][:3]  # the 12 kept tokens: 3 full blocks, once
-    assert all(shared.pool.allocator.refcount(b) == 3 for b in tables[0][:3])
+    assert all(shared.pool.groups[0].allocator.refcount(b) == 3 for b in tables[0][:3])
     assert shared.pool.stats().blocks_in_use == 3 + 3  # and each row's own last block for the decoded token
     shared.release()
 

@@ -88,9 +88,9 @@ def test_paged_cache_stores_each_layer_on_its_device_and_checks_its_share(monkey
         assert keys.device == values.device == d and keys.shape == (2, 2, 5, 16)
     pool = cache.pool
     assert pool.num_blocks == 100
-    assert {i: t.device for i, t in pool.store.keys.items()} == dict(enumerate(devices))
-    assert {i: t.device for i, t in pool.store.values.items()} == dict(enumerate(devices))
-    assert device_shares(pool.store.specs.values(), pool.store.block_bytes, pool.num_blocks) == {
+    assert {i: t.device for i, t in pool.groups[0].store.keys.items()} == dict(enumerate(devices))
+    assert {i: t.device for i, t in pool.groups[0].store.values.items()} == dict(enumerate(devices))
+    assert device_shares(pool.groups[0].store.specs.values(), pool.groups[0].store.block_bytes, pool.num_blocks) == {
         devices[0]: 100 * per_layer_block, devices[1]: 200 * per_layer_block}
     assert torch.equal(cache.update(k[:, :, :1], k[:, :, :1], 0)[0][:, :, :5], k)  # the CPU layer reads back exact
     cache.release()
@@ -104,7 +104,7 @@ def test_paged_cache_stores_each_layer_on_its_device_and_checks_its_share(monkey
     with pytest.raises(ValueError, match=r"would hold 204800 bytes on meta once layer 2 is stored there \(2 layers x "
                                          r"100 blocks\), more than meta has \(204799 bytes in all\)"):
         cache.update(k.to("meta"), k.to("meta"), 2)
-    assert sorted(cache.pool.store.specs) == [0, 1] and cache.pool.num_blocks == 100
+    assert sorted(cache.pool.groups[0].store.specs) == [0, 1] and cache.pool.num_blocks == 100
     cache.release()
 
 
@@ -115,5 +115,5 @@ def test_max_memory_on_one_device_is_refused_before_anything_is_allocated(monkey
                                                      num_key_value_heads=2, hidden_size=64, vocab_size=96))
     with pytest.raises(ValueError, match=r"max_memory=1000001 bytes is more than cpu has \(1000000 bytes in all\)"):
         cache.update(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16), 0)
-    assert pool.num_blocks == 0 and not pool.store.specs
+    assert pool.num_blocks == 0 and not pool.groups[0].store.specs
     cache.release()

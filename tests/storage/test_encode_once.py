@@ -34,14 +34,14 @@ def step(cache: PagedCache, t: list[torch.Tensor]) -> None:
 
 def encodes(cache: PagedCache) -> list[int]:
     """Encode count of each block of row 0, in token order."""
-    store = cache.pool.store
+    store = cache.pool.groups[0].store
     return [store.states.num_encodes[b] for b in cache.block_tables()[0]]
 
 
 def count_encodes(monkeypatch, cache: PagedCache) -> list[int]:
     """Spy on the key codec: the list fills with the number of blocks each encode call gets (one call per layer)."""
     calls: list[int] = []
-    codec = cache.pool.store.key_codec
+    codec = cache.pool.groups[0].store.key_codec
     original = codec.encode
 
     def spy(x):
@@ -63,7 +63,7 @@ def test_each_full_block_counts_one_encode_and_open_blocks_none():
     assert encodes(cache) == [1, 1, 1, 0]
     cache.check_invariants()
     blocks = cache.block_tables()[0]
-    store = cache.pool.store
+    store = cache.pool.groups[0].store
     cache.release()
     assert [store.states.num_encodes[b] for b in blocks] == [0, 0, 0, 0]  # a freed block starts over
 
@@ -72,7 +72,7 @@ def test_encoding_a_full_block_a_second_time_breaks_invariant_4():
     cache = PagedCache(block_size=B, quant="k8v4")  # not debug: the fault is checked explicitly below
     step(cache, kv(6, seed=0))
     b0 = cache.block_tables()[0][0]
-    store = cache.pool.store
+    store = cache.pool.groups[0].store
     # the fault: a slot mapping that names every slot of the already encoded b0 again (say a table that still
     # lists it as the row's last block), planned and written through the store's own write path
     plan = store.prepare_write(torch.arange(b0 * B, (b0 + 1) * B), torch.device("cpu"))
@@ -92,7 +92,7 @@ def test_a_counter_that_disagrees_with_the_block_state_breaks_invariant_4():
     cache = PagedCache(block_size=B, quant="k8v4")
     step(cache, kv(6, seed=0))
     b0, b1 = cache.block_tables()[0]
-    store = cache.pool.store
+    store = cache.pool.groups[0].store
     cache.check_invariants()
     store.states.num_encodes[b0] = 0  # an encoded block with no encode counted
     with pytest.raises(InvariantError, match=rf"invariant 4 .* blocks \[{b0}\] in state encoded=\[1\] with \[0\] "
@@ -108,7 +108,7 @@ def test_a_counter_that_disagrees_with_the_block_state_breaks_invariant_4():
 def test_stage_problems_are_still_invariant_6():
     cache = PagedCache(block_size=B, quant="k8v4")
     step(cache, kv(6, seed=0))
-    store = cache.pool.store
+    store = cache.pool.groups[0].store
     b1 = cache.block_tables()[0][1]
     store.states.stage_of.pop(b1)  # the open block loses its stage: one stage in use that nobody owns
     with pytest.raises(InvariantError, match=r"invariant 6 \(quantized store stages\) broken: 0 blocks own 0 "
@@ -133,7 +133,8 @@ def test_crop_then_refill_token_by_token_reopens_the_block_into_a_stage(monkeypa
         cache.crop(-5)
         assert cache.get_seq_length() == 5 and encodes(cache) == [1, 1]  # still encoded, and readable
         model(x[:, 5:6], past_key_values=cache)  # reopened into a stage
-        assert encodes(cache) == [1, 0] and cache.pool.store.states.encoded[b1] == 0 and b1 in cache.pool.store.states.stage_of
+        states = cache.pool.groups[0].store.states
+        assert encodes(cache) == [1, 0] and states.encoded[b1] == 0 and b1 in states.stage_of
         model(x[:, 6:7], past_key_values=cache)
         assert encodes(cache) == [1, 0] and sum(calls) == 3 * 2
         model(x[:, 7:8], past_key_values=cache)  # refilled: encoded again
@@ -201,7 +202,7 @@ def test_rows_unshared_mid_step_count_one_encode_per_block():
     step(cache, nxt)
     (a0, a1), (c0, c1) = cache.block_tables()
     assert a0 == c0 and a1 != c1  # the prefill block shared, this step's block unshared
-    store = cache.pool.store
+    store = cache.pool.groups[0].store
     assert [store.states.num_encodes[b] for b in (a0, a1, c1)] == [1, 1, 1]
     cache.check_invariants()
     cache.release()

@@ -68,7 +68,7 @@ def test_bytes_reserved_is_the_bytes_of_the_storage_tensors_and_in_use_what_the_
             assert pool.stats().bytes_in_use == held_bytes(pool)
         cache.check_invariants()
         if pool.quant.is_quantized:  # the open blocks' stages and the sinks are counted, not only codes
-            store = pool.store
+            store = pool.groups[0].store
             assert store.staging.num_used >= 3 and store.sinks.num_used == 3
             assert s.bytes_in_use > s.blocks_in_use * s.bytes_per_block
     assert pool.stats().bytes_in_use == 0 and pool.stats().bytes_reserved == real_bytes(pool)
@@ -87,7 +87,7 @@ def test_a_4096_token_run_reserves_at_most_15_percent_over_what_it_holds(quant):
         assert s.bytes_reserved == real_bytes(pool)
         assert s.bytes_reserved <= 1.15 * s.bytes_in_use, (s.bytes_reserved, s.bytes_in_use)
         if pool.quant.is_quantized:
-            assert pool.store.staging.num_stages <= 2 and pool.store.sinks.num_stages == 1
+            assert pool.groups[0].store.staging.num_stages <= 2 and pool.groups[0].store.sinks.num_stages == 1
 
 
 def test_new_storage_is_poisoned_only_in_debug_mode():
@@ -99,7 +99,7 @@ def test_new_storage_is_poisoned_only_in_debug_mode():
             pool = BlockPool(quant=quant, debug=debug)
             with PagedCache(pool=pool) as cache:
                 step(cache, 1, 40, seed=0)
-                tensors = [t for t in pool.store.tensors() if t.dtype.is_floating_point]
+                tensors = [t for t in pool.groups[0].store.tensors() if t.dtype.is_floating_point]
                 if debug:
                     assert any(bool(t.isnan().any()) for t in tensors), quant
                 elif quant != "fp":

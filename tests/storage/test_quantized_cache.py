@@ -95,7 +95,7 @@ def test_fp_preset_is_the_exact_path():
     x = ids(2, 19)
     ref = model.generate(x, **cache_kwargs(DynamicCache()), max_new_tokens=10, do_sample=False)
     with PagedCache(block_size=4, quant="fp", debug=True) as cache:
-        assert not cache.pool.store.is_quantized
+        assert not cache.pool.groups[0].store.is_quantized
         assert torch.equal(model.generate(x, **cache_kwargs(cache), max_new_tokens=10, do_sample=False), ref)
 
 
@@ -142,13 +142,13 @@ def test_bytes_in_use_counts_codes_scales_and_partial_blocks():
             for t in range(4):  # fill the open block: it is encoded, no full-precision block is left
                 model(ids(1, 1, seed=t), **cache_kwargs(cache))
         # the block encoded by this step keeps its stage until the next step starts: it is still held
-        assert cache.pool.store.staging.num_used == 1
+        assert cache.pool.groups[0].store.staging.num_used == 1
         assert cache.pool.stats().bytes_in_use == 3 * encoded + fp_block + sink
         with torch.no_grad():
             model(ids(1, 1, seed=9), **cache_kwargs(cache))  # that stage returns; the new open block takes one
-        assert cache.pool.store.staging.num_used == 1
+        assert cache.pool.groups[0].store.staging.num_used == 1
         assert cache.pool.stats().bytes_in_use == 4 * encoded + fp_block + sink
-        assert cache.pool.store.staging.num_stages <= 2  # sized by sequences, not by the pool
+        assert cache.pool.groups[0].store.staging.num_stages <= 2  # sized by sequences, not by the pool
 
 
 @pytest.mark.parametrize("sink", [0, 1, 4])
@@ -166,9 +166,9 @@ def test_sink_tokens_stay_exact_and_cost_their_bytes(sink):
                 assert not torch.equal(a[:, :, sink], b[:, :, sink])  # quantized
         encoded_and_open = 3 * cache.pool.stats().bytes_per_block + 3 * 2 * 8 * 16 * 2 * 4  # 3 blocks, 1 staged
         assert cache.pool.stats().bytes_in_use == encoded_and_open + sink * 3 * 2 * 16 * 2 * 4
-        assert cache.pool.store.sinks.num_used == (1 if sink else 0)
+        assert cache.pool.groups[0].store.sinks.num_used == (1 if sink else 0)
         cache.pool.check_invariants()
-    assert cache.pool.store.sinks.num_used == 0 and cache.pool.stats().bytes_in_use == 0
+    assert cache.pool.groups[0].store.sinks.num_used == 0 and cache.pool.stats().bytes_in_use == 0
 
 
 def test_sink_is_shared_copied_on_write_and_rewritten_after_crop():
@@ -180,10 +180,10 @@ def test_sink_is_shared_copied_on_write_and_rewritten_after_crop():
     a = PagedCache(block_size=8, quant=QuantConfig.preset("k8v4", sink_tokens=4), debug=True)
     feed(model, a, x[:, :3], prefill=3)  # 3 tokens: block 0 open, sink partly written
     b = a.fork()
-    assert a.pool.store.sinks.num_used == 1  # shared with the fork
+    assert a.pool.groups[0].store.sinks.num_used == 1  # shared with the fork
     feed(model, a, x[:, 3:], prefill=0)  # a fills block 0 (copy-on-write: its own block 0 and sink) and goes on
     feed(model, b, y, prefill=0)
-    assert a.pool.store.sinks.num_used == 2
+    assert a.pool.groups[0].store.sinks.num_used == 2
     for cache, tokens in ((a, x), (b, torch.cat([x[:, :3], y], 1))):
         ref = reference_kv(model, tokens, prefill=3)
         for got, want in zip(cache.layers, ref.layers):
@@ -202,7 +202,7 @@ def test_sink_is_shared_copied_on_write_and_rewritten_after_crop():
     a.pool.check_invariants()
     a.release()
     b.release()
-    assert a.pool.store.sinks.num_used == 0 and a.pool.stats().bytes_in_use == 0
+    assert a.pool.groups[0].store.sinks.num_used == 0 and a.pool.stats().bytes_in_use == 0
     a.pool.check_invariants()
 
 
@@ -219,7 +219,7 @@ def test_each_block_is_encoded_once(monkeypatch):
     model = tiny_model("llama")
     cache = PagedCache(block_size=4, quant="k4v4", debug=True)
     encoded = []
-    codec = cache.pool.store.key_codec
+    codec = cache.pool.groups[0].store.key_codec
     original = codec.encode
 
     def spy(x):
@@ -313,7 +313,7 @@ def test_crop_across_the_quantized_fp_border(new_len):
     assert rel(k0, ref.layers[0].keys) < 2 * REL_ERR[8]
     cache.pool.check_invariants()
     cache.release()
-    assert cache.pool.stats().blocks_in_use == 0 and cache.pool.store.staging.num_used == 0
+    assert cache.pool.stats().blocks_in_use == 0 and cache.pool.groups[0].store.staging.num_used == 0
 
 
 def test_same_prompt_twenty_times_with_sharing_is_identical():
@@ -370,7 +370,7 @@ def test_rows_equal_in_layer_0_but_not_later_are_unshared_mid_step():
             assert torch.equal(cache.layers[layer].values[r], alone.layers[layer].values[0]), (r, layer)
         alone.release()
     cache.release()
-    assert cache.pool.stats().blocks_in_use == 0 and cache.pool.store.staging.num_used == 0
+    assert cache.pool.stats().blocks_in_use == 0 and cache.pool.groups[0].store.staging.num_used == 0
 
 
 def test_nan_input_raises_and_leaks_nothing():
@@ -397,7 +397,7 @@ def test_debug_mode_poisons_freed_blocks():
     cache = PagedCache(block_size=4, quant="k4v4", debug=True)
     feed(model, cache, ids(1, 10), prefill=10)
     blocks = cache.block_tables()[0]
-    store = cache.pool.store
+    store = cache.pool.groups[0].store
     stage = store.states.stage_of[blocks[-1]]
     cache.release()
     for layer in store.specs:

@@ -157,11 +157,11 @@ def test_trace_reports_a_clean_run_and_a_block_history(tmp_path, capsys):
 def test_trace_finds_a_leak_and_a_double_free(tmp_path, capsys):
     pool = BlockPool(block_size=4, num_blocks=4)
     pool.events.enable()
-    leaked = pool.allocate(1)
-    freed = pool.allocate(1)
-    pool.free(freed)
+    leaked = pool._allocate(1)
+    freed = pool._allocate(1)
+    pool._free(freed)
     with pytest.raises(AssertionError):
-        pool.free(freed)
+        pool._free(freed)
     path = tmp_path / "trace.jsonl"
     pool.events.dump(path)
     assert main(["trace", str(path), "--json", "--block", str(freed[0])]) == 1

@@ -205,7 +205,7 @@ class EngineService:
         """Blocks a request may hold in each full-attention layer group of a fixed pool (its blocks less the pad
         block): the engine's admission limit."""
         stats = self.pool.stats()
-        return [g.num_blocks - (self.pool.pad_block(i) is not None)
+        return [g.num_blocks - (self.pool.groups[i].pad_block is not None)
                 for i, g in enumerate(stats.groups) if g.window is None]
 
     def _token_limit(self, prompt_len: int) -> int:

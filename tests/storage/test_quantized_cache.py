@@ -87,7 +87,7 @@ def test_pool_owns_the_quant_setting():
         PagedCache(pool=pool, quant="k4v4")
     with pytest.raises(ValueError, match="differs from the pool's quant=fp"):
         PagedCache(pool=BlockPool(), quant="k8v8")
-    assert BlockPool().block_size == 16 and not BlockPool(quant="fp").store.is_quantized
+    assert BlockPool().block_size == 16 and not BlockPool(quant="fp").groups[0].store.is_quantized
 
 
 def test_fp_preset_is_the_exact_path():

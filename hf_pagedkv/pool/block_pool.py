@@ -103,6 +103,10 @@ class BlockPool:
     Thread safety: every bookkeeping change happens under `lock` (an `RLock`), so several threads may each run
     their own caches on one pool (a cache, one thread at a time). Exception safety, determinism: module docstring.
 
+    Its public methods and properties are what a user calls; the pool's collaborators (`PagedCache`'s parts, the
+    serving engine) work on its parts under `lock`: `groups[g]` (blocks), `owners` (`PoolOwners`), `layers`
+    (`LayerRegistry`), and the underscored block operations that also need the pool (owner draining, metrics).
+
     Raises:
         ValueError: `block_size` or `num_blocks` not a positive int; both `num_blocks` and `max_memory`
             given; `max_memory` not a size; an invalid `quant`; `prefix_cache_memory` without `prefix_caching`,

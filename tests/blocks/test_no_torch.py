@@ -41,4 +41,4 @@ def test_every_blocks_module_imports_without_torch():
     loaded = set(result["loaded"])
     assert set(MODULES) <= loaded
     # nothing above the bottom of the package: the blocks, and the torch-free base module they size budgets with
-    assert loaded - set(MODULES) == {"hf_pagedkv", "hf_pagedkv.blocks", "hf_pagedkv.config"}
+    assert loaded - set(MODULES) == {"hf_pagedkv", "hf_pagedkv.blocks", "hf_pagedkv.config", "hf_pagedkv.errors"}

@@ -4,6 +4,7 @@ every fallback from a kernel to the torch read, with its reason (no silent fallb
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import Counter
 
 logger = logging.getLogger(__name__)
@@ -13,8 +14,15 @@ logger = logging.getLogger(__name__)
 PATHS = ("kernel-table", "kernel-codes", "torch-codes", "torch-chunks", "fp")
 
 
+#: key codec -> (value codec, format name): `format_name` runs per layer and step
+_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def format_name(codecs) -> str:
     """A storage format as ``"<key codec>/<value codec>"`` (``"int4+rot/int4"``, ``"int8/fp8-e4m3"``)."""
+    known = _NAMES.get(codecs[0])
+    if known is not None and known[0] is codecs[1]:
+        return known[1]
     names = []
     for c in codecs:
         inner = c.inner
@@ -25,7 +33,8 @@ def format_name(codecs) -> str:
         else:
             name = inner.name
         names.append(name + ("+rot" if c.rotated else ""))
-    return "/".join(names)
+    _NAMES[codecs[0]] = (codecs[1], "/".join(names))
+    return _NAMES[codecs[0]][1]
 
 
 class ReadCounts:

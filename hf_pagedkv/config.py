@@ -50,8 +50,13 @@ def parse_bytes(value: int | str, name: str = "max_memory") -> int:
 DEFAULT_BLOCK_SIZE = 16  # tokens per block of a full-precision pool
 DEFAULT_QUANT_BLOCK_SIZE = 32  # tokens per block of a quantized pool (the key quantization group)
 
-_BITS = (None, 8, 4, 2)
+_BITS = (None, 8, 4, 3, 2)
 _BACKENDS = ("torch", "reference", "bitsandbytes")
+_FORMATS = ("int", "e4m3", "e5m2")  # integer codes, or 8-bit floats (float8_e4m3fn, float8_e5m2)
+_FP8_SCALES = ("group", "block")
+#: a preset name: ``k<key>v<value>`` with each half 16 (full precision), 8, 4, 3, 2 bits or an fp8 format, and an
+#: ``r`` suffix for rotated keys and a ``b`` suffix for per-block fp8 scales
+_PRESET = re.compile(r"k(16|8|4|3|2|e4m3|e5m2)v(16|8|4|3|2|e4m3|e5m2)(r?)(b?)")
 #: The preset ladder: name -> (key_bits, value_bits), None meaning full precision (the planner uses it too).
 PRESETS: dict[str, tuple[int | None, int | None]] = {
     "fp": (None, None), "v8": (None, 8), "k8v8": (8, 8), "k8v4": (8, 4), "k4v4": (4, 4), "k4v2": (4, 2),
@@ -75,8 +80,8 @@ class QuantConfig:
     ``fp -> v8 -> k8v8 -> k8v4 -> k4v4 (-> k4v2 -> k2v2)``.
 
     Args:
-        key_bits (`int`, *optional*): 8, 4 or 2 bits per key element; `None` keeps keys in full precision.
-        value_bits (`int`, *optional*): 8, 4 or 2 bits per value element; `None` keeps values in full precision.
+        key_bits (`int`, *optional*): 8, 4, 3 or 2 bits per key element; `None` keeps keys in full precision.
+        value_bits (`int`, *optional*): 8, 4, 3 or 2 bits per value element; `None` keeps values in full precision.
         value_group_size (`int`, *optional*, defaults to 64): channels per value quantization group (capped at
             `head_dim`, which it must divide).
         backend (`str`, *optional*, defaults to `"torch"`): `"torch"` (vectorised, the default), `"reference"`
@@ -85,10 +90,20 @@ class QuantConfig:
             in full precision (model dtype), read in place of their decoded codes; 0 turns this off. At most the
             pool's block size. Costs `sink_tokens` full-precision tokens per sequence (0.1% of the fp16 bytes of
             a 2048-token sequence of an fp32 model).
+        rotate_keys (`bool`, *optional*, defaults to False): quantize keys turned by a fixed randomized Hadamard
+            rotation (QuaRot, arXiv 2404.00456; TurboQuant, arXiv 2504.19874), which spreads outlier channels over
+            all channels (`RotatedCodec`; head_dim a power of two). Reads de-rotate; the ``"hf_pagedkv"`` attention
+            rotates the query instead. Same bytes.
+        key_format, value_format (`str`, *optional*, defaults to `"int"`): `"int"` (integer codes), or `"e4m3"` /
+            `"e5m2"` for 8-bit floating-point codes (`Fp8Codec`; bits must then be 8; `torch` backend).
+        fp8_scales (`str`, *optional*, defaults to `"group"`): fp8 scale granularity: `"group"` (keys per channel
+            over the block, values per token and channel group, as the integer codecs) or `"block"` (one scale per
+            block of one head).
 
     Raises:
-        ValueError: bits not in {None, 8, 4, 2}, a non-positive group size, a negative `sink_tokens`, an unknown
-            backend, or a backend that cannot encode the requested bits.
+        ValueError: bits not in {None, 8, 4, 3, 2}, a non-positive group size, a negative `sink_tokens`, an unknown
+            backend, format or scale granularity, an fp8 format without 8 bits, or a backend that cannot encode the
+            requested bits.
 
     A config giving keys fewer bits than values (say `k4v8`) is allowed for ablations but logs a warning once.
 
@@ -107,6 +122,10 @@ class QuantConfig:
     value_group_size: int = 64
     backend: str = "torch"
     sink_tokens: int = 1
+    rotate_keys: bool = False
+    key_format: str = "int"
+    value_format: str = "int"
+    fp8_scales: str = "group"
 
     def __post_init__(self) -> None:
         for name in ("key_bits", "value_bits"):
@@ -118,6 +137,20 @@ class QuantConfig:
             raise ValueError(f"`sink_tokens` must be an int >= 0 (0: no full-precision sink); got {self.sink_tokens!r}.")
         if self.backend not in _BACKENDS:
             raise ValueError(f"`backend` must be one of {', '.join(_BACKENDS)}; got {self.backend!r}.")
+        if not isinstance(self.rotate_keys, bool):
+            raise ValueError(f"`rotate_keys` must be True or False; got {self.rotate_keys!r}.")
+        for name in ("key_format", "value_format"):
+            fmt, bits = getattr(self, name), getattr(self, name.replace("format", "bits"))
+            if fmt not in _FORMATS:
+                raise ValueError(f"`{name}` must be one of {', '.join(_FORMATS)}; got {fmt!r}.")
+            if fmt != "int" and (bits != 8 or self.backend != "torch"):
+                raise ValueError(f"`{name}`={fmt!r} is an 8-bit float: it needs {name.replace('format', 'bits')}=8 "
+                                 f"and backend='torch' (got {bits!r}, {self.backend!r}).")
+        if self.fp8_scales not in _FP8_SCALES:
+            raise ValueError(f"`fp8_scales` must be one of {', '.join(_FP8_SCALES)}; got {self.fp8_scales!r}.")
+        if self.backend != "torch" and 3 in (self.key_bits, self.value_bits):
+            raise ValueError(f"3-bit codes are the torch backend's (got backend={self.backend!r}); use "
+                             "backend='torch'.")
         if self.backend == "bitsandbytes" and 2 in (self.key_bits, self.value_bits):
             raise ValueError("backend='bitsandbytes' encodes 8 or 4 bits (blockwise int8, NF4); use backend='torch' "
                              f"for 2 bits (got key_bits={self.key_bits}, value_bits={self.value_bits}).")
@@ -131,21 +164,31 @@ class QuantConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides) -> QuantConfig:
-        """A preset along the ladder: `fp`, `v8`, `k8v8`, `k8v4`, `k4v4`, `k4v2`, `k2v2` (or any `k<b>v<b>`).
+        """A preset along the ladder: `fp`, `v8`, `k8v8`, `k8v4`, `k4v4`, `k4v2`, `k2v2`, or any ``k<b>v<b>`` with
+        each `b` 16 (full precision), 8, 4, 3, 2 or an fp8 format (`e4m3`, `e5m2`: 8-bit floats), an ``r``
+        suffix for rotated keys and a ``b`` suffix for per-block fp8 scales: ``"k4v4r"``, ``"k3v3r"``,
+        ``"k4ve4m3"``.
 
         Raises:
             ValueError: an unknown name.
         """
         key = str(name).lower()
-        match = re.fullmatch(r"k(8|4|2|16)v(8|4|2|16)", key)
+        match = _PRESET.fullmatch(key)
         if key in PRESETS:
             k, v = PRESETS[key]
+            fields = {"key_bits": k, "value_bits": v}
         elif match:
-            k, v = (None if b == "16" else int(b) for b in match.groups())
+            fields = {"rotate_keys": bool(match.group(3)), "fp8_scales": "block" if match.group(4) else "group"}
+            for half, b in zip(("key", "value"), match.groups()[:2]):
+                fp8 = b.startswith("e")
+                fields[f"{half}_bits"] = 8 if fp8 else None if b == "16" else int(b)
+                if fp8:
+                    fields[f"{half}_format"] = b
         else:
             raise ValueError(f"Unknown quantization preset {name!r}; use one of {', '.join(PRESETS)} "
-                             "(or 'k<bits>v<bits>' with bits 8, 4, 2, 16) or a QuantConfig.")
-        return cls(key_bits=k, value_bits=v, **overrides)
+                             "(or 'k<b>v<b>' with b in 16, 8, 4, 3, 2, e4m3, e5m2, and an 'r' suffix for rotated "
+                             "keys) or a QuantConfig.")
+        return cls(**{**fields, **overrides})
 
 
     @classmethod
@@ -172,5 +215,12 @@ class QuantConfig:
     def name(self) -> str:
         """The preset name such as ``"k8v4"`` or ``"fp"``; otherwise ``k<bits>v<bits>`` with 16 for full precision."""
         bits = (self.key_bits, self.value_bits)
-        return next((name for name, preset in PRESETS.items() if preset == bits),
-                    f"k{self.key_bits or 16}v{self.value_bits or 16}")
+        plain = (self.key_format, self.value_format, self.rotate_keys) == ("int", "int", False)
+        named = next((name for name, preset in PRESETS.items() if preset == bits), None) if plain else None
+        if named is not None:
+            return named
+        k = self.key_format if self.key_format != "int" else self.key_bits or 16
+        v = self.value_format if self.value_format != "int" else self.value_bits or 16
+        fp8 = "e" in f"{k}{v}"
+        return (f"k{k}v{v}" + ("r" if self.rotate_keys and self.key_bits is not None else "")
+                + ("b" if fp8 and self.fp8_scales == "block" else ""))

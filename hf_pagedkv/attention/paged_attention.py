@@ -8,7 +8,9 @@ import math
 import torch
 import torch.nn.functional as F
 
+from hf_pagedkv.attention.compiled_read import CompiledCodeAttention
 from hf_pagedkv.attention.paged_view import PagedView
+from hf_pagedkv.attention.read_counts import READ_COUNTS, format_name
 from hf_pagedkv.storage.code_read import CodeRead
 
 #: tokens per page tile: what one layer holds decoded in full precision at a time (keys and values, every row).
@@ -40,7 +42,11 @@ def paged_attention(query: torch.Tensor, view: PagedView, scaling: float, mask: 
 
     The query heads are grouped by their key/value head (GQA), so no key or value is repeated. Only the reduction
     order differs from `sdpa` over the materialized K/V (fp32: about 1e-7 relative), and probabilities below
-    ``2**-64`` of a row's largest are dropped (`NEGLIGIBLE`).
+    ``2**-64`` of a row's largest are dropped (`NEGLIGIBLE`). Rotated keys (``QuantConfig(rotate_keys=True)``) are
+    scored with the query turned once (``(q @ R) . (k @ R) = q . k``) against their codes and the turned
+    full-precision tokens (`rotate_code_table`), by every path that reads codes; the de-quantized chunks come back
+    in the model's basis and take the query as it is. Each read is counted by the path that served it, and a
+    format the kernels do not read is a counted, logged fallback to the torch read (`READ_COUNTS`).
 
     Args:
         query (`torch.Tensor` of shape `[batch, num_heads, q, key_dim]`): `num_heads` a multiple of the view's
@@ -65,17 +71,30 @@ def paged_attention(query: torch.Tensor, view: PagedView, scaling: float, mask: 
     # [batch, H, G, q, D] -> [H, batch, G * q, D]: a query row per (query head of the group, query token)
     qh = (query * scaling).view(batch, H, G, q, dim).transpose(0, 1).reshape(H, batch, G * q, dim)
     bias = _mask_bias(mask, batch, G, q, query.dtype)  # [1, batch, G*q | 1, end - lo] or None
+    quantized = view.store.is_quantized
+    fmt = format_name(view.store.codecs) if quantized else "fp"
+    rotation = view.key_rotation() if quantized else None  # [dk, dk]: the key codes are of keys @ R
+    qr = qh if rotation is None else torch.matmul(qh, rotation.to(qh.dtype))  # [H, batch, G*q, D]: codes' basis
     if native is not None:
-        out = native(qh, view, bias)  # [H, batch, G*q, Dv] or None
+        out = native(qr if quantized else qh, view, bias)  # [H, batch, G*q, Dv] or None
         if out is not None:
+            READ_COUNTS.serve("kernel-table" if quantized else "fp", fmt)
             return _unpack(out, batch, H, G, q, num_heads)
     read = view.code_read()  # quantized: codes and scales of the encoded blocks, or None
     if read is not None:
-        out = None if compiled is None else compiled(qh, read, bias)
+        out = None if compiled is None else compiled(qr, read, bias)
         if out is None:
-            out = code_attention(qh, read, bias, tile_tokens)
+            kernels = compiled is not None or (native is not None and qh.is_cpu)
+            if kernels and not CompiledCodeAttention.supports_codecs(read.codecs, read.dims):
+                READ_COUNTS.fall_back(fmt, "the kernels read int8/int4 keys per channel and int8/int4 values per "
+                                           "token in one group per head")
+            out = code_attention(qr, read, bias, tile_tokens)
+            READ_COUNTS.serve("torch-codes", fmt)
+        else:
+            READ_COUNTS.serve("kernel-codes", fmt)
         return _unpack(out, batch, H, G, q, num_heads)
-    if not view.store.is_quantized and view.base is None:  # rows in blocks: strided views of runs, rest gathered
+    READ_COUNTS.serve("torch-chunks" if quantized else "fp", fmt)
+    if not quantized and view.base is None:  # rows in blocks: strided views of runs, rest gathered
         return _unpack(fp_attention(qh, view.fp_parts(tile_tokens), bias), batch, H, G, q, num_heads)
     if view.num_chunks(tile_tokens) == 1:  # one view or one tile: a single softmax, by torch's fused kernel
         (pos0, k, v), = view.chunks(tile_tokens)

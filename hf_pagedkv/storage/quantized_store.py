@@ -9,7 +9,7 @@ from hf_pagedkv.storage.block_storage import BlockStorage, BlockTensor, check_bl
 from hf_pagedkv.storage.code_layout import CodeLayout
 from hf_pagedkv.storage.code_read import CodeRead
 from hf_pagedkv.storage.code_table import CodeTable
-from hf_pagedkv.storage.codecs import BlockLayout, codec_name, make_codec
+from hf_pagedkv.storage.codecs import BlockLayout, codecs_for
 from hf_pagedkv.storage.page_store import LayerSpec
 from hf_pagedkv.storage.quantized_block_states import QuantizedBlockStates
 from hf_pagedkv.storage.quantized_reader import QuantizedReader
@@ -64,13 +64,9 @@ class QuantizedPageStore:
                              "use at most one block of sink tokens (or a larger block_size).")
         self.block_size = block_size  # tokens per block; fixed
         self.quant = quant  # the storage format; fixed
-        self.key_codec = make_codec(codec_name(quant.backend, quant.key_bits), "channel")  # fixed
-        self.value_codec = make_codec(codec_name(quant.backend, quant.value_bits), "token", quant.value_group_size)
+        self.key_codec, self.value_codec = codecs_for(quant)  # keys per channel, values per token; fixed
         for codec in self.codecs:  # fail here, not at the first forward pass
-            if codec.bits in (4, 2) and block_size % (8 // codec.bits):
-                raise ValueError(f"{codec.bits}-bit codes pack {8 // codec.bits} tokens per byte: block_size="
-                                 f"{block_size} must be a multiple of {8 // codec.bits} (quantized pools default to "
-                                 "32).")
+            codec.check_block_size(block_size)
         self.staging = StagingStore(block_size, debug)  # full-precision stages of open blocks
         self.sink_tokens = quant.sink_tokens  # tokens per sink stage; fixed
         self.sinks = StagingStore(max(1, self.sink_tokens), debug)  # full-precision sink tokens of first blocks

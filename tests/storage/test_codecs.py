@@ -139,8 +139,8 @@ def test_bad_arguments():
         Int8Codec(axis="head")
     with pytest.raises(ValueError, match="value_group_size=48 does not divide head_dim=64"):
         Int4Codec(axis="token", group_size=48).layout(16, 64, torch.float32)
-    with pytest.raises(ValueError, match="Unknown codec 'int3'"):
-        make_codec("int3", "channel")
+    with pytest.raises(ValueError, match="Unknown codec 'int5'"):
+        make_codec("int5", "channel")
 
 
 @pytest.mark.parametrize("name", sorted(CODECS))
@@ -157,7 +157,8 @@ def test_registry_matrix(name, axis):
     assert codes.dtype == layout.code_dtype and scales.dtype == layout.scale_dtype
     y = codec.decode(codes, scales, torch.empty_like(x))
     bits = codec.bits or 32
-    assert float((y - x).norm() / x.norm()) < {32: 1e-7, 8: 0.02, 4: 0.12, 2: 0.45}[bits]
+    bound = {32: 1e-7, 8: 0.02, 4: 0.12, 3: 0.25, 2: 0.45}[bits] if not name.startswith("fp8") else 0.06
+    assert float((y - x).norm() / x.norm()) < bound
     assert codec.bytes_per_token(32, 64, x.dtype) == layout.bytes / 32
     assert layout.bytes <= 32 * 64 * bits / 8 + 2 * 4 * codec.num_groups(32, 64) + (4 * 32 * 64 if bits == 32 else 0)
 

@@ -59,8 +59,8 @@ def test_quant_config_presets_and_validation(caplog, monkeypatch):
     assert QuantConfig.preset("v8") == QuantConfig(value_bits=8)
     assert QuantConfig.preset("fp").is_quantized is False and QuantConfig.resolve(None).name == "fp"
     assert [QuantConfig.preset(p).name for p in PRESETS] == PRESETS
-    with pytest.raises(ValueError, match="key_bits.*got 3"):
-        QuantConfig(key_bits=3)
+    with pytest.raises(ValueError, match="key_bits.*got 5"):
+        QuantConfig(key_bits=5)
     with pytest.raises(ValueError, match="Unknown quantization preset 'k5v5'"):
         QuantConfig.preset("k5v5")
     with pytest.raises(ValueError, match="backend"):

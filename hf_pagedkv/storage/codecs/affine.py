@@ -14,12 +14,25 @@ class AffineCodec(Codec):
     is_affine = True
 
     def layout(self, block_size: int, dim: int, dtype: torch.dtype) -> BlockLayout:
-        per_byte = 8 // self.bits
-        if block_size % per_byte:
-            raise ValueError(f"{self.name} packs {per_byte} tokens per byte: block_size={block_size} must be a "
-                             "multiple of it.")
-        return BlockLayout(block_size * dim // per_byte, torch.uint8, 2 * self.num_groups(block_size, dim),
+        self.check_block_size(block_size)
+        return BlockLayout(block_size * dim * self.bits // 8, torch.uint8, 2 * self.num_groups(block_size, dim),
                            torch.float16)
+
+    @property
+    def tokens_per_pack(self) -> int:
+        """Tokens whose codes of one channel share whole bytes (`block_size` must be a multiple)."""
+        return 8 // self.bits
+
+    def check_block_size(self, block_size: int) -> None:
+        if block_size % self.tokens_per_pack:
+            raise ValueError(f"{self.bits}-bit codes pack {self.tokens_per_pack} tokens per byte: block_size="
+                             f"{block_size} must be a multiple of {self.tokens_per_pack} (quantized pools default "
+                             "to 32).")
+
+    def pack(self, q: torch.Tensor) -> torch.Tensor:
+        """Integer codes `[..., B, D]` -> bytes `[..., code_size // D, D]` (`pack`)."""
+        return pack(q, self.bits)
+
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         check_finite(x)
@@ -30,11 +43,11 @@ class AffineCodec(Codec):
         safe = torch.where(scale == 0, torch.ones_like(scale), scale).float()
         q = torch.round((xg - lo.float()) / safe).clamp_(0, qmax).to(torch.int32).reshape(x.shape)  # [..., B, D]
         scales = torch.cat((scale.reshape(*x.shape[:-2], -1), lo.reshape(*x.shape[:-2], -1)), -1)  # [..., 2 * groups]
-        return pack(q, self.bits).flatten(-2), scales  # codes [..., B // per_byte * D]
+        return self.pack(q).flatten(-2), scales  # codes [..., B // per_byte * D]
 
     def decode(self, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         B, D = out.shape[-2:]
-        unpack_into(codes.unflatten(-1, (-1, D)), self.bits, out)  # [..., B, D] integer values
+        self.unpack(codes, out)  # [..., B, D] integer values
         scale, lo = scales.to(out.dtype).chunk(2, dim=-1)  # [..., groups] each
         og, _ = self.grouped(out)
         scale, lo = self.stats_view(scale, B, D), self.stats_view(lo, B, D)

@@ -50,6 +50,14 @@ class Codec(ABC):
     #: whether the reconstruction is ``code * scale (+ zero)`` per group (`unpack` and `affine` then give the parts,
     #: so an attention can fold the scales into the query and the probabilities instead of de-quantizing)
     is_affine: ClassVar[bool] = False
+    #: whether the codes are of ``x @ R``, `R` an orthogonal matrix (`RotatedCodec.matrix`): an attention that reads
+    #: the codes in place then scores ``(q @ R) . code_values``
+    rotated: ClassVar[bool] = False
+
+    @property
+    def inner(self) -> Codec:
+        """The codec that encodes the (rotated) values: `self` for a plain codec."""
+        return self
 
     def __init__(self, axis: str, group_size: int = 64) -> None:
         if axis not in AXES:
@@ -95,6 +103,10 @@ class Codec(ABC):
     @abstractmethod
     def layout(self, block_size: int, dim: int, dtype: torch.dtype) -> BlockLayout:
         """Storage of one block of one head for inputs of `dtype`."""
+
+    def check_block_size(self, block_size: int) -> None:
+        """Raise `ValueError` when blocks of `block_size` tokens cannot be packed (a bit width sharing bytes
+        between tokens); every size is fine by default."""
 
     def bytes_per_token(self, block_size: int, dim: int, dtype: torch.dtype = torch.float16) -> float:
         """Bytes one token of one head takes (codes + its share of the block's scales)."""

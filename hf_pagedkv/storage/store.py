@@ -123,6 +123,10 @@ class CodeStore(Store, Protocol):
     """A `Store` with ``is_quantized = True`` (`QuantizedPageStore`), as an attention that reads codes in place sees
     it: the same tokens as `read`, as codes and scales."""
 
+    @property
+    def codecs(self) -> tuple:
+        """The `(key codec, value codec)` pair the store encodes with (`storage/codecs`), fixed."""
+
     def read_codes(self, layer_idx: int, request: ReadRequest) -> CodeRead | None:
         """The encoded blocks of the range as gathered codes and scales, the rest in full precision (`CodeRead`)."""
 

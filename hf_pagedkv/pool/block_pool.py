@@ -45,6 +45,7 @@ from hf_pagedkv.pool.idle_shrink import IdleShrink
 from hf_pagedkv.pool.layer_registry import LayerRegistry
 from hf_pagedkv.pool.pool_owners import PoolOwners
 from hf_pagedkv.pool.pool_settings import PoolSettings
+from hf_pagedkv.pool.staging_budget import reserve_error, stages_fit
 from hf_pagedkv.pool.stats_snapshot import snapshot_stats
 from hf_pagedkv.storage.page_store import LayerSpec
 
@@ -221,22 +222,22 @@ class BlockPool:
 
     # -- blocks: each a `BlockGroup` operation under the lock, plus what spans groups: draining the owners collected
     # since the last operation (`PoolOwners.drain`), metrics, idle shrinking --------------------------------------
-    def can_reserve(self, n: int, group: int = 0) -> bool:
-        """Whether `reserve(n, group)` would succeed. No side effects."""
+    def can_reserve(self, n: int, group: int = 0, stages: int = 0) -> bool:
+        """Whether `reserve(n, group, stages=stages)` would succeed. No side effects."""
         with self.lock:
-            return self.groups[group].can_reserve(n)
+            return self.groups[group].can_reserve(n) and stages_fit(self.groups[group].store, stages)
 
-    def reserve(self, n: int, group: int = 0, rows: int = 1, run: int = 0) -> None:
-        """`BlockGroup.reserve`: `n` free blocks in `group`, evicting or growing, else `PoolExhaustedError`."""
+    def reserve(self, n: int, group: int = 0, rows: int = 1, run: int = 0, stages: int = 0) -> None:
+        """`BlockGroup.reserve`: `n` free blocks (and `stages` stages) in `group`, else `PoolExhaustedError`."""
         with self.lock:
             self.owners.drain(self.free_groups)
             if self.idle_shrink is not None:
                 self.idle_shrink.touch()
             g = self.groups[group]
-            if not g.can_reserve(n):
+            if not g.can_reserve(n) or not stages_fit(g.store, stages):
                 self.metrics.count_failure(n)
-                raise g.exhausted_error(n, named=len(self.groups) > 1)
-            g.reserve(n, rows, run)
+                raise reserve_error(g, n, stages, named=len(self.groups) > 1)
+            g.reserve(n, rows, run)  # (the stages are only checked: a step takes them later, in its writes)
 
     def allocate(self, n: int, after: int | None = None, group: int = 0) -> list[int]:
         """Allocate `n` blocks of `group` (refcount 1 each), growing or raising `PoolExhaustedError` first if needed."""

@@ -24,6 +24,9 @@ request** (possibly the one asking) and queues it again (it keeps its arrival):
 A request whose prompt and new tokens need more blocks than the whole pool holds can never run: it fails at
 admission, with an error naming the sizes.
 
+A quantized pool with `max_memory` holds each running request's partial last block in full precision inside its
+budget (`staging_budget.max_rows`): the scheduler admits no more requests than its staging area holds at once.
+
 Invariants: `waiting` and `running` are sorted by arrival and disjoint; a running request holds a cache on the
 device, a waiting one none or an offloaded one (swapped); the blocks promised in a step fit what the pool could
 reserve when they were promised.
@@ -37,6 +40,7 @@ from dataclasses import dataclass
 
 from hf_pagedkv.adapter.paged_cache import PagedCache
 from hf_pagedkv.pool.block_pool import BlockPool
+from hf_pagedkv.pool.staging_budget import max_rows as staged_rows
 from hf_pagedkv.errors import PoolExhaustedError, counted
 from hf_pagedkv.blocks.block_table import num_blocks_for
 from hf_pagedkv.serving.request import Request, RequestStatus
@@ -181,8 +185,11 @@ class Scheduler:
                 promised.update(needs)
                 budget -= n
         rejected: list[Request] = []
+        max_rows = staged_rows(self.pool)  # a quantized max_memory pool's staging area holds this many rows
         while self.waiting and budget > 0 and not preempted:
             req = self.waiting[0]
+            if max_rows is not None and len(self.running) >= max_rows:
+                break
             if req.cache is not None:  # swapped out: its blocks come back first
                 n = min(req.num_pending, budget)
                 needs = self._needs(req.num_computed, n)

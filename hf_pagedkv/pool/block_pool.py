@@ -45,7 +45,7 @@ from hf_pagedkv.pool.idle_shrink import IdleShrink
 from hf_pagedkv.pool.layer_registry import LayerRegistry
 from hf_pagedkv.pool.pool_owners import PoolOwners
 from hf_pagedkv.pool.pool_settings import PoolSettings
-from hf_pagedkv.pool.staging_budget import reserve_error, stages_fit
+from hf_pagedkv.pool.staging_budget import compact_within_stages, reserve_error, stages_fit
 from hf_pagedkv.pool.stats_snapshot import snapshot_stats
 from hf_pagedkv.storage.page_store import LayerSpec
 
@@ -336,7 +336,7 @@ class BlockPool:
             self.owners.drain(self.free_groups)
             moved = 0
             for g in self.groups:
-                n = g.compact(max_blocks)
+                n = compact_within_stages(g, max_blocks)
                 moved += n
                 self.num_moved_blocks += n
             return moved

@@ -54,6 +54,17 @@ def copied_stages(group, blocks: list[int]) -> int:
     return group.store.num_staged(blocks)
 
 
+def compact_within_stages(group, max_blocks: int) -> int:
+    """`group.compact(max_blocks)`, or 0 (nothing moved) when the group's staging area has no room for the copies
+    of the open blocks it would move (a moved block's stage is copied before the old one is returned)."""
+    try:
+        return group.compact(max_blocks)
+    except PoolExhaustedError:
+        if group.store.stage_capacity() is None:
+            raise
+        return 0
+
+
 def max_rows(pool) -> int | None:
     """Rows that can always run at once within `pool`'s stage capacity (each holds at most two stages: its open
     block's, and in the step that completes it the next one's), the least over its layer groups; None: no limit."""

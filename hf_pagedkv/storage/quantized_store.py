@@ -20,10 +20,19 @@ from hf_pagedkv.storage.staging_store import StagingStore
 from hf_pagedkv.storage.write_plan import WritePlan
 
 _CODE_SENTINEL = 0xFF  # debug mode: freed code bytes (their scales become NaN, so a decode shows NaN)
-# A fixed budget (`BlockPool(max_memory=...)`) gives a quarter of its bytes (at least _MIN_BUDGET_STAGES stages) to
+# A fixed budget (`BlockPool(max_memory=...)`) gives a quarter of its bytes (2 to 256 stages: `budget_stages`) to
 # the full-precision stages of open blocks and the rest to encoded blocks: see `QuantizedPageStore.budget_split`
 _STAGE_SHARE = 4
 _MIN_BUDGET_STAGES = 2  # a row holds two stages in the step that completes its open block and opens the next
+MAX_BUDGET_STAGES = 256  # 128 rows at once: a large budget's quarter would mostly sit unused
+
+
+def budget_stages(max_memory: int, stage_bytes: int) -> int:
+    """Full-precision stages a quantized pool keeps inside a budget of `max_memory` bytes, each of `stage_bytes`
+    (one block of every layer in the model dtype): a quarter of the budget, at least 2 and at most
+    `MAX_BUDGET_STAGES`. The rest of the budget buys encoded blocks (`QuantizedPageStore.budget_split`);
+    `hf-pagedkv plan` sizes budgets with the same rule."""
+    return max(_MIN_BUDGET_STAGES, min(MAX_BUDGET_STAGES, max_memory // _STAGE_SHARE // stage_bytes))
 
 
 class QuantizedPageStore:
@@ -129,7 +138,7 @@ class QuantizedPageStore:
 
     def budget_split(self, max_memory: int, spec: LayerSpec, num_layers: int | None) -> tuple[int | None, int]:
         """How a budget of `max_memory` bytes (all layers, each counted with `spec`) splits between full-precision
-        stages and encoded blocks: a quarter of it to stages of ``block_size`` tokens (at least 2), the rest to
+        stages and encoded blocks: a quarter of it to stages of ``block_size`` tokens (`budget_stages`), the rest to
         blocks (`budget_block_bytes`). Returns ``(stages, bytes left for blocks)``; the stages are the staging
         area's `capacity` in every layer group (a group holds them for its own layers). Without `num_layers`,
         ``(None, max_memory)``: `device_budget.blocks_for_budget` then refuses the budget.
@@ -140,7 +149,7 @@ class QuantizedPageStore:
         if num_layers is None:
             return None, max_memory
         stage = self.block_size * spec.bytes_per_token * num_layers  # one stage, all layers
-        stages = max(_MIN_BUDGET_STAGES, max_memory // _STAGE_SHARE // stage)
+        stages = budget_stages(max_memory, stage)
         least = _MIN_BUDGET_STAGES * stage + self.budget_block_bytes(spec) * num_layers
         if max_memory < least:
             raise ValueError(
@@ -396,4 +405,4 @@ class QuantizedPageStore:
             self.states.encoded[b] = self.states.num_encodes[b] = 0 if b in staged else 1
 
 
-__all__ = ["QuantizedPageStore", "WritePlan"]
+__all__ = ["QuantizedPageStore", "WritePlan", "budget_stages"]

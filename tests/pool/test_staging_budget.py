@@ -119,3 +119,25 @@ def test_engine_finishes_every_request_within_a_tight_quantized_budget(quant):
     assert 0 < peak <= budget
     assert engine.stats().kv_bytes_peak <= budget
     assert pool.stats().blocks_in_use == 0
+
+
+def test_compaction_of_a_budgeted_quantized_pool_never_exceeds_its_stages():
+    """A moved open block's stage is copied before the old one returns: with every stage in use, `compact` moves
+    nothing in that group (all or nothing) instead of raising; with stages free it moves the blocks."""
+    pool = BlockPool(quant="k8v4", max_memory=BUDGET, debug=True)
+    store = pool.store
+    first, long, *late = [add_row(pool, n, seed=i) for i, n in enumerate((5, 100, 40, 40))]  # 1, 4, 2, 2 blocks
+    long.release()  # 4 free ids below the late rows: compaction would move them down
+    caches = [first, add_row(pool, 5, seed=9)]  # every stage in use again (one per row)
+    assert store.staging.num_used == 4 and pool.stats().blocks_trapped > 0
+    in_use = pool.stats().blocks_in_use
+    assert pool.compact(100) == 0
+    pool.check_invariants()
+    assert tensor_bytes(pool) <= BUDGET and store.staging.num_used == 4 and pool.stats().blocks_in_use == in_use
+    for cache in caches:
+        cache.release()  # two stages free: the late rows' open blocks can be copied
+    assert pool.compact(100) > 0
+    pool.check_invariants()
+    assert tensor_bytes(pool) <= BUDGET and store.staging.num_used == 2
+    for cache in late:
+        cache.release()

@@ -4,7 +4,7 @@ A quantized layer group holds each row's partial last block as a full-precision 
 block fills and is encoded. With `max_memory` the stages are part of the budget: the group's store holds at most
 `Store.stage_capacity()` of them (`QuantizedPageStore.budget_split`: a quarter of the budget, at least 2), so a
 step checks, before it changes anything, that the stages it will take are available (`stages_fit`), and the serving
-scheduler runs at most `max_rows` requests at once. Pools without a byte budget, and full-precision ones, have no
+scheduler admits a request only while the running ones' stages (`stages_of_rows`) leave room for it. Pools without a byte budget, and full-precision ones, have no
 stage limit: every function here then says yes.
 """
 
@@ -65,9 +65,14 @@ def compact_within_stages(group, max_blocks: int) -> int:
         return 0
 
 
-def max_rows(pool) -> int | None:
-    """Rows that can always run at once within `pool`'s stage capacity (each holds at most two stages: its open
-    block's, and in the step that completes it the next one's), the least over its layer groups; None: no limit."""
-    caps = [g.store.stage_capacity() for g in pool.groups]
-    caps = [max(1, c // 2) for c in caps if c is not None]
+def stage_capacity(pool) -> int | None:
+    """The stages each layer group of `pool` holds at most (the least over its groups), or None: no limit."""
+    caps = [c for c in (g.store.stage_capacity() for g in pool.groups) if c is not None]
     return min(caps) if caps else None
+
+
+def stages_of_rows(num_decoding: int, num_prefilling: int) -> int:
+    """Stages rows may hold at once in a step: a decoding row one (its open block; the stage of a block it
+    completes returns at the next step's start, before that step takes a new one), a prefilling row two (a chunk may
+    complete the row's open block and leave a new partial one)."""
+    return num_decoding + 2 * num_prefilling

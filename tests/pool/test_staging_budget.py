@@ -144,3 +144,34 @@ def test_compaction_of_a_budgeted_quantized_pool_never_exceeds_its_stages():
     assert tensor_bytes(pool) <= BUDGET and store.staging.num_used == 2
     for cache in late:
         cache.release()
+
+
+def test_generate_swaps_idle_caches_out_when_the_stages_are_exhausted():
+    """`generate(swap_on_exhaustion=True)` treats a pool out of stages as any exhausted pool: idle caches go to the
+    host tier (their stages return) and the request runs, with the output of an unbudgeted quantized pool."""
+    import hf_pagedkv
+    from tests.prefix_utils import GEN
+
+    model = tiny_model("llama")
+    stage = 3 * 2 * 2 * 16 * 4 * BLOCK  # 3 KiB: 24 of them buy 6 stages and the blocks
+    pool = BlockPool(block_size=BLOCK, quant="k8v4", max_memory=24 * stage, host_memory="1MiB", debug=True)
+    idle = []
+    with torch.no_grad():
+        for i in range(6):  # six idle caches, each with a partial last block: every stage in use
+            cache = PagedCache(pool=pool, config=model.config)
+            model(torch.tensor([prompt(5, seed=900 + i)]), past_key_values=cache)
+            idle.append(cache)
+    assert pool.store.staging.num_used == 6 == stage_capacity(pool)
+    x = torch.tensor([prompt(7, seed=950)])
+    in_use = pool.stats().blocks_in_use
+    with pytest.raises(PoolExhaustedError, match="full-precision stage"):
+        hf_pagedkv.generate(model, x, pool=pool, **GEN)
+    pool.check_invariants()
+    assert pool.stats().blocks_in_use == in_use and pool.store.staging.num_used == 6
+    out = hf_pagedkv.generate(model, x, pool=pool, swap_on_exhaustion=True, **GEN)
+    pool.check_invariants()
+    assert any(cache.is_offloaded for cache in idle)
+    ref = hf_pagedkv.generate(model, x, pool=BlockPool(block_size=BLOCK, quant="k8v4"), **GEN)
+    assert torch.equal(out.sequences, ref.sequences)
+    for cache in idle:
+        cache.release()

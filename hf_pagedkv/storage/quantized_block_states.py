@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_pagedkv.errors import PoolExhaustedError
+from hf_pagedkv.errors import PoolExhaustedError, counted
 from hf_pagedkv.storage.staging_store import StagingStore
 from hf_pagedkv.storage.write_plan import WritePlan
 
@@ -157,7 +157,7 @@ class QuantizedBlockStates:
         free = self.staging.num_available()
         if free is not None and n > free:
             raise PoolExhaustedError(
-                f"BlockPool is full: {n} more full-precision stages needed, {free} of "
+                f"BlockPool is full: {counted(n, 'more full-precision stage')} needed, {free} of "
                 f"{self.staging.capacity} free (a quantized pool holds each row's partial last block in full "
                 "precision, inside its budget). Raise max_memory, run fewer rows at once, or release finished caches.")
 

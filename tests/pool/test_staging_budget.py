@@ -175,3 +175,21 @@ def test_generate_swaps_idle_caches_out_when_the_stages_are_exhausted():
     assert torch.equal(out.sequences, ref.sequences)
     for cache in idle:
         cache.release()
+
+
+@pytest.mark.parametrize("quant, batch", [("k8v4", 3), ("k4v4", 1), ("k8v4", 200)])
+def test_plan_counts_the_stages_inside_the_quantized_budget(quant, batch):
+    """`hf-pagedkv plan`'s max_memory for a quantized pool holds the planned blocks and two stages per row (at most
+    the pool's 256), all inside it: pool_bytes is max_memory."""
+    from hf_pagedkv.tools.planning import ModelShape, plan_capacity
+
+    model = tiny_model("llama")
+    plan = plan_capacity(ModelShape.from_config(model.config), max_seq_len=70, batch=batch, quant=quant,
+                         dtype="float32")
+    assert plan.pool_bytes == plan.pool_max_memory and plan.num_stages == min(256, max(2 * batch, plan.num_stages))
+    assert plan.stage_bytes == 3 * 2 * 2 * 16 * 4 * 32  # a 32-token block of every layer in fp32
+    pool = BlockPool(quant=quant, max_memory=plan.pool_max_memory)
+    with PagedCache(pool=pool, config=model.config) as cache:
+        model(torch.tensor([prompt(5, seed=1)]), past_key_values=cache)
+        assert pool.num_blocks == plan.pool_blocks >= -(-70 // 32) * batch
+        assert pool.store.stage_capacity() == plan.num_stages >= min(2 * batch, 256)

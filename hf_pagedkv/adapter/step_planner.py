@@ -9,6 +9,7 @@ import torch
 from hf_pagedkv.adapter.row_tables import RowTables
 from hf_pagedkv.adapter.step_plan import StepPlan
 from hf_pagedkv.blocks.block_table import num_blocks_for
+from hf_pagedkv.pool.staging_budget import copied_stages, step_stages
 
 
 # Tokens of free blocks a batch prefill leaves after each full-precision row for its decode steps (`_row_stride`):
@@ -98,18 +99,19 @@ class StepPlanner:
             need = sum(n_new - pads[r] for r in writers) + len(cow)
             if padded and pool.groups[rt.group].pad_block is None:
                 need += 1  # the pad block itself, reserved once
-            plans.append((rt, cow, need, self._row_stride(rt, writers, n_new, padded)))
-        for rt, _, need, _ in plans:  # all groups or none: a group that cannot serve raises before any reservation
-            if not pool.groups[rt.group].can_reserve(need):
-                pool._reserve(need, rt.group)  # raises PoolExhaustedError; nothing changed yet
-        for rt, _, need, stride in plans:
-            pool._reserve(need, rt.group, rows=len(writers), run=len(writers) * stride if stride else 0)
+            stages = step_stages(pool.groups[rt.group], rows, writers, cow, start, end)  # quantized max_memory
+            plans.append((rt, cow, need, self._row_stride(rt, writers, n_new, padded), stages))
+        for rt, _, need, _, stages in plans:  # all groups or none: a group that cannot serve raises before any change
+            if not pool._can_reserve(need, rt.group, stages):
+                pool._reserve(need, rt.group, stages=stages)  # raises PoolExhaustedError; nothing changed yet
+        for rt, _, need, stride, stages in plans:
+            pool._reserve(need, rt.group, rows=len(writers), run=len(writers) * stride if stride else 0, stages=stages)
         # Apply.
         view_base, view_rows = {}, {}
         total_src, cow0 = 0, ((), (), ())
         first = start // B
         fills = [min(B, end - p * B) for p in range(first, num_blocks_for(end, B))]
-        for rt, cow, _, stride in plans:
+        for rt, cow, _, stride, _ in plans:
             g, rows = rt.group, rt.rows
             placed = pool._allocate_rows(len(writers), n_new, stride, g) if stride else None  # evenly laid out rows
             placed = dict(zip(writers, placed)) if placed is not None else {}
@@ -212,8 +214,9 @@ class StepPlanner:
             return [b for b in rt.rows[r].after(first) if b != pad]
 
         for rt in groups:  # all groups or none
-            if not pool.groups[rt.group].can_reserve(len(own(rt))):
-                pool._reserve(len(own(rt)), rt.group)  # raises
+            stages = copied_stages(pool.groups[rt.group], own(rt))  # a staged block's copy takes a stage
+            if not pool._can_reserve(len(own(rt)), rt.group, stages):
+                pool._reserve(len(own(rt)), rt.group, stages=stages)  # raises
         for rt in groups:
             pool._reserve(len(own(rt)), rt.group)
         for rt in groups:

@@ -44,6 +44,7 @@ from hf_pagedkv.pool.idle_shrink import IdleShrink
 from hf_pagedkv.pool.layer_registry import LayerRegistry
 from hf_pagedkv.pool.pool_owners import PoolOwners
 from hf_pagedkv.pool.pool_settings import PoolSettings
+from hf_pagedkv.pool.staging_budget import compact_within_stages, reserve_error, stages_fit
 from hf_pagedkv.pool.stats_snapshot import snapshot_stats
 
 logger = logging.getLogger(__name__)
@@ -202,19 +203,25 @@ class BlockPool:
 
     # -- blocks, for the pool's collaborators (`PagedCache`'s parts, `HostTiers`, prefix files): the `BlockGroup`
     # operations that also need what spans groups: draining the owners collected since the last operation
-    # (`PoolOwners.drain`), metrics, idle shrinking, the prefix-cache budget. A group's other operations are called
-    # on it (``with pool.lock: pool.groups[g].incref(blocks)``) ------------------------------------------------------
-    def _reserve(self, n: int, group: int = 0, rows: int = 1, run: int = 0) -> None:
-        """`BlockGroup.reserve`: `n` free blocks in `group`, evicting or growing, else `PoolExhaustedError`."""
+    # (`PoolOwners.drain`), metrics, idle shrinking, the prefix-cache budget, a quantized budget's stages. A group's
+    # other operations are called on it (``with pool.lock: pool.groups[g].incref(blocks)``) --------------------------
+    def _can_reserve(self, n: int, group: int = 0, stages: int = 0) -> bool:
+        """Whether `_reserve(n, group, stages=stages)` would succeed. No side effects."""
+        with self.lock:
+            return self.groups[group].can_reserve(n) and stages_fit(self.groups[group].store, stages)
+
+    def _reserve(self, n: int, group: int = 0, rows: int = 1, run: int = 0, stages: int = 0) -> None:
+        """`BlockGroup.reserve`: `n` free blocks (and `stages` stages) in `group`, evicting or growing, else
+        `PoolExhaustedError`."""
         with self.lock:
             self.owners.drain(self._free_groups)
             if self.idle_shrink is not None:
                 self.idle_shrink.touch()
             g = self.groups[group]
-            if not g.can_reserve(n):
+            if not g.can_reserve(n) or not stages_fit(g.store, stages):
                 self.metrics.count_failure(n)
-                raise g.exhausted_error(n, named=len(self.groups) > 1)
-            g.reserve(n, rows, run)
+                raise reserve_error(g, n, stages, named=len(self.groups) > 1)
+            g.reserve(n, rows, run)  # (the stages are only checked: a step takes them later, in its writes)
 
     def _allocate(self, n: int, after: int | None = None, group: int = 0) -> list[int]:
         """Allocate `n` blocks of `group` (refcount 1 each), growing or raising `PoolExhaustedError` first if needed."""
@@ -280,7 +287,7 @@ class BlockPool:
             self.owners.drain(self._free_groups)
             moved = 0
             for g in self.groups:
-                n = g.compact(max_blocks)
+                n = compact_within_stages(g, max_blocks)
                 moved += n
                 self.num_moved_blocks += n
             return moved

@@ -44,6 +44,7 @@ class LayerRegistry:
         self._index: dict = {}  # window (None: full attention), or (window, tier) for a tier > 0 -> group index
         self._events: EventLog | None = None  # the pool's event log, given to every group; set once by `events`
         self.budget_blocks: int | None = None  # with max_memory: blocks per group once the first layer sized it
+        self.budget_stages: int | None = None  # quantized, with max_memory: each group's stage capacity (the same)
 
     def set_debug(self, debug: bool) -> None:
         """Poison freed blocks (or stop), in every group, made or to be made."""
@@ -82,6 +83,8 @@ class LayerRegistry:
             self._index[key] = gi
             if self.blocks_per_group is not None:
                 group.add_blocks(self.blocks_per_group)
+            if self.budget_stages is not None:
+                group.store.set_stage_capacity(self.budget_stages)
             if gi and self._events is not None and self._events.enabled:
                 logger.debug("BlockPool: new layer group %d (%s)", gi, group.name)
         return gi
@@ -149,15 +152,21 @@ class LayerRegistry:
         if self.max_memory is not None:  # sized by the first layer; each layer's device share checked
             # NOTE: every group gets the same number of blocks, so the groups together stay within the budget
             # (each layer belongs to one group); a sliding group rarely needs them all.
-            n = self.budget_blocks or blocks_for_budget(self.max_memory, spec, num_layers,
-                                                        target.store.block_bytes, device_memory)
+            # NOTE: a quantized pool's budget also holds the full-precision stages of open blocks (`budget_split`)
+            store, budget, stages = target.store, self.max_memory, None
+            block_bytes = store.budget_block_bytes
+            if self.budget_blocks is None:
+                stages, budget = store.budget_split(self.max_memory, spec, num_layers)
+            n = self.budget_blocks or blocks_for_budget(budget, spec, num_layers, block_bytes, device_memory)
             known = [s for g in self.groups for s in g.store.specs.values()]
-            check_device_share(layer_idx, spec, known, target.store.block_bytes, n, self.max_memory, device_memory)
+            check_device_share(layer_idx, spec, known, block_bytes, n, self.max_memory, device_memory)
             if self.budget_blocks is None:  # every group gets its blocks now: a step reserves in all of them
-                self.budget_blocks = n
+                self.budget_blocks, self.budget_stages = n, stages
                 for g in self.groups:
                     if g.allocator.num_blocks == 0:
                         g.add_blocks(n)
+                    if stages is not None:
+                        g.store.set_stage_capacity(stages)
         target.store.add_layer(layer_idx, spec)
         if target.pad_block is not None:  # the new layer's storage of the pad block holds zeros too
             target.store.zero_blocks([target.pad_block], layer_idx)

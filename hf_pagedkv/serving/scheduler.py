@@ -24,6 +24,10 @@ request** (possibly the one asking) and queues it again (it keeps its arrival):
 A request whose prompt and new tokens need more blocks than the whole pool holds can never run: it fails at
 admission, with an error naming the sizes.
 
+A quantized pool with `max_memory` holds each running request's partial last block in full precision inside its
+budget (`staging_budget`): the scheduler admits a request only while the stages the running ones may hold (one per
+decoding request, two per prefilling one) leave two for it, so no step runs out of stages.
+
 Invariants: `waiting` and `running` are sorted by arrival and disjoint; a running request holds a cache on the
 device, a waiting one none or an offloaded one (swapped); the blocks promised in a step fit what the pool could
 reserve when they were promised.
@@ -37,6 +41,7 @@ from dataclasses import dataclass
 
 from hf_pagedkv.adapter.paged_cache import PagedCache
 from hf_pagedkv.pool.block_pool import BlockPool
+from hf_pagedkv.pool.staging_budget import stage_capacity, stages_of_rows
 from hf_pagedkv.errors import PoolExhaustedError, counted
 from hf_pagedkv.blocks.block_table import num_blocks_for
 from hf_pagedkv.serving.request import Request, RequestStatus
@@ -182,8 +187,11 @@ class Scheduler:
                 promised.update(needs)
                 budget -= n
         rejected: list[Request] = []
+        stages = stage_capacity(self.pool)  # a quantized max_memory pool's staging area: so many open blocks
         while self.waiting and budget > 0 and not preempted:
             req = self.waiting[0]
+            if stages is not None and self._stages_held() + 2 > stages:  # it may take two while it prefills
+                break
             if req.cache is not None:  # swapped out: its blocks come back first
                 n = min(req.num_pending, budget)
                 needs = self._needs(req.num_computed, n)
@@ -216,6 +224,11 @@ class Scheduler:
             budget -= n
         batch = tuple(Chunk(req, req.num_computed, n) for req, (n, _) in chunks.items())
         return StepBatch(batch, tuple(preempted), tuple(rejected))
+
+    def _stages_held(self) -> int:
+        """Full-precision stages the running requests may hold at once in a step (`staging_budget.stages_of_rows`)."""
+        prefilling = sum(1 for r in self.running if r.num_pending > 1)
+        return stages_of_rows(len(self.running) - prefilling, prefilling)
 
     # -- admission and preemption -----------------------------------------------------------------------------------
     def _attach(self, req: Request) -> PagedCache:

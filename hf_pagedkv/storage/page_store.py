@@ -106,6 +106,27 @@ class PageStore:
         """Bytes of one block of one layer with this spec, keys plus values."""
         return spec.bytes_per_token * self.block_size
 
+    # -- a byte budget: a full-precision store holds no stages -------------------------------------------------------
+    def budget_block_bytes(self, spec: LayerSpec) -> int:
+        """Bytes a byte budget counts per block of one layer: `block_bytes`."""
+        return self.block_bytes(spec)
+
+    def budget_split(self, max_memory: int, spec: LayerSpec, num_layers: int | None) -> tuple[int | None, int]:
+        """No stages: the whole budget goes to blocks, ``(None, max_memory)``."""
+        return None, max_memory
+
+    def set_stage_capacity(self, stages: int) -> None:
+        """A full-precision store holds no stages: nothing to limit."""
+
+    def stage_capacity(self) -> int | None:
+        return None
+
+    def stages_available(self) -> int | None:
+        return None
+
+    def num_staged(self, blocks: list[int]) -> int:
+        return 0
+
     def bytes_in_use(self, num_used_blocks: int) -> int:
         """Bytes of `num_used_blocks` blocks in every layer, keys plus values."""
         return num_used_blocks * self.bytes_per_block

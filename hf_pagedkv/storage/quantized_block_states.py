@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from hf_pagedkv.errors import PoolExhaustedError, counted
 from hf_pagedkv.storage.staging_store import StagingStore
 from hf_pagedkv.storage.write_plan import WritePlan
 
@@ -98,6 +99,8 @@ class QuantizedBlockStates:
         first_off = torch.full((len(ublk),), B, dtype=torch.long).scatter_reduce_(0, inv, off, "amin")
         complete = torch.zeros(len(ublk), dtype=torch.bool)
         complete[inv[off == B - 1]] = True  # a write to the last slot fills the block
+        self.check_stages(sum(1 for b, is_done in zip(ublk.tolist(), complete.tolist())
+                               if not is_done and b not in self.stage_of))
         done, prefix, recode, opens = [], [], [], []
         for b, is_done, first in zip(ublk.tolist(), complete.tolist(), first_off.tolist()):
             stage = self.stage_of.get(b)
@@ -149,6 +152,21 @@ class QuantizedBlockStates:
             sink_src=dev(sink_src), sink_dst=dev(sink_dst), done_ids=tuple(done))
         return plan, opens
 
+    def check_stages(self, n: int) -> None:
+        """Raise `PoolExhaustedError` (nothing changed) when the staging area cannot hand out `n` more stages."""
+        free = self.staging.num_available()
+        if free is not None and n > free:
+            raise PoolExhaustedError(
+                f"BlockPool is full: {counted(n, 'more full-precision stage')} needed, {free} of "
+                f"{self.staging.capacity} free (a quantized pool holds each row's partial last block in full "
+                "precision, inside its budget). Raise max_memory, run fewer rows at once, or release finished caches.")
+
+    def num_freeable(self, num_layers: int | None) -> int:
+        """Stages the next step's first `plan` returns before it allocates (blocks of earlier steps' encodes that
+        every layer has written; see `_end_steps`)."""
+        return sum(1 for b in self.pending if b in self.stage_of and (
+            b not in self.encoded_in_step or num_layers is None or len(self.layers_written.get(b, ())) >= num_layers))
+
     def _plan_sinks(self, slots: torch.Tensor, start: int, q: int,
                     positions: torch.Tensor | None = None) -> tuple[list[int], list[int]]:
         """(token indices, sink slots) of the new tokens at positions < `sink_tokens`, giving each first block that
@@ -196,6 +214,7 @@ class QuantizedBlockStates:
     def copy(self, src: list[int], dst: list[int]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """Blocks `dst[i]` (fresh) take the state of `src[i]` (copy-on-write), with new stages of their own.
         Returns the `(src stage, dst stage)` pairs of stages and of sink stages whose content the store copies."""
+        self.check_stages(sum(1 for s in src if s in self.stage_of))
         stages, sinks = [], []
         for s, d in zip(src, dst):
             self.encoded[d], self.num_encodes[d] = self.encoded[s], self.num_encodes[s]

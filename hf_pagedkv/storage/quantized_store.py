@@ -20,6 +20,19 @@ from hf_pagedkv.storage.staging_store import StagingStore
 from hf_pagedkv.storage.write_plan import WritePlan
 
 _CODE_SENTINEL = 0xFF  # debug mode: freed code bytes (their scales become NaN, so a decode shows NaN)
+# A fixed budget (`BlockPool(max_memory=...)`) gives a quarter of its bytes (2 to 256 stages: `budget_stages`) to
+# the full-precision stages of open blocks and the rest to encoded blocks: see `QuantizedPageStore.budget_split`
+_STAGE_SHARE = 4
+_MIN_BUDGET_STAGES = 2  # a row holds two stages in the step that completes its open block and opens the next
+MAX_BUDGET_STAGES = 256  # 128 rows at once: a large budget's quarter would mostly sit unused
+
+
+def budget_stages(max_memory: int, stage_bytes: int) -> int:
+    """Full-precision stages a quantized pool keeps inside a budget of `max_memory` bytes, each of `stage_bytes`
+    (one block of every layer in the model dtype): a quarter of the budget, at least 2 and at most
+    `MAX_BUDGET_STAGES`. The rest of the budget buys encoded blocks (`QuantizedPageStore.budget_split`);
+    `hf-pagedkv plan` sizes budgets with the same rule."""
+    return max(_MIN_BUDGET_STAGES, min(MAX_BUDGET_STAGES, max_memory // _STAGE_SHARE // stage_bytes))
 
 
 class QuantizedPageStore:
@@ -113,6 +126,54 @@ class QuantizedPageStore:
     def block_bytes(self, spec: LayerSpec) -> int:
         """Bytes of one encoded block of one layer with this spec (codes + scales, keys + values)."""
         return spec.num_kv_heads * sum(layout.bytes for layout in self.block_layouts(spec))
+
+    def budget_block_bytes(self, spec: LayerSpec) -> int:
+        """Bytes a fixed budget counts per block of one layer: its codes and scales, plus its sink stage (every block
+        may be the first block of a sequence, which holds its first `sink_tokens` tokens in full precision)."""
+        return self.block_bytes(spec) + self.sink_tokens * spec.bytes_per_token
+
+    def budget_split(self, max_memory: int, spec: LayerSpec, num_layers: int | None) -> tuple[int | None, int]:
+        """How a budget of `max_memory` bytes (all layers, each counted with `spec`) splits between full-precision
+        stages and encoded blocks: a quarter of it to stages of ``block_size`` tokens (`budget_stages`), the rest to
+        blocks (`budget_block_bytes`). Returns ``(stages, bytes left for blocks)``; the stages are the staging
+        area's `capacity` in every layer group (a group holds them for its own layers). Without `num_layers`,
+        ``(None, max_memory)``: `device_budget.blocks_for_budget` then refuses the budget.
+
+        Raises:
+            ValueError: the budget is below two stages plus one block.
+        """
+        if num_layers is None:
+            return None, max_memory
+        stage = self.block_size * spec.bytes_per_token * num_layers  # one stage, all layers
+        stages = budget_stages(max_memory, stage)
+        least = _MIN_BUDGET_STAGES * stage + self.budget_block_bytes(spec) * num_layers
+        if max_memory < least:
+            raise ValueError(
+                f"max_memory={max_memory} bytes cannot hold a quantized pool: it needs at least {least} bytes, "
+                f"{_MIN_BUDGET_STAGES} full-precision stages of {self.block_size} tokens ({stage} bytes each, the "
+                f"partial last block of a row) plus one encoded block, over {num_layers} layers; raise max_memory "
+                "or lower block_size.")
+        return stages, max_memory - stages * stage
+
+    def set_stage_capacity(self, stages: int) -> None:
+        """Hold at most `stages` stages of open blocks (a fixed budget; `budget_split`), and at most one sink stage
+        per block (call after the blocks are added: `budget_block_bytes` counts a sink stage in every block)."""
+        self.staging.capacity = stages
+        self.sinks.capacity = self.num_blocks
+
+    def stage_capacity(self) -> int | None:
+        """The most stages of open blocks this store holds (`set_stage_capacity`), or None: no limit."""
+        return self.staging.capacity
+
+    def stages_available(self) -> int | None:
+        """Stages a step may still take: free, not yet allocated within the capacity, or returned at the step's
+        start (earlier steps' encoded blocks every layer wrote); None: no limit."""
+        free = self.staging.num_available()
+        return None if free is None else free + self.states.num_freeable(len(self.specs))
+
+    def num_staged(self, blocks: list[int]) -> int:
+        """How many of `blocks` hold a stage (open blocks, and blocks encoded in the current step)."""
+        return sum(1 for b in blocks if b in self.states.stage_of)
 
     @property
     def bytes_per_block(self) -> int:
@@ -323,6 +384,7 @@ class QuantizedPageStore:
         check_block_tensors(want, tensors)
         fresh = [b for b in blocks if self.states.encoded[b] or b in self.states.stage_of or b in self.states.sink_of]
         assert not fresh, f"import_blocks into blocks {fresh[:10]} that are not fresh"
+        self.states.check_stages(len(rows["stage"]))  # PoolExhaustedError before anything is written
         for i in rows["stage"]:
             self.states.stage_of[blocks[i]] = self.staging.allocate()
         for i in rows["sink"]:
@@ -339,4 +401,4 @@ class QuantizedPageStore:
             self.states.encoded[b] = self.states.num_encodes[b] = 0 if b in staged else 1
 
 
-__all__ = ["QuantizedPageStore", "WritePlan"]
+__all__ = ["QuantizedPageStore", "WritePlan", "budget_stages"]

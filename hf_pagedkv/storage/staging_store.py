@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from hf_pagedkv.errors import PoolExhaustedError, counted
 from hf_pagedkv.storage.page_store import LayerSpec
 
 # NOTE: a stage is a full-precision block (in an fp32 model as large as ~8 encoded int4 blocks), so capacity grows by
@@ -26,6 +27,10 @@ class StagingStore:
     Capacity grows by a quarter of itself (at least one stage) when full, in every layer or (an allocation failing)
     in none, so it follows the number of live sequences (`tests/storage/test_staging_store.py`); it never shrinks.
     New stages are zero, and new and freed stages are NaN in debug mode only.
+
+    A pool with a byte budget (`BlockPool(max_memory=...)`) sets `capacity`: the store then never
+    holds more than that many stages (its bytes are part of the budget), and `allocate` raises `PoolExhaustedError`
+    when all are in use; the pool checks `num_available` before a step, so a step fails before it changes anything.
     """
 
     def __init__(self, block_size: int, debug: bool = False) -> None:
@@ -38,10 +43,15 @@ class StagingStore:
         # free stage ids, popped from the end: a freed stage goes on top (reused first, most recently freed first);
         # the ids a growth adds go in when the list is empty, lowest on top
         self._free: list[int] = []
+        self.capacity: int | None = None  # most stages ever allocated (a fixed budget), or None; set by the pool
 
     @property
     def num_used(self) -> int:
         return self.num_stages - len(self._free)
+
+    def num_available(self) -> int | None:
+        """Stages `allocate` can still hand out (free, or within `capacity` not yet allocated); None: no limit."""
+        return None if self.capacity is None else self.capacity - self.num_used
 
     def tensors(self) -> list[torch.Tensor]:
         """Every storage tensor this store owns (for byte accounting checks)."""
@@ -73,6 +83,8 @@ class StagingStore:
 
     def _grow(self) -> None:
         new_num = self.num_stages + max(1, self.num_stages // _GROWTH_FRACTION)
+        if self.capacity is not None:
+            new_num = min(new_num, self.capacity)
         grown = []  # every layer's new tensors first: a failed allocation leaves the store as it was
         for idx, spec in self.specs.items():
             for store, dim in ((self.keys, spec.key_dim), (self.values, spec.value_dim)):
@@ -85,8 +97,17 @@ class StagingStore:
         self.num_stages = new_num
 
     def allocate(self) -> int:
-        """A free stage id (growing the tensors if none is free)."""
+        """A free stage id (growing the tensors if none is free).
+
+        Raises:
+            PoolExhaustedError: all `capacity` stages are in use (nothing changed).
+        """
         if not self._free:
+            if self.capacity is not None and self.num_stages >= self.capacity:
+                raise PoolExhaustedError(
+                    f"BlockPool is full: all {counted(self.capacity, 'full-precision stage')} of its budget are in use "
+                    "(a quantized pool holds each row's partial last block in full precision). Raise max_memory, "
+                    "run fewer rows at once, or release finished caches.")
             self._grow()
         return self._free.pop()
 

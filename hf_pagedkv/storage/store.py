@@ -55,6 +55,26 @@ class Store(Protocol):
     def tensors(self) -> list[torch.Tensor]:
         """Every storage tensor this store owns (for byte accounting checks)."""
 
+    # -- a byte budget (`BlockPool(max_memory=...)`) ---------------------------------------------------------------
+    def budget_block_bytes(self, spec: LayerSpec) -> int:
+        """Bytes a byte budget counts per block of one layer (a quantized store adds the block's sink stage)."""
+
+    def budget_split(self, max_memory: int, spec: LayerSpec, num_layers: int | None) -> tuple[int | None, int]:
+        """``(stages, bytes left for blocks)`` of a budget of `max_memory` bytes: a quantized store keeps that many
+        full-precision stages (`set_stage_capacity`) inside the budget; a full-precision one needs none (None)."""
+
+    def set_stage_capacity(self, stages: int) -> None:
+        """Hold at most `stages` full-precision stages (a quantized store with a byte budget)."""
+
+    def stage_capacity(self) -> int | None:
+        """The most full-precision stages this store holds, or None: no limit (or none needed)."""
+
+    def stages_available(self) -> int | None:
+        """Stages a step may still take (free, not yet allocated, or returned at the step's start); None: no limit."""
+
+    def num_staged(self, blocks: list[int]) -> int:
+        """How many of `blocks` hold a full-precision stage (0 for a full-precision store)."""
+
     # -- storage and block lifecycle --------------------------------------------------------------------------------
     def add_layer(self, layer_idx: int, spec: LayerSpec) -> None:
         """Storage for a new layer, with the same segments as the other layers."""

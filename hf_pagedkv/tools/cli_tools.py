@@ -279,10 +279,10 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(f"pool to set{rank} (peak x 1.2{' + prefix cache' if prefix else ''}): {plan.pool_blocks:,} blocks, "
           f"{fmt_bytes(plan.pool_bytes)} -> BlockPool(block_size={plan.block_size}{quant}, "
           f"max_memory={plan.pool_max_memory}{prefix})")
-    if plan.pool_bytes > plan.pool_max_memory:  # quantized: the full-precision stages sit outside max_memory
-        print(f"  (max_memory buys the {plan.pool_blocks:,} encoded blocks, {fmt_bytes(plan.block_bytes)} each; the "
-              f"full-precision partial blocks and sink tokens of {counted(plan.batch, 'row')} take "
-              f"{fmt_bytes(plan.pool_bytes - plan.pool_max_memory)} more)")
+    if plan.num_stages:  # quantized: the full-precision stages sit inside max_memory
+        print(f"  (max_memory holds {plan.num_stages:,} full-precision stages of {fmt_bytes(plan.stage_bytes)}, the "
+              f"partial last blocks of {counted(plan.num_stages // 2, 'row')} at once, and {plan.pool_blocks:,} "
+              f"encoded blocks of {fmt_bytes(plan.block_bytes)} with room for their sink tokens)")
     if host:
         print(f"host tier: {fmt_bytes(host['bytes'])} -> {host['blocks']:,} blocks = {host['tokens']:,} tokens = "
               f"{host['sequences']:,} sequences of {plan.max_seq_len:,} tokens offloaded -> "

@@ -24,6 +24,7 @@ import torch
 from hf_pagedkv._compat import layer_plan
 from hf_pagedkv.errors import counted
 from hf_pagedkv.storage.codecs import codec_name, make_codec
+from hf_pagedkv.storage.quantized_store import MAX_BUDGET_STAGES, budget_stages
 from hf_pagedkv.config import (DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, PRESETS, QuantConfig, check_positive_int,
                                parse_bytes)
 
@@ -217,7 +218,9 @@ class CapacityPlan:
     fits: bool | None  # weights + pool <= memory (None without a memory)
     prefix_cache_bytes: int = 0  # of pool_bytes: room for cached-idle prefix blocks (`prefix_cache_memory`)
     block_bytes: int = 0  # one block, all layers (encoded when quantized): what BlockPool(max_memory=) divides by
-    pool_max_memory: int = 0  # pool_blocks * block_bytes: BlockPool(max_memory=pool_max_memory) holds pool_blocks
+    pool_max_memory: int = 0  # BlockPool(max_memory=pool_max_memory) holds pool_blocks (and, quantized, num_stages)
+    num_stages: int = 0  # quantized: full-precision stages inside pool_max_memory (2 per row at once), else 0
+    stage_bytes: int = 0  # quantized: one stage (a block of every layer in full precision), else 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -250,8 +253,11 @@ def plan_capacity(model: ModelShape, max_seq_len: int, batch: int, quant: str | 
     holds the whole prompt in every layer until the first decode step). ``BlockPool(max_memory=pool_max_memory)``
     holds exactly `pool_blocks` blocks: it divides its budget by `block_bytes` (one block of every layer; encoded
     codes and scales when quantized), so `pool_max_memory` is a whole number of blocks. A quantized pool also keeps
-    each row's open (partial) block and its sink tokens in full precision, outside that budget: `pool_bytes` adds
-    them for `batch` rows.
+    each row's open (partial) block and its sink tokens in full precision, inside that budget: it gives a quarter of
+    `max_memory` (2 to 256 stages) to full-precision stages (`quantized_store.budget_stages`; a row holds up to two at
+    once, so `batch` rows need ``2 * batch``) and the rest to blocks with room for a sink stage each; the plan's
+    `pool_max_memory` is the least budget that holds both `batch` rows' stages and the blocks (`pool_blocks` is then
+    what that budget holds, at least the peak x 1.2), and `pool_bytes` equals it.
 
     Raises:
         ValueError: a non-positive length, batch or block size; an unknown `quant` preset (or dict key) or `dtype`;
@@ -316,11 +322,26 @@ def plan_capacity(model: ModelShape, max_seq_len: int, batch: int, quant: str | 
         pool_blocks += prefix_blocks
     pool_max_memory = pool_blocks * block_bytes
     pool_bytes = pool_max_memory + staged * batch
+    num_stages = stage_bytes = 0
+    if quantized:  # the stages and sinks sit inside max_memory (`QuantizedPageStore.budget_split`)
+        stage_bytes = round(heads * fp_per_head * block_size)
+        per_block = block_bytes + round(heads * fp_per_head * QuantConfig().sink_tokens)  # its sink stage
+        num_stages = min(2 * batch, MAX_BUDGET_STAGES)  # the pool keeps at most that many (128 rows at once)
+        blocks_bytes = pool_blocks * per_block
+        pool_max_memory = max(4 * num_stages * stage_bytes,
+                              min(-(-4 * blocks_bytes // 3), blocks_bytes + MAX_BUDGET_STAGES * stage_bytes))
+        while True:  # the pool's own split of that budget: at least num_stages stages and pool_blocks blocks
+            num_stages = budget_stages(pool_max_memory, stage_bytes)
+            held = (pool_max_memory - num_stages * stage_bytes) // per_block
+            if held >= pool_blocks:
+                break
+            pool_max_memory += per_block
+        pool_blocks, pool_bytes = held, pool_max_memory
     fits = None if memory is None else (weights or 0) + pool_bytes <= memory
     held_one = seq_bytes(max_seq_len, held)
     return CapacityPlan(model, quant, dtype, block_size, max_seq_len, batch, tp, kv_heads, heads * per_head, held_one,
                         held_one * batch, seq_bytes(max_seq_len, window) * batch, weights, pool_blocks, pool_bytes,
-                        memory, fits, prefix_bytes, block_bytes, pool_max_memory)
+                        memory, fits, prefix_bytes, block_bytes, pool_max_memory, num_stages, stage_bytes)
 
 
 @dataclass(frozen=True)

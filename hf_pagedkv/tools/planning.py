@@ -323,7 +323,7 @@ def plan_capacity(model: ModelShape, max_seq_len: int, batch: int, quant: str | 
     pool_max_memory = pool_blocks * block_bytes
     pool_bytes = pool_max_memory + staged * batch
     num_stages = stage_bytes = 0
-    if quantized:  # the stages and sinks sit inside max_memory (`QuantizedPageStore.budget_split`)
+    if any(quantized.values()):  # the stages and sinks sit inside max_memory (`QuantizedPageStore.budget_split`)
         stage_bytes = round(heads * fp_per_head * block_size)
         per_block = block_bytes + round(heads * fp_per_head * QuantConfig().sink_tokens)  # its sink stage
         num_stages = min(2 * batch, MAX_BUDGET_STAGES)  # the pool keeps at most that many (128 rows at once)
@@ -332,11 +332,11 @@ def plan_capacity(model: ModelShape, max_seq_len: int, batch: int, quant: str | 
                               min(-(-4 * blocks_bytes // 3), blocks_bytes + MAX_BUDGET_STAGES * stage_bytes))
         while True:  # the pool's own split of that budget: at least num_stages stages and pool_blocks blocks
             num_stages = budget_stages(pool_max_memory, stage_bytes)
-            held = (pool_max_memory - num_stages * stage_bytes) // per_block
-            if held >= pool_blocks:
+            fit_blocks = (pool_max_memory - num_stages * stage_bytes) // per_block
+            if fit_blocks >= pool_blocks:
                 break
             pool_max_memory += per_block
-        pool_blocks, pool_bytes = held, pool_max_memory
+        pool_blocks, pool_bytes = fit_blocks, pool_max_memory
     fits = None if memory is None else (weights or 0) + pool_bytes <= memory
     held_one = seq_bytes(max_seq_len, held)
     return CapacityPlan(model, quant, dtype, block_size, max_seq_len, batch, tp, kv_heads, heads * per_head, held_one,

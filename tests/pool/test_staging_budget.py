@@ -40,7 +40,7 @@ def add_row(pool: BlockPool, tokens: int, seed: int, batch: int = 1) -> PagedCac
 def test_many_short_rows_stay_within_max_memory_stages_included(quant):
     pool = BlockPool(quant=quant, max_memory=BUDGET, debug=True)
     caches = [add_row(pool, 5, seed=0)]  # sizes the pool: a quarter of the budget for stages, the rest for blocks
-    store = pool.store
+    store = pool.groups[0].store
     assert store.stage_capacity() == BUDGET // 4 // STAGE == 4 and stage_capacity(pool) == 4
     per_block = sum(store.budget_block_bytes(spec) for spec in store.specs.values())  # codes, scales, a sink stage
     assert pool.num_blocks == (BUDGET - 4 * STAGE) // per_block
@@ -88,10 +88,11 @@ def test_full_precision_and_unbudgeted_pools_have_no_stage_limit():
     assert stage_capacity(BlockPool(max_memory=BUDGET)) is None
     pool = BlockPool(quant="k8v4")  # growable: stages grow with the rows, as before
     caches = [add_row(pool, 5, seed=i) for i in range(9)]
-    assert pool.store.stage_capacity() is None and pool.store.staging.num_used == 9 and stage_capacity(pool) is None
+    store = pool.groups[0].store
+    assert store.stage_capacity() is None and store.staging.num_used == 9 and stage_capacity(pool) is None
     fixed = BlockPool(quant="k8v4", num_blocks=40)
     more = [add_row(fixed, 5, seed=i) for i in range(9)]
-    assert fixed.store.staging.num_used == 9
+    assert fixed.groups[0].store.staging.num_used == 9
     for cache in caches + more:
         cache.release()
 
@@ -110,7 +111,7 @@ def test_engine_finishes_every_request_within_a_tight_quantized_budget(quant, ca
         engine.step()
         pool.check_invariants()
         peak = max(peak, tensor_bytes(pool), pool.stats().bytes_reserved)
-        assert pool.store.staging.num_used <= stage_capacity(pool) == 6
+        assert pool.groups[0].store.staging.num_used <= stage_capacity(pool) == 6
         most = max(most, pool.stats().num_sequences)
         steps += 1
         assert steps < 2000, "the engine made no progress"
@@ -128,7 +129,7 @@ def test_compaction_of_a_budgeted_quantized_pool_never_exceeds_its_stages():
     """A moved open block's stage is copied before the old one returns: with every stage in use, `compact` moves
     nothing in that group (all or nothing) instead of raising; with stages free it moves the blocks."""
     pool = BlockPool(quant="k8v4", max_memory=BUDGET, debug=True)
-    store = pool.store
+    store = pool.groups[0].store
     first, long, *late = [add_row(pool, n, seed=i) for i, n in enumerate((5, 100, 40, 40))]  # 1, 4, 2, 2 blocks
     long.release()  # 4 free ids below the late rows: compaction would move them down
     caches = [first, add_row(pool, 5, seed=9)]  # every stage in use again (one per row)
@@ -161,13 +162,13 @@ def test_generate_swaps_idle_caches_out_when_the_stages_are_exhausted():
             cache = PagedCache(pool=pool, config=model.config)
             model(torch.tensor([prompt(5, seed=900 + i)]), past_key_values=cache)
             idle.append(cache)
-    assert pool.store.staging.num_used == 6 == stage_capacity(pool)
+    assert pool.groups[0].store.staging.num_used == 6 == stage_capacity(pool)
     x = torch.tensor([prompt(7, seed=950)])
     in_use = pool.stats().blocks_in_use
     with pytest.raises(PoolExhaustedError, match="full-precision stage"):
         hf_pagedkv.generate(model, x, pool=pool, **GEN)
     pool.check_invariants()
-    assert pool.stats().blocks_in_use == in_use and pool.store.staging.num_used == 6
+    assert pool.stats().blocks_in_use == in_use and pool.groups[0].store.staging.num_used == 6
     out = hf_pagedkv.generate(model, x, pool=pool, swap_on_exhaustion=True, **GEN)
     pool.check_invariants()
     assert any(cache.is_offloaded for cache in idle)
@@ -192,4 +193,4 @@ def test_plan_counts_the_stages_inside_the_quantized_budget(quant, batch):
     with PagedCache(pool=pool, config=model.config) as cache:
         model(torch.tensor([prompt(5, seed=1)]), past_key_values=cache)
         assert pool.num_blocks == plan.pool_blocks >= -(-70 // 32) * batch
-        assert pool.store.stage_capacity() == plan.num_stages >= min(2 * batch, 256)
+        assert pool.groups[0].store.stage_capacity() == plan.num_stages >= min(2 * batch, 256)

@@ -106,6 +106,7 @@ class Engine:
         self.compact_blocks = compact_blocks  # blocks moved per step at most; fixed
         self._device = model.device  # where sampling generators live; fixed
         self._vocab_size = model.get_input_embeddings().num_embeddings  # valid token ids: 0 .. vocab - 1
+        self._max_positions = getattr(model.config, "max_position_embeddings", None)  # the longest prompt
         self._forward = PackedForward(model)  # runs a scheduled step through the model; fixed
         self._scheduler = Scheduler(pool, model, groups, [pool.group_for(None)] if None in windows else [],
                                     max_batch_tokens)
@@ -156,7 +157,7 @@ class Engine:
                                  "the finished one first).")
             req = check_request(rid, input_ids, max_new_tokens, self.generation_config, self._vocab_size,
                                 dict(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k),
-                                seed, eos_token_id, arrival, self._device)
+                                seed, eos_token_id, arrival, self._device, self._max_positions)
             self._num_added += 1
             self._requests[rid] = req
             self._scheduler.add(req)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 from hf_pagedkv.errors import counted
 from hf_pagedkv.pool.block_pool import BlockPool
 from hf_pagedkv.serving.engine import Engine
@@ -22,8 +24,9 @@ def generate_batch(model, inputs: list[list[int]], generation_config=None, *, po
     Args:
         model (`PreTrainedModel`): a decoder-only model.
         inputs (`list[list[int]]`): the prompts' token ids.
-        generation_config (`GenerationConfig`, *optional*): `max_new_tokens` (else ``max_length - len(prompt)``,
-            at least 1), `do_sample`, `temperature`, `top_k`, `top_p`, `eos_token_id`; the model's by default.
+        generation_config (`GenerationConfig` or `dict`, *optional*): `max_new_tokens` (else ``max_length -
+            len(prompt)``, at least 1), `do_sample`, `temperature`, `top_k`, `top_p`, `eos_token_id`; the model's by
+            default (a dict changes those fields of the model's).
         pool (`BlockPool`, *optional*): the KV pool (a fixed one preempts when full; ``prefix_caching=True``
             shares prompt prefixes); a new growable pool by default.
         max_batch_tokens (`int`, *optional*, defaults to 512): tokens per step.
@@ -40,6 +43,12 @@ def generate_batch(model, inputs: list[list[int]], generation_config=None, *, po
         KeyboardInterrupt: after every request's blocks were freed.
     """
     config = generation_config if generation_config is not None else model.generation_config
+    if isinstance(config, dict):  # settings over the model's own, as `model.generate(**settings)` takes them
+        settings, config = config, copy.deepcopy(model.generation_config)
+        unknown = config.update(**settings)
+        if unknown:
+            raise ValueError(f"generate_batch: generation_config has no setting {sorted(unknown)[0]!r}; pass a "
+                             "transformers GenerationConfig or a dict of its fields.")
     if not isinstance(inputs, (list, tuple)):
         raise ValueError(f"generate_batch: inputs must be a list of token-id lists, got {type(inputs).__name__}.")
     engine = Engine(model, pool, generation_config=config, max_batch_tokens=max_batch_tokens)

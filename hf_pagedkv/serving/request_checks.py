@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_pagedkv.errors import EMPTY_PROMPT
+from hf_pagedkv.errors import EMPTY_PROMPT, counted
 from hf_pagedkv.serving.request import Request
 from hf_pagedkv.serving.sampling import SamplingParams
 
@@ -12,7 +12,7 @@ DEFAULT_MAX_NEW_TOKENS = 20  # when neither the call nor the generation config s
 
 
 def check_request(request_id, input_ids, max_new_tokens, generation_config, vocab_size: int, sampling: dict,
-                  seed, eos_token_id, arrival: int, device) -> Request:
+                  seed, eos_token_id, arrival: int, device, max_positions: int | None = None) -> Request:
     """A new `Request`, or `ValueError` naming the request and what is wrong with it.
 
     Args:
@@ -26,6 +26,8 @@ def check_request(request_id, input_ids, max_new_tokens, generation_config, voca
         eos_token_id (`int`, `list[int]` or `None`): stop tokens; None takes the generation config's.
         arrival (`int`): the request's place in arrival order.
         device (`torch.device`): where its sampling generator lives.
+        max_positions (`int`, *optional*): the model's context (`max_position_embeddings`); a longer prompt is
+            refused.
     """
     where = f"add_request({request_id!r})"
     if not isinstance(request_id, str):
@@ -37,6 +39,9 @@ def check_request(request_id, input_ids, max_new_tokens, generation_config, voca
     if bad is not None:
         raise ValueError(f"{where}: token id {bad} (position {prompt.index(bad)}) is outside the model's vocabulary "
                          f"[0, {vocab_size}); encode the prompt with the model's own tokenizer.")
+    if max_positions is not None and len(prompt) > max_positions:
+        raise ValueError(f"{where}: the prompt has {counted(len(prompt), 'token')}, more than the model's context "
+                         f"of {max_positions} (max_position_embeddings); shorten it.")
     if max_new_tokens is None:
         max_new_tokens = getattr(generation_config, "max_new_tokens", None) or DEFAULT_MAX_NEW_TOKENS
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -60,6 +65,10 @@ def _token_list(input_ids, where: str) -> list[int]:
     if isinstance(input_ids, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
                                                     for t in input_ids):
         return list(input_ids)
+    if isinstance(input_ids, (list, tuple)):
+        i, bad = next((i, t) for i, t in enumerate(input_ids) if isinstance(t, bool) or not isinstance(t, int))
+        raise ValueError(f"{where}: input_ids must be a list of int token ids (or a [seq_len] tensor); its element "
+                         f"{i} is {bad!r} ({type(bad).__name__}).")
     raise ValueError(f"{where}: input_ids must be a list of int token ids (or a [seq_len] tensor), got "
                      f"{type(input_ids).__name__}.")
 

@@ -57,3 +57,14 @@ def test_bad_prompt_raises_before_anything_runs():
     with pytest.raises(ValueError, match="req_1.*empty"):
         hf_pagedkv.generate_batch(tiny_model("llama"), [[5, 6], []], pool=pool, progress_bar=False)
     assert pool.stats().blocks_in_use == 0 and pool.stats().lookups == 0
+
+
+def test_a_dict_generation_config_changes_the_models_settings():
+    model = tiny_model("llama")
+    prompts = [prompt(7, 61), prompt(11, 62)]
+    pool = BlockPool(block_size=BLOCK, debug=True)
+    out = hf_pagedkv.generate_batch(model, prompts, {"max_new_tokens": 5}, pool=pool, progress_bar=False)
+    assert [o.generated_tokens for o in out.values()] == [solo("llama", p, 5) for p in prompts]
+    with pytest.raises(ValueError, match="no setting 'max_new_tokenz'"):
+        hf_pagedkv.generate_batch(model, prompts, {"max_new_tokenz": 5}, pool=pool, progress_bar=False)
+    assert pool.stats().blocks_in_use == 0

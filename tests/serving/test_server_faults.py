@@ -22,6 +22,7 @@ BAD = [  # (body, status, param, words of the message)
     (b'{"model": "tiny", "prompt": "x",', 400, None, "not valid JSON"),
     (b'{"model": "tiny", "prompt": "caf\xe9"}', 400, None, "not UTF-8"),
     (b'[1, 2]', 400, None, "JSON object"),
+    (b'{"model": "tiny", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None, "too deeply"),
     (b'{"model": "tiny", "prompt": "x", "temperature": NaN}', 400, None, "NaN"),
     (b'{"model": "tiny", "prompt": "\\ud800 lone"}', 400, "prompt", "lone surrogate"),
     ({**OK, "foo": 1}, 400, "foo", "Unknown field"),

@@ -132,11 +132,15 @@ def parse_body(raw: bytes, schema: type[_Sampling]) -> _Sampling:
                           f"({e.reason}); send JSON encoded as UTF-8.") from None
     try:
         body = json.loads(text, parse_constant=_no_constant)
+        if isinstance(body, dict):
+            _check_text(body, "")
     except ValueError as e:
         raise bad_request(f"The request body is not valid JSON: {e}.") from None
+    except RecursionError:
+        raise bad_request("The request body nests JSON arrays or objects too deeply to read; a request needs at "
+                          "most a few levels (messages, content parts).") from None
     if not isinstance(body, dict):
         raise bad_request(f"The request body must be a JSON object, got a JSON {type(body).__name__}.")
-    _check_text(body, "")
     for name, defaults in UNSUPPORTED.items():
         if name in body:
             value = body.pop(name)

@@ -90,6 +90,16 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 2
     import torch
 
+    if args.device is not None:
+        try:
+            device = torch.device(args.device)
+        except RuntimeError as e:
+            parser.error(f"--device {args.device}: {e}")
+        if device.type == "cuda" and (device.index or 0) >= (torch.cuda.device_count() if torch.cuda.is_available()
+                                                               else 0):
+            parser.error(f"--device {args.device}: this machine has {torch.cuda.device_count()} usable CUDA "
+                         "devices; pick one of them, or leave --device out")
+
     from hf_pagedkv.pool.block_pool import BlockPool
     from hf_pagedkv.serving import Engine
     from hf_pagedkv.serving.server import EngineService, create_app

@@ -554,3 +554,12 @@ def test_generate_refuses_a_kv_zip_reconstruction_past_the_context(tmp_path, mon
             f"prompt's {n:,} tokens reach {2 * (n - 1) + repeat:,} positions (the context, {n - 1:,} tokens, twice "
             f"and the {repeat}-token repeat instruction), past the model's context of 4,096 tokens "
             f"(config.max_position_embeddings): give at most {(4096 - repeat) // 2 + 1:,} prompt tokens") in err
+
+
+def test_serve_refuses_a_cuda_device_the_machine_does_not_have(capsys):
+    pytest.importorskip("fastapi")
+    missing = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--device", f"cuda:{missing}"])
+    assert info.value.code == 2
+    assert f"--device cuda:{missing}: this machine has {missing} usable CUDA devices" in capsys.readouterr().err

@@ -116,19 +116,6 @@ def test_tune_block_size_with_a_file_it_cannot_read(tmp_path, capsys, flag, cont
         assert message in err
 
 
-def test_plan_per_group_formats(capsys):
-    argv = ["plan", "--model", "gemma2", "--max-seq-len", "8192", "--batch", "4", "--dtype", "bfloat16",
-            "--memory", "80GiB", "--quant", "k4v4", "--sliding-quant", "fp"]
-    assert main(argv) == 0
-    out = capsys.readouterr().out
-    assert "KV format: sliding=fp,full=k4v4" in out and "block_size 32" in out
-    assert "BlockPool(block_size=32, quant={'sliding': 'fp', 'full': 'k4v4'}, max_memory=" in out
-    # Gemma2 defaults: 26 layers, 13 sliding (window 4096), 4 KV heads, head_dim 256; bf16 K/V 1024 B per head
-    # and token; k4v4: 128 + 256 * 4 / 32 keys and 128 + 4 * 4 values = 304 B: (13 x 1024 + 13 x 304) / 26 = 664
-    assert "= 26 layers x 4 KV heads x 664.0 B" in out
-
-
-@pytest.mark.model  # reads SmolLM2's config / tokenizer from the bundled GGUF (a few seconds)
 def test_tune_block_size_from_text(tmp_path, capsys):
     pytest.importorskip("datasets")
     path = tmp_path / "docs.txt"

@@ -95,10 +95,10 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             device = torch.device(args.device)
         except RuntimeError as e:
             parser.error(f"--device {args.device}: {e}")
-        if device.type == "cuda" and (device.index or 0) >= (torch.cuda.device_count() if torch.cuda.is_available()
-                                                               else 0):
-            parser.error(f"--device {args.device}: this machine has {torch.cuda.device_count()} usable CUDA "
-                         "devices; pick one of them, or leave --device out")
+        usable = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if device.type == "cuda" and (device.index or 0) >= usable:
+            parser.error(f"--device {args.device}: this machine has {usable} usable CUDA devices; pick one of them, "
+                         "or leave --device out")
 
     from hf_pagedkv.pool.block_pool import BlockPool
     from hf_pagedkv.serving import Engine

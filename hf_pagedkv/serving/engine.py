@@ -36,6 +36,7 @@ from hf_pagedkv.serving.engine_stats import EngineStats, LatencyLog, LatencySumm
 from hf_pagedkv.serving.packed_forward import PackedForward
 from hf_pagedkv.serving.request import Request, RequestOutput, RequestStatus
 from hf_pagedkv.serving.request_checks import check_request
+from hf_pagedkv.serving.request_retention import ENGINE_DEFAULT, EngineRetention
 from hf_pagedkv.serving.sampling import sample
 from hf_pagedkv.serving.scheduler import Scheduler, StepBatch
 
@@ -66,10 +67,13 @@ class Engine:
             history as a view instead of gathering it, which is most of a decode step's cache work once requests
             interleave their blocks. Done only while every row in the pool is one of the engine's (no other cache's
             forward can run meanwhile); 0: never.
+        retention (`RetentionPolicy` or `str`, *optional*): every request's retention policy unless `add_request`
+            names one: a `hf_pagedkv.retention` policy or a spec such as ``"sink_window:4:1024"`` (`request_retention`).
 
     Raises:
         ValueError: `pool` not a `BlockPool`; `max_batch_tokens` not a positive int; `compact_blocks` not an int
-            >= 0; a model layer type a `PagedCache` does not store, or a pool holding another model's layers.
+            >= 0; a model layer type a `PagedCache` does not store, or a pool holding another model's layers; a bad
+            `retention`, or one the engine cannot run (`engine_policy_problem`).
 
     Example:
 
@@ -84,7 +88,7 @@ class Engine:
     """
 
     def __init__(self, model, pool: BlockPool | None = None, *, generation_config=None,
-                 max_batch_tokens: int | None = None, compact_blocks: int = 256) -> None:
+                 max_batch_tokens: int | None = None, compact_blocks: int = 256, retention=None) -> None:
         if pool is None:
             pool = BlockPool()
         if not isinstance(pool, BlockPool):
@@ -108,6 +112,7 @@ class Engine:
         self._vocab_size = model.get_input_embeddings().num_embeddings  # valid token ids: 0 .. vocab - 1
         self._max_positions = getattr(model.config, "max_position_embeddings", None)  # the longest prompt
         self._forward = PackedForward(model)  # runs a scheduled step through the model; fixed
+        self._retention = EngineRetention(model, retention)  # the requests' policies (the default); fixed
         self._scheduler = Scheduler(pool, model, groups, [pool.group_for(None)] if None in windows else [],
                                     max_batch_tokens)
         self._lock = threading.RLock()  # guards requests, queues and counters; not held during a forward
@@ -127,7 +132,8 @@ class Engine:
     # -- requests ---------------------------------------------------------------------------------------------------
     def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None, *,
                     do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                    seed: int | None = None, eos_token_id: int | list[int] | None = None) -> str:
+                    seed: int | None = None, eos_token_id: int | list[int] | None = None,
+                    retention=ENGINE_DEFAULT) -> str:
         """Queue a request; it joins the running batch at a later step. Nothing touches the pool here.
 
         Args:
@@ -141,13 +147,15 @@ class Engine:
                 tokens as without preemption.
             eos_token_id (`int` or `list[int]`, *optional*): stop tokens (kept in the output); the generation
                 config's by default; ``[]`` for none.
+            retention (`RetentionPolicy`, `str` or `None`, *optional*): its retention policy or spec; None: none;
+                the engine's `retention` by default.
 
         Returns:
             `str`: the request id.
 
         Raises:
             ValueError: naming the request: an empty prompt, token ids that are not ints in ``[0, vocab_size)``,
-                `max_new_tokens` not an int >= 1, bad sampling settings, or a request id already in use.
+                `max_new_tokens` not an int >= 1, bad sampling settings or `retention`, or a request id in use.
         """
         with self._lock:
             arrival = self._num_added
@@ -158,6 +166,7 @@ class Engine:
             req = check_request(rid, input_ids, max_new_tokens, self.generation_config, self._vocab_size,
                                 dict(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k),
                                 seed, eos_token_id, arrival, self._device, self._max_positions)
+            req.retention = self._retention.for_request(retention, rid)
             self._num_added += 1
             self._requests[rid] = req
             self._scheduler.add(req)

@@ -13,7 +13,7 @@ from hf_pagedkv.serving.request_checks import DEFAULT_MAX_NEW_TOKENS
 
 def generate_batch(model, inputs: list[list[int]], generation_config=None, *, pool: BlockPool | None = None,
                    max_batch_tokens: int | None = None, progress_bar: bool = True,
-                   max_new_tokens: int | None = None) -> dict[str, RequestOutput]:
+                   max_new_tokens: int | None = None, retention=None) -> dict[str, RequestOutput]:
     """Generate for every prompt of `inputs` with continuous batching, in this thread, and return when all ended.
 
     The drop-in for ``model.generate_batch(inputs, generation_config)`` (transformers' continuous batching): the
@@ -32,6 +32,8 @@ def generate_batch(model, inputs: list[list[int]], generation_config=None, *, po
         max_batch_tokens (`int`, *optional*, defaults to 512): tokens per step.
         progress_bar (`bool`, *optional*, defaults to `True`): a tqdm bar of finished requests.
         max_new_tokens (`int`, *optional*): overrides the generation config's (as transformers' keyword does).
+        retention (`RetentionPolicy` or `str`, *optional*): every request's retention policy, or a spec such as
+            ``"sink_window:4:1024"`` (`Engine`'s `retention`).
 
     Returns:
         `dict[str, RequestOutput]`: one output per prompt; a request that could not run (too large for a fixed
@@ -39,7 +41,7 @@ def generate_batch(model, inputs: list[list[int]], generation_config=None, *, po
 
     Raises:
         ValueError: a bad prompt (empty, ids outside the vocabulary), named by its index, before anything runs;
-            bad engine or sampling settings.
+            bad engine, sampling or retention settings.
         KeyboardInterrupt: after every request's blocks were freed.
     """
     config = generation_config if generation_config is not None else model.generation_config
@@ -51,7 +53,7 @@ def generate_batch(model, inputs: list[list[int]], generation_config=None, *, po
                              "transformers GenerationConfig or a dict of its fields.")
     if not isinstance(inputs, (list, tuple)):
         raise ValueError(f"generate_batch: inputs must be a list of token-id lists, got {type(inputs).__name__}.")
-    engine = Engine(model, pool, generation_config=config, max_batch_tokens=max_batch_tokens)
+    engine = Engine(model, pool, generation_config=config, max_batch_tokens=max_batch_tokens, retention=retention)
     sampling = dict(do_sample=bool(config.do_sample))
     if config.do_sample:
         sampling.update(temperature=config.temperature if config.temperature is not None else 1.0,

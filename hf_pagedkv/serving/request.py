@@ -79,6 +79,7 @@ class Request:
             self.generator.manual_seed(sampling.seed)
         self.generated: list[int] = []  # sampled tokens; appended by the engine only
         self.timestamps: list[float] = []  # perf_counter of each generated token; appended with `generated`
+        self.retention = None  # its RetentionPolicy, or None (it keeps every token); set by the engine when added
         self.cache = None  # its PagedCache while it holds blocks (device, or host when swapped); the scheduler only
         self.busy = None  # the pool's busy mark of `cache` (no swapping it out while it runs); with `cache`
         self.num_computed = 0  # tokens of `all_ids` whose K/V the cache holds; set by the engine after a step

@@ -12,8 +12,11 @@ Each step has a budget of `max_batch_tokens` tokens. The scheduler fills it in t
 Blocks: a request computing tokens ``start .. start + n - 1`` needs ``ceil((start + n) / B) - ceil(start / B)`` new
 blocks in each layer group (its cache allocates them in the forward). The scheduler only promises blocks the pool
 can reserve (free or cached-idle: `BlockGroup.can_reserve`), summing its promises, so no allocation in the forward
-fails. When a running request cannot get its blocks, the scheduler **preempts the latest-arrived running
-request** (possibly the one asking) and queues it again (it keeps its arrival):
+fails. A request with a retention policy (`request_retention`) is counted from what its cache holds: its policy
+evicts before each of its steps, so it opens new blocks after the held ones (plus the fresh blocks a token-level
+policy compacts into), and it can run when the most it holds at once (`RetentionPolicy.max_held`) fits the pool,
+however many tokens it generates. When a running request cannot get its blocks, the scheduler **preempts the
+latest-arrived running request** (possibly the one asking) and queues it again (it keeps its arrival):
 
 - **swap**, when the pool has a host tier (`BlockPool(host_memory=...)`) with room: its cache moves there
   (`PagedCache.offload`) and comes back when it is readmitted (`prefetch`), the same K/V bit for bit;
@@ -45,6 +48,7 @@ from hf_pagedkv.pool.staging_budget import stage_capacity, stages_of_rows
 from hf_pagedkv.errors import PoolExhaustedError, counted
 from hf_pagedkv.blocks.block_table import num_blocks_for
 from hf_pagedkv.serving.request import Request, RequestStatus
+from hf_pagedkv.serving.request_retention import held_tokens, max_held_tokens, step_blocks
 
 
 @dataclass(frozen=True)
@@ -133,7 +137,7 @@ class Scheduler:
     def too_large(self, req: Request) -> str | None:
         """Why `req` can never run in this pool (its prompt and new tokens need more blocks than it holds), or
         None."""
-        need = num_blocks_for(req.max_stored_tokens, self.pool.block_size)
+        need = num_blocks_for(max_held_tokens(req, self.max_batch_tokens, self.pool.block_size), self.pool.block_size)
         for group in self.full_groups:
             cap = self.capacity(group)
             if cap is not None and need > cap:
@@ -144,12 +148,12 @@ class Scheduler:
                         "num_blocks=None to let it grow).")
         return None
 
-    def _needs(self, start: int, n: int) -> dict[int, int]:
-        """New blocks per layer group for tokens ``start .. start + n - 1``. NOTE: a sliding-window group frees
-        the blocks that leave its window before it allocates; they are not counted, so the promise is an upper
-        bound there."""
-        B = self.pool.block_size
-        new = num_blocks_for(start + n, B) - num_blocks_for(start, B)
+    def _needs(self, req: Request, start: int, n: int, cache=None) -> dict[int, int]:
+        """New blocks per layer group for tokens ``start .. start + n - 1`` of `req` (`cache`: its cache, by default
+        `req.cache`; with a retention policy, counted from what the cache holds, `step_blocks`). NOTE: a
+        sliding-window group frees the blocks that leave its window before it allocates, and an eviction frees
+        blocks before the step allocates; they are not counted, so the promise is an upper bound there."""
+        new = step_blocks(req, req.cache if cache is None else cache, start, n, self.pool.block_size)
         return {g: new for g in self.groups}
 
     def _fits(self, promised: Counter, needs: dict[int, int]) -> bool:
@@ -170,7 +174,7 @@ class Scheduler:
             if req not in self.running:  # preempted for an older request of this step
                 continue
             n = min(req.num_pending, budget)
-            needs = self._needs(req.num_computed, n)
+            needs = self._needs(req, req.num_computed, n)
             while not self._fits(promised, needs):
                 self.num_allocation_failures += 1
                 victim = self.running[-1]  # the latest arrival
@@ -194,8 +198,8 @@ class Scheduler:
                 break
             if req.cache is not None:  # swapped out: its blocks come back first
                 n = min(req.num_pending, budget)
-                needs = self._needs(req.num_computed, n)
-                held = num_blocks_for(req.num_computed, self.pool.block_size)  # (a sliding group holds fewer)
+                needs = self._needs(req, req.num_computed, n)
+                held = num_blocks_for(held_tokens(req), self.pool.block_size)  # (a sliding group holds fewer)
                 if not self._fits(promised, {g: held + k for g, k in needs.items()}) or not self._swap_in(req):
                     self.num_allocation_failures += 1
                     break
@@ -212,7 +216,7 @@ class Scheduler:
                 continue
             cache = self._attach(req)
             n = min(req.num_tokens - cache.get_seq_length(), budget)
-            needs = self._needs(cache.get_seq_length(), n)
+            needs = self._needs(req, cache.get_seq_length(), n, cache)
             if not self._fits(promised, needs):  # (after the attach: reviving cached blocks may use the room up)
                 self.num_allocation_failures += 1
                 cache.release()
@@ -232,10 +236,11 @@ class Scheduler:
 
     # -- admission and preemption -----------------------------------------------------------------------------------
     def _attach(self, req: Request) -> PagedCache:
-        """A cache for `req`: attached to the longest cached prefix of its tokens with prefix caching, else empty."""
-        if self.pool.prefix_caching:
+        """A cache for `req`: attached to the longest cached prefix of its tokens with prefix caching, else empty
+        (always, with a retention policy: `request_retention`)."""
+        if self.pool.prefix_caching and req.retention is None:
             return PagedCache.from_prefix(self.pool, req.all_ids, model=self.model)
-        return PagedCache(pool=self.pool, config=self.model.config)
+        return PagedCache(pool=self.pool, config=self.model.config, retention=req.retention)
 
     def _admit(self, req: Request, cache: PagedCache) -> None:
         req.cache = cache
@@ -243,7 +248,7 @@ class Scheduler:
         req.busy.__enter__()
         req.num_computed = cache.get_seq_length()
         req.num_published = req.num_computed // self.pool.block_size
-        if req.num_preemptions == 0 and req.first_admitted < 0:
+        if req.num_preemptions == 0 and req.first_admitted < 0 and req.retention is None:  # (looked up)
             self.num_lookup_tokens += len(req.prompt)
             self.num_hit_tokens += req.num_computed
             req.num_hit_tokens = req.num_computed

@@ -315,7 +315,7 @@ class Engine:
                 continue
             full = min(req.num_computed, len(req.prompt)) // B
             if self.pool.prefix_caching and full > req.num_published:  # in flight: later requests share them now
-                req.cache.publish(req.prompt[: full * B])
+                req.cache.publish(req.prompt[: full * B], self.model)
                 req.num_published = full
             if not c.samples:
                 continue

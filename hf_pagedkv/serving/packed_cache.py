@@ -96,7 +96,15 @@ class PackedCache(Cache):
         """Which of the `held` keys (the last one at position ``start + q - 1``) each of the `q` queries (positions
         ``start .. start + q - 1``) sees: causal, and within `window` (a sliding-window layer). None when that is
         every key for one query, or plain causal over as many keys as queries (`sdpa`'s `is_causal`, as `generate`
-        runs a prefill)."""
+        runs a prefill).
+
+        The held keys are taken at positions ``end - held .. end - 1``: the request's cache returns its last keys in
+        order, and with a retention policy its held keys sit at exactly those virtual positions
+        (`PagedLayer.get_mask_sizes`: ``kv_offset + kv_length == end``, the offset counting what the policy evicted).
+        The policy evicts only before a step's first layer writes (`Evictor.before_step`), so every held key older
+        than the step is seen by every query of it (what it keeps is what attention reads), the step's own keys
+        causally, and a sliding-window layer's window counts true positions: the mask `generate` builds with the
+        same cache (the engine's tokens equal its tokens when the chunks are the same)."""
         key = (q, held, window, start if window else 0, device)
         if key in self._masks:
             return self._masks[key]

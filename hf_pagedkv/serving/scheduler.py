@@ -301,7 +301,7 @@ class Scheduler:
             return
         try:
             if publish and self.pool.prefix_caching and req.num_computed >= self.pool.block_size:
-                cache.publish(req.all_ids[: req.num_computed])
+                cache.publish(req.all_ids[: req.num_computed], self.model)
         finally:
             busy.__exit__(None, None, None)
             cache.release()

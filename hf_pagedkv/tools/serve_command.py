@@ -37,8 +37,8 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
                                          "instead of recomputed, and prefix blocks evicted from the device kept")
     s.add_argument("--prefix-cache-file", help="a prefix-cache file (safetensors): loaded at start if it exists, "
                                                "saved atomically at shutdown")
-    s.add_argument("--retention", metavar="SPEC", help="refused: the serving engine runs no retention policy (see "
-                                                       "docs/serving_http.md); `hf-pagedkv generate --retention` does")
+    s.add_argument("--retention", metavar="SPEC", help="every request's retention policy, e.g. sink_window:4:1024 "
+                                                       "(evicts tokens and frees their blocks; docs/serving_http.md)")
     s.add_argument("--max-batch-tokens", type=int, default=None,
                    help="tokens computed per engine step: decode tokens plus prefill chunks (default: 512)")
     s.add_argument("--max-queue", type=int, default=256,
@@ -55,13 +55,6 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
 
 def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Check the flags, bind the port, load the model, serve until SIGTERM (then drain and save)."""
-    if args.retention is not None:
-        parser.error(f"--retention {args.retention}: the serving engine does not run retention policies: it "
-                     "prefills prompts in chunks of --max-batch-tokens and recomputes preempted requests, so a policy "
-                     "would evict at other points than in `hf_pagedkv.generate` (one prefill step) and answer "
-                     "differently, and its scheduler and packed attention count a request's blocks and key positions "
-                     "as if it held every token it has seen. Serve without --retention (--quant and --max-memory "
-                     "bound the KV memory), or run `hf-pagedkv generate --retention SPEC` for one request")
     for flag, value, low in (("--port", args.port, 0), ("--max-queue", args.max_queue, 1),
                              ("--num-threads", args.num_threads, 0)):
         if value < low:
@@ -82,6 +75,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"--prefix-cache-file {args.prefix_cache_file!r}: its folder {folder!r} is not a writable "
                          "directory (the file is saved there at shutdown)")
     # the flags above need no import; the rest needs torch and the server's packages (seconds to import)
+    retention = _retention_policy(args, parser)
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -136,7 +130,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"hf-pagedkv serve: loaded {counted(pool.last_loaded_blocks, 'prefix block')} from "
               f"{args.prefix_cache_file}",
               file=sys.stderr)
-    engine = Engine(model, pool, max_batch_tokens=args.max_batch_tokens)
+    engine = Engine(model, pool, max_batch_tokens=args.max_batch_tokens, retention=retention)
     service = EngineService(engine, tokenizer, args.served_model_name or args.model, max_queue=args.max_queue,
                             prefix_cache_file=args.prefix_cache_file)
     try:
@@ -153,6 +147,25 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     serve(create_app(service), service, sock, log_level="info" if args.verbose else "warning")
     logger.info("hf-pagedkv serve: stopped")
     return 0
+
+
+def _retention_policy(args: argparse.Namespace, parser: argparse.ArgumentParser):
+    """The policy `--retention` names (`parse_retention`, as `hf-pagedkv generate --retention`), or None; a bad spec,
+    or a policy the engine cannot run on the model as `load_model` loads it (with `sdpa`), is refused here, before
+    the model loads."""
+    if args.retention is None:
+        return None
+    from hf_pagedkv.retention.spec import parse_retention
+    from hf_pagedkv.serving.request_retention import engine_policy_problem
+
+    try:
+        policy = parse_retention(args.retention)
+    except ValueError as e:
+        parser.error(str(e))  # it names --retention and the spec
+    problem = engine_policy_problem(policy, reads_in_place=False)
+    if problem is not None:
+        parser.error(f"--retention {args.retention}: {problem}")
+    return policy
 
 
 __all__ = ["add_serve_command", "run_serve"]

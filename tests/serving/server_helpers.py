@@ -71,13 +71,14 @@ class Running:
 
 
 @contextmanager
-def running_server(pool: BlockPool | None = None, max_batch_tokens: int | None = None, **service_kwargs):
-    """`hf_pagedkv.serving.server` on the tiny model, on a free loopback port, in a thread; stopped at exit (and
-    the pool's invariants checked)."""
+def running_server(pool: BlockPool | None = None, max_batch_tokens: int | None = None, retention=None,
+                   **service_kwargs):
+    """`hf_pagedkv.serving.server` on the tiny model (its engine's `retention`), on a free loopback port, in a
+    thread; stopped at exit (and the pool's invariants checked)."""
     model, tokenizer = model_and_tokenizer()
     pool = pool if pool is not None else BlockPool(block_size=BLOCK, prefix_caching=True, debug=True)
-    service = EngineService(Engine(model, pool, max_batch_tokens=max_batch_tokens), tokenizer, MODEL,
-                            **service_kwargs)
+    engine = Engine(model, pool, max_batch_tokens=max_batch_tokens, retention=retention)
+    service = EngineService(engine, tokenizer, MODEL, **service_kwargs)
     sock = bind("127.0.0.1", 0)
     port = sock.getsockname()[1]
     server = DrainingServer(uvicorn.Config(create_app(service), log_level="warning"), service)

@@ -86,7 +86,9 @@ def test_sigterm_drains_saves_the_prefix_cache_and_a_restart_loads_it(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--retention", "sink_window:4:64"], "the serving engine does not run retention policies"),
+    (["--retention", "sink_window:4"], "--retention 'sink_window:4': 1 part after the name"),
+    (["--retention", "kv_zip:0.5"], "compresses through a reconstruction pass"),
+    (["--retention", "snapkv:0.5"], "scores tokens with the queries"),
     (["--max-memory", "lots"], "--max-memory"),
     (["--block-size", "0"], "--quant/--block-size"),
     (["--max-queue", "0"], "--max-queue must be >= 1"),

@@ -40,7 +40,6 @@ def _run(argv: list[str]) -> tuple[int, list[str], str, str]:
     (["generate", "--help"], 0, "--max-new-tokens"),
     (["plan", "--help"], 0, "--max-seq-len"),
     (["serve", "--port", "70000"], 2, "--port must be <= 65535, got 70000"),
-    (["serve", "--retention", "sink_window:4:64"], 2, "--retention sink_window:4:64: the serving engine"),
     (["serve", "--max-memory", "lots"], 2, "--max-memory: `--max-memory`"),
     (["serve", "--prefix-cache-file", "/no/such/folder/p.safetensors"], 2, "is not a writable directory"),
     (["generate", "--max-new-tokens", "0"], 2, "--max-new-tokens must be positive, got 0"),

@@ -1,5 +1,5 @@
 """`EngineRetention`: the retention policies of an `Engine`'s requests (the engine's default, or a request's own), and
-what the scheduler counts of a request whose cache evicts tokens (`held_tokens`, `max_held_tokens`, `step_blocks`).
+what the scheduler counts of a request whose cache evicts tokens (`held_tokens`, `max_held_blocks`, `step_blocks`).
 
 A request with a policy gets its own `PagedCache(retention=policy)`: the policy evicts before each of the request's
 forward steps (at the first layer's `update`, before the step's tokens are written), exactly as in
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from hf_pagedkv.adapter.in_place_reads import IN_PLACE_NAMES
 from hf_pagedkv.blocks.block_table import num_blocks_for
+from hf_pagedkv.retention.importance import ImportancePolicy
 from hf_pagedkv.retention.policy import RetentionPolicy
 from hf_pagedkv.retention.spec import parse_retention
 from hf_pagedkv.serving.request import Request
@@ -111,38 +112,45 @@ def held_tokens(req: Request) -> int:
     return req.cache.rows.num_tokens
 
 
-def max_held_tokens(req: Request, max_batch_tokens: int, block_size: int) -> int:
-    """The most tokens `req`'s cache holds at once (after a step of at most `max_batch_tokens`): its prompt and new
-    tokens but the last (`Request.max_stored_tokens`), or less when its policy bounds what a row holds
-    (`RetentionPolicy.max_held`)."""
+def max_held_blocks(req: Request, max_batch_tokens: int, block_size: int) -> int:
+    """The most blocks per full-attention layer group `req`'s cache holds at once: those of its prompt and new tokens
+    but the last (`Request.max_stored_tokens`), or fewer when its policy bounds what a row holds after a step of at
+    most `max_batch_tokens` (`RetentionPolicy.max_held`; a recomputed request's step may be that long); plus, for a
+    token-level policy (`ImportancePolicy`), the fresh blocks it compacts the kept tokens into while it still holds
+    the old ones."""
     most = req.max_stored_tokens
-    if req.retention is not None:
-        bound = req.retention.max_held(min(max_batch_tokens, most), block_size)
-        if bound is not None:
-            most = min(most, bound)
-    return most
+    policy = req.retention
+    if policy is None:
+        return num_blocks_for(most, block_size)
+    bound = policy.max_held(min(max_batch_tokens, most), block_size)
+    most = most if bound is None else min(most, bound)
+    copy = min(most, policy.budget or most) if isinstance(policy, ImportancePolicy) else 0
+    return num_blocks_for(most, block_size) + num_blocks_for(copy, block_size)
 
 
 def step_blocks(req: Request, cache, start: int, n: int, block_size: int) -> int:
-    """New blocks per layer group that `cache` (`req`'s, holding its tokens ``.. start - 1``) allocates in a step
-    computing ``start .. start + n - 1``: those the new tokens open after what the cache holds once its policy has
-    evicted, plus the fresh blocks a token-level eviction compacts the kept tokens into (its old blocks are freed
-    only after). Without a policy: ``ceil((start + n) / B) - ceil(start / B)``."""
+    """Blocks per layer group the pool must have free for a step of `cache` (`req`'s, holding its tokens
+    ``.. start - 1``) computing ``start .. start + n - 1``. Without a policy: those the new tokens open,
+    ``ceil((start + n) / B) - ceil(start / B)``. With one, counted from what the cache holds once its policy has
+    evicted before the step: those the new tokens open after the held ones (whole blocks a policy drops are not
+    counted back: an upper bound); a token-level compaction first takes fresh blocks for the kept tokens, then frees
+    the old ones, then the new tokens open theirs, so the most it takes at once is
+    ``max(fresh, fresh - old + opened)``."""
     B = block_size
     if req.retention is None:
         return num_blocks_for(start + n, B) - num_blocks_for(start, B)
     held = cache.rows.num_tokens
-    fresh = 0
     evictor = cache.retention.evictor
     if evictor.evicted_at_step != evictor.num_steps:  # (otherwise this step's eviction already ran)
         plan = req.retention.plan(held, start, n, B, step=evictor.num_steps)
         if plan.keep_tokens is not None and 0 < plan.keep_tokens < held:
-            fresh = num_blocks_for(plan.keep_tokens, B)
-            held = plan.keep_tokens
-        elif plan.keep_tokens is None:  # whole blocks freed (the last one never is)
+            keep = plan.keep_tokens
+            fresh, opened = num_blocks_for(keep, B), num_blocks_for(keep + n, B) - num_blocks_for(keep, B)
+            return max(fresh, fresh - num_blocks_for(held, B) + opened)
+        if plan.keep_tokens is None:  # whole blocks freed (the last one never is)
             held -= B * len(plan.drop_positions)
-    return num_blocks_for(held + n, B) - num_blocks_for(held, B) + fresh
+    return num_blocks_for(held + n, B) - num_blocks_for(held, B)
 
 
-__all__ = ["ENGINE_DEFAULT", "EngineRetention", "engine_policy_problem", "held_tokens", "max_held_tokens",
+__all__ = ["ENGINE_DEFAULT", "EngineRetention", "engine_policy_problem", "held_tokens", "max_held_blocks",
            "resolve_retention", "step_blocks"]

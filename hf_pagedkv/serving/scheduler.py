@@ -48,7 +48,7 @@ from hf_pagedkv.pool.staging_budget import stage_capacity, stages_of_rows
 from hf_pagedkv.errors import PoolExhaustedError, counted
 from hf_pagedkv.blocks.block_table import num_blocks_for
 from hf_pagedkv.serving.request import Request, RequestStatus
-from hf_pagedkv.serving.request_retention import held_tokens, max_held_tokens, step_blocks
+from hf_pagedkv.serving.request_retention import held_tokens, max_held_blocks, step_blocks
 
 
 @dataclass(frozen=True)
@@ -137,15 +137,17 @@ class Scheduler:
     def too_large(self, req: Request) -> str | None:
         """Why `req` can never run in this pool (its prompt and new tokens need more blocks than it holds), or
         None."""
-        need = num_blocks_for(max_held_tokens(req, self.max_batch_tokens, self.pool.block_size), self.pool.block_size)
+        need = max_held_blocks(req, self.max_batch_tokens, self.pool.block_size)
         for group in self.full_groups:
             cap = self.capacity(group)
             if cap is not None and need > cap:
+                policy = "" if req.retention is None else (
+                    f", with retention={req.retention!r} and max_batch_tokens={self.max_batch_tokens}")
                 return (f"request {req.request_id!r} needs {counted(need, 'KV block')} "
                         f"({counted(len(req.prompt), 'prompt token')} + max_new_tokens={req.max_new_tokens}, "
-                        f"block_size={self.pool.block_size}) but the whole BlockPool holds {cap}: lower max_new_tokens "
-                        "or shorten the prompt, or give the pool more blocks (num_blocks / max_memory, or "
-                        "num_blocks=None to let it grow).")
+                        f"block_size={self.pool.block_size}{policy}) but the whole BlockPool holds {cap}: lower "
+                        "max_new_tokens or shorten the prompt, or give the pool more blocks (num_blocks / max_memory, "
+                        "or num_blocks=None to let it grow).")
         return None
 
     def _needs(self, req: Request, start: int, n: int, cache=None) -> dict[int, int]:

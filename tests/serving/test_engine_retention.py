@@ -206,3 +206,33 @@ def test_bad_or_unsupported_policies_are_refused_naming_the_call(retention, mess
     with pytest.raises(ValueError, match="^Engine: ") as e:
         Engine(tiny_model("llama"), BlockPool(block_size=BLOCK), retention=retention)
     assert message in str(e.value)
+
+
+def test_a_token_level_policy_runs_in_the_fewest_blocks_it_can():
+    # KeyNorm(budget=8) with steps of at most 4 tokens holds at most 12 tokens (3 blocks) and compacts the kept 8
+    # into 2 fresh blocks before freeing the old ones: 5 blocks at once. A pool of 5 runs it to the end (its step
+    # promises count the old blocks freed before the new tokens open theirs); one of 4 refuses it at admission
+    policy = KeyNorm(budget=8, sink_tokens=2, recent_tokens=4)
+    p = prompt(6, seed=8)
+    for num_blocks, status in ((5, "FINISHED"), (4, "FAILED")):
+        pool = BlockPool(block_size=BLOCK, num_blocks=num_blocks, debug=True)
+        engine = Engine(tiny_model("llama"), pool, max_batch_tokens=4, retention=policy)
+        rid = engine.add_request(p, max_new_tokens=30)
+        run_checked(engine, max_steps=200)
+        out = engine.output(rid)
+        assert out.status.name == status, out
+        assert pool.stats().blocks_in_use == 0
+    assert "needs 5 KV blocks" in out.error and "with retention=KeyNorm(budget=8" in out.error
+    assert "max_batch_tokens=4" in out.error
+
+
+@pytest.mark.parametrize("pool_settings", [dict(quant="k8v8"), dict(quant="k4v4", max_memory="40KiB")])
+def test_quantized_pools_with_retention_finish(pool_settings):
+    # chunked prefills (budget 9) next to decodes, a quantized store (a fixed budget with its full-precision stages
+    # for the second): every request finishes, invariants hold at every step, no block is left in use
+    pool = BlockPool(block_size=BLOCK, debug=True, **pool_settings)
+    engine = Engine(tiny_model("llama"), pool, max_batch_tokens=9, retention=SPEC)
+    rids = [engine.add_request(prompt(n, seed=n), max_new_tokens=30) for n in (5, 13, 20, 7)]
+    run_checked(engine)
+    assert all(len(o.generated_tokens) == 30 for o in finished(engine, rids))
+    assert pool.stats().blocks_in_use == 0

@@ -19,8 +19,8 @@ NEW = 24  # tokens generated: the window is passed many times
 
 def solo_retention(name, ids, new, policy=POLICY, chunk=None):
     """Greedy tokens of `ids` alone on a `PagedCache(retention=policy)`: `model.generate` (one prefill step), or,
-    with `chunk`, the prompt fed in chunks of that many tokens and then decoded token by token. Returns the tokens
-    and the cache's `retention_stats()`."""
+    with `chunk`, the prompt fed in chunks of that many tokens and then decoded token by token (up to the model's
+    stop token, as `generate`). Returns the tokens and the cache's `retention_stats()`."""
     model = tiny_model(name)
     cache = PagedCache(config=model.config, block_size=BLOCK, retention=policy)
     try:
@@ -33,7 +33,9 @@ def solo_retention(name, ids, new, policy=POLICY, chunk=None):
             for lo in range(0, len(ids), chunk):
                 logits = model(input_ids=torch.tensor([ids[lo: lo + chunk]]), **cache_kwargs(cache)).logits
             tokens = [int(logits[0, -1].argmax())]
-            while len(tokens) < new:
+            eos = model.generation_config.eos_token_id
+            stop = set([eos] if isinstance(eos, int) else eos or [])
+            while len(tokens) < new and tokens[-1] not in stop:
                 logits = model(input_ids=torch.tensor([tokens[-1:]]), **cache_kwargs(cache)).logits
                 tokens.append(int(logits[0, -1].argmax()))
             return tokens, cache.retention_stats()
@@ -63,16 +65,20 @@ def test_one_step_prefills_equal_solo_generate_with_the_same_policy(name):
     assert pool.stats().blocks_in_use == 0 and engine.stats().num_preemptions == 0
 
 
-def test_chunked_prefill_equals_the_same_chunks_run_alone():
-    # a budget of 6 tokens cuts a prompt of 22 into chunks of 6 (off block boundaries); the policy evicts between
-    # them, so the answer is that of the same chunks fed to a PagedCache alone, not that of a one-step prefill
-    p = prompt(22, seed=7)
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_chunked_prefill_equals_the_same_chunks_run_alone(name):
+    # a budget of 5 tokens cuts a prompt of 30 into chunks of 5 (off block boundaries); the policy evicts between
+    # them, so the later chunks attend to held keys at virtual positions (and, in gemma2's sliding layers, to a
+    # window of 8 realigned after each eviction): the answer is that of the same chunks fed to a PagedCache alone,
+    # whose masks transformers builds from `get_mask_sizes`, and not that of a one-step prefill
+    p = prompt(30, seed=9)
     pool = BlockPool(block_size=BLOCK, debug=True)
-    engine = Engine(tiny_model("llama"), pool, max_batch_tokens=6, retention=POLICY)
+    engine = Engine(tiny_model(name), pool, max_batch_tokens=5, retention=POLICY)
     rid = engine.add_request(p, max_new_tokens=NEW)
     run_checked(engine)
-    chunked, stats = solo_retention("llama", p, NEW, chunk=6)
+    chunked, stats = solo_retention(name, p, NEW, chunk=5)
     assert finished(engine, [rid])[0].generated_tokens == chunked
+    assert chunked != solo_retention(name, p, NEW)[0]  # evicting between the chunks changed the answer
     assert stats.num_evictions > 0
     assert pool.stats().blocks_in_use == 0
 

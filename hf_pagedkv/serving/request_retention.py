@@ -2,8 +2,9 @@
 what the scheduler counts of a request whose cache evicts tokens (`held_tokens`, `max_held_blocks`, `step_blocks`).
 
 A request with a policy gets its own `PagedCache(retention=policy)`: the policy evicts before each of the request's
-forward steps (at the first layer's `update`, before the step's tokens are written), exactly as in
-`hf_pagedkv.generate`'s cache, and every held key is then visible to every query of the step (`PackedCache._mask`).
+forward steps (at the first layer's `update`, before the step's tokens are written), as it does under
+`model.generate` (what `hf-pagedkv generate --retention` runs), and every held key is then visible to every query of
+the step (`PackedCache._mask`).
 So a request prefilled in one step and never preempted gives the tokens of a solo run with the same policy; a
 prompt prefilled in chunks is evicted between its chunks, and a preempted request recomputes its tokens in a fresh
 cache (both may then answer differently, as a different prefill would). A request with a policy does not look its

@@ -19,7 +19,8 @@ def hadamard_rotation(dim: int, seed: int = ROTATION_SEED) -> torch.Tensor:
         ValueError: `dim` not a power of two.
     """
     if dim < 1 or dim & (dim - 1):
-        raise ValueError(f"A Hadamard rotation needs head_dim a power of two; got {dim}. Use rotate_keys=False and rotate_values=False.")
+        raise ValueError(f"A Hadamard rotation needs head_dim a power of two; got {dim}. Use rotate_keys=False and "
+                         "rotate_values=False.")
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < dim:
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)  # Sylvester: [[H, H], [H, -H]]

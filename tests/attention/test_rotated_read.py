@@ -18,8 +18,8 @@ from hf_pagedkv.storage.codecs import RotatedCodec, make_codec
 from tests.attention.test_paged_attention import PAGED_LOGIT_ATOL, QUANTIZED_LOGIT_ATOL, counted  # noqa: F401
 from tests.conftest import VOCAB, tiny_model
 
-NEW_FORMATS = ["k8v4r", "k4v4r", "k4v3r", "k3v3r", "k4ve4m3", "k4ve4m3r", "k4ve4m3b", "ke5m2v4", "k8v4v", "k4v4rv", "k3v3rv",
-               "k4ve4m3rv"]
+NEW_FORMATS = ["k8v4r", "k4v4r", "k4v3r", "k3v3r", "k4ve4m3", "k4ve4m3r", "k4ve4m3b", "ke5m2v4", "k8v4v", "k4v4rv",
+               "k3v3rv", "k4ve4m3rv"]
 
 
 def generate(model, impl, quant, input_ids):

@@ -52,15 +52,16 @@ def main(argv=None) -> None:
     p.add_argument("--reference", type=Path, required=True)
     p.add_argument("--batched", type=Path, required=True)
     p.add_argument("--max-kl", type=float, default=0.5, help="leave out configs above this mean KL (int2 anchors)")
+    p.add_argument("--max-bytes", type=float, default=0.3, help="leave out configs above these bytes (v8)")
     args = p.parse_args(argv)
     from matplotlib.figure import Figure
 
-    pts = {n: v for n, v in points(args.reference, args.batched).items() if v[1] <= args.max_kl}
+    pts = {n: v for n, v in points(args.reference, args.batched).items() if v[1] <= args.max_kl and v[0] <= args.max_bytes}
     styles = {"hf_pagedkv": ("tab:blue", "o"), "hf_pagedkv, rotated keys": ("tab:orange", "s"),
               "hf_pagedkv, rotated values and keys": ("tab:green", "D"),
               "hf_pagedkv, rotated values": ("tab:purple", "^"),
               "QuantizedCache (transformers)": ("tab:red", "x")}
-    fig = Figure(figsize=(13, 5))
+    fig = Figure(figsize=(15, 6))
     axes = fig.subplots(1, 2)
     for ax, idx, label, log in ((axes[0], 1, "mean KL(baseline || config) [nats]", True),
                                 (axes[1], 2, "top-1 agreement with the baseline [%]", False)):

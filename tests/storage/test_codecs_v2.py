@@ -39,6 +39,8 @@ def test_hadamard_rotation_refuses_other_dims():
         hadamard_rotation(96)
     with pytest.raises(ValueError, match="power of two; got 80"):
         RotatedCodec(Int4Codec(axis="channel")).layout(32, 80, torch.float32)
+    with pytest.raises(ValueError, match="power of two; got 48. Use rotate_keys=False and rotate_values=False"):
+        RotatedCodec(Int4Codec(axis="token", group_size=16)).layout(32, 48, torch.float32)  # values
 
 
 @pytest.mark.parametrize("axis", ["channel", "token"])

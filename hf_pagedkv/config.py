@@ -98,7 +98,9 @@ class QuantConfig:
         rotate_values (`bool`, *optional*, defaults to False): quantize values turned by the same rotation before
             they are grouped along head_dim (`RotatedCodec`; head_dim a power of two): an outlier channel no longer
             sets the scale of its whole group. Reads de-rotate; the ``"hf_pagedkv"`` attention reads the codes as
-            stored and turns its output back once per head (``p @ (V R) = (p @ V) R``). Same bytes.
+            stored and turns its output back once per head (``p @ (V R) = (p @ V) R``). Same bytes. On SmolLM2
+            (docs/quantization.md), k8v4 with keys and values rotated (``"k8v4rv"``) has mean KL 1.0e-3 against
+            1.7e-3 unrotated, top-1 98.1% against 97.5%.
         key_format, value_format (`str`, *optional*, defaults to `"int"`): `"int"` (integer codes), or `"e4m3"` /
             `"e5m2"` for 8-bit floating-point codes (`Fp8Codec`; bits must then be 8; `torch` backend).
         fp8_scales (`str`, *optional*, defaults to `"group"`): fp8 scale granularity: `"group"` (keys per channel

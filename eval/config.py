@@ -18,7 +18,9 @@ PAGED_CONFIGS = ("fp", "v8", "k8v8", "k8v4", "k4v4", "k4v2", "k2v2", "k4v8",
                  # rotated keys (`QuantConfig(rotate_keys=True)`), 3-bit codes, fp8 values (per-group or `b`: per-block
                  # scales)
                  "k8v4r", "k4v4r", "k4v3r", "k3v3r", "k4v3", "k3v3", "k8ve4m3r", "k4ve4m3", "k4ve4m3r", "k4ve4m3b",
-                 "k4ve5m2r", "ke4m3ve4m3")
+                 "k4ve5m2r", "ke4m3ve4m3",
+                 # rotated keys and values (`rotate_values=True` too)
+                 "k8v4rv", "k4v4rv", "k4v3rv", "k3v3rv", "k4v2rv")
 #: Reference columns: transformers' `QuantizedCache` with a backend and a bit width.
 REFERENCE_CONFIGS = ("quanto-int4", "quanto-int2", "hqq-int4", "hqq-int2")
 #: What a run compares by default: the ladder (values quantized first) and the references. `k4v8` (keys first) and

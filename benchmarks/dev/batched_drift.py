@@ -6,7 +6,11 @@ of a single batch and the quantized caches are read in place by the ``"hf_pagedk
 over the de-quantized K/V up to fp32 rounding), so a config costs one batched decode instead of one per window.
 No greedy continuation and no per-layer K/V error: use `eval.drift` for those.
 
-    python benchmarks/dev/batched_drift.py --num-windows 5 --configs k8v4 k8v4r k4v4 k4v4r
+A config is a preset name (`QuantConfig.preset`), optionally with ``:g<n>`` for another `value_group_size` and
+``:s<n>`` for another `sink_tokens` (``k8v4rv:g32``, ``k8v4rv:s4``), or ``qc-fp8``: transformers' `QuantizedCache(backend="fp8")` (per-tensor e4m3, its scale set by
+the prefill; read by `sdpa`, its bytes counted as `eval.caches.bytes_held` does).
+
+    python benchmarks/dev/batched_drift.py --num-windows 5 --configs k8v4 k8v4r k4v4 k4v4r k8v4rv:g32 qc-fp8
 """
 
 from __future__ import annotations
@@ -26,9 +30,10 @@ from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from eval.caches import bytes_held  # noqa: E402
 from eval.config import EvalConfig  # noqa: E402
 from eval.tasks.perplexity.prepare import load_examples  # noqa: E402
-from hf_pagedkv import PagedCache, cache_kwargs  # noqa: E402
+from hf_pagedkv import PagedCache, QuantConfig, cache_kwargs  # noqa: E402
 from hf_pagedkv.tools.models import load_model  # noqa: E402
 
 
@@ -50,6 +55,18 @@ def scored_logits(model, cache, windows: torch.Tensor, prefill_len: int, prefill
         step = model(input_ids=windows[:, t: t + 1], **cache_kwargs(cache), use_cache=True)
         out.append(step.logits[:, -1].float())
     return torch.stack(out, 1)
+
+
+def make_cache(name: str, model):
+    """A fresh cache for config `name` (see the module docstring) and the attention implementation that reads it."""
+    if name == "qc-fp8":
+        from transformers import QuantizedCache
+
+        return QuantizedCache(backend="fp8", config=model.config), "sdpa"
+    preset, *options = name.split(":")
+    fields = {"g": "value_group_size", "s": "sink_tokens"}
+    quant = QuantConfig.preset(preset, **{fields[o[0]]: int(o[1:]) for o in options})
+    return PagedCache(config=model.config, quant=quant), "hf_pagedkv"
 
 
 def main(argv=None) -> None:
@@ -90,13 +107,19 @@ def main(argv=None) -> None:
         prefill_kv = [(layer.keys.clone(), layer.values.clone()) for layer in dc.layers]
     base = torch.log_softmax(scored_logits(model, dc, windows, args.prefill_len, prefill_kv=[]).double(), -1)
     base_nll = -base.gather(-1, targets[..., None]).squeeze(-1)  # [N, score_len]
-    model.set_attn_implementation("hf_pagedkv")
     for name in args.configs:
         t0 = time.time()
-        with PagedCache(config=model.config, quant=name) as cache:
-            logits = scored_logits(model, cache, windows, args.prefill_len, None if args.model_prefill else prefill_kv)
-            logp = torch.log_softmax(logits.double(), -1)
-            held = cache.pool.stats().bytes_in_use / (windows.shape[0] * (windows.shape[1] - 1))
+        cache, impl = make_cache(name, model)
+        model.set_attn_implementation(impl)
+        try:
+            logits = scored_logits(model, cache, windows, args.prefill_len,
+                                   None if args.model_prefill else prefill_kv)
+            held = bytes_held(cache) / (windows.shape[0] * (windows.shape[1] - 1))
+        finally:
+            if isinstance(cache, PagedCache):
+                cache.release()
+            del cache
+        logp = torch.log_softmax(logits.double(), -1)
         kl = (base.exp() * (base - logp)).sum(-1).flatten().numpy()  # [N * score_len] nats
         nll = -logp.gather(-1, targets[..., None]).squeeze(-1)
         ppl, ppl0 = math.exp(float(nll.mean())), math.exp(float(base_nll.mean()))

@@ -44,8 +44,10 @@ def paged_attention(query: torch.Tensor, view: PagedView, scaling: float, mask: 
     order differs from `sdpa` over the materialized K/V (fp32: about 1e-7 relative), and probabilities below
     ``2**-64`` of a row's largest are dropped (`NEGLIGIBLE`). Rotated keys (``QuantConfig(rotate_keys=True)``) are
     scored with the query turned once (``(q @ R) . (k @ R) = q . k``) against their codes and the turned
-    full-precision tokens (`rotate_code_table`), by every path that reads codes; the de-quantized chunks come back
-    in the model's basis and take the query as it is. Each read is counted by the path that served it, and a
+    full-precision tokens (`rotate_code_table`), by every path that reads codes; rotated values
+    (``QuantConfig(rotate_values=True)``) are summed as stored and the output turned back once,
+    ``(p @ (V R)) @ R.T = p @ V``. The de-quantized chunks come back in the model's basis and take the query and
+    give the output as they are. Each read is counted by the path that served it, and a
     format the kernels do not read is a counted, logged fallback to the torch read (`READ_COUNTS`).
 
     Args:
@@ -75,11 +77,17 @@ def paged_attention(query: torch.Tensor, view: PagedView, scaling: float, mask: 
     fmt = format_name(view.store.codecs) if quantized else "fp"
     rotation = view.key_rotation() if quantized else None  # [dk, dk]: the key codes are of keys @ R
     qr = qh if rotation is None else torch.matmul(qh, rotation.to(qh.dtype))  # [H, batch, G*q, D]: codes' basis
+    values = view.value_rotation() if quantized else None  # [dv, dv]: the value codes are of values @ R
+
+    def turned_back(out: torch.Tensor) -> torch.Tensor:  # [H, batch, G*q, Dv] read from the codes as stored
+        out = out if values is None else torch.matmul(out, values.to(out.dtype).T)  # (p @ V R) @ R.T = p @ V
+        return _unpack(out, batch, H, G, q, num_heads)
+
     if native is not None:
         out = native(qr if quantized else qh, view, bias)  # [H, batch, G*q, Dv] or None
         if out is not None:
             READ_COUNTS.serve("kernel-table" if quantized else "fp", fmt)
-            return _unpack(out, batch, H, G, q, num_heads)
+            return turned_back(out)
     read = view.code_read()  # quantized: codes and scales of the encoded blocks, or None
     if read is not None:
         out = None if compiled is None else compiled(qr, read, bias)
@@ -92,7 +100,7 @@ def paged_attention(query: torch.Tensor, view: PagedView, scaling: float, mask: 
             READ_COUNTS.serve("torch-codes", fmt)
         else:
             READ_COUNTS.serve("kernel-codes", fmt)
-        return _unpack(out, batch, H, G, q, num_heads)
+        return turned_back(out)
     READ_COUNTS.serve("torch-chunks" if quantized else "fp", fmt)
     if not quantized and view.base is None:  # rows in blocks: strided views of runs, rest gathered
         return _unpack(fp_attention(qh, view.fp_parts(tile_tokens), bias), batch, H, G, q, num_heads)

@@ -6,7 +6,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from hf_pagedkv.attention.rotated_read import key_rotation, rotate_code_read, rotate_code_table
+from hf_pagedkv.attention.rotated_read import key_rotation, rotate_code_read, rotate_code_table, value_rotation
 from hf_pagedkv.storage.code_read import CodeRead
 from hf_pagedkv.storage.code_table import CodeTable
 from hf_pagedkv.storage.read_request import ReadRequest
@@ -110,24 +110,32 @@ class PagedView:
     def code_read(self) -> CodeRead | None:
         """A quantized store's tokens ``lo .. end - 1`` as codes and scales (`QuantizedPageStore.read_codes`), for
         an attention that de-quantizes inside its products; None for a full-precision store, or when no encoded
-        block lies in the range (read `chunks` then). Rotated keys (`key_rotation`) come in the basis of their codes
-        (`rotate_code_read`): score them with the query turned by `key_rotation`."""
+        block lies in the range (read `chunks` then). Rotated keys (`key_rotation`) and values (`value_rotation`)
+        come in the basis of their codes (`rotate_code_read`): score them with the query turned by `key_rotation`,
+        turn the output back by `value_rotation`'s transpose."""
         if not self.store.is_quantized:
             return None
         read = self.store.read_codes(self.layer_idx, ReadRequest(self.table, self.lo, self.end, self.block_size,
                                                                  self._first_block(), self.new))
-        rotation = self.key_rotation()
-        return read if read is None or rotation is None else rotate_code_read(read, rotation)
+        rotation, values = self.key_rotation(), self.value_rotation()
+        if read is None or (rotation is None and values is None):
+            return read
+        return rotate_code_read(read, rotation, values)
 
     def key_rotation(self) -> torch.Tensor | None:
         """The matrix `R` `[key_dim, key_dim]` the store's key codes were turned by, or None (`key_rotation`)."""
         return key_rotation(self.store, self.layer_idx, self.spec.dtype)
 
+    def value_rotation(self) -> torch.Tensor | None:
+        """The matrix `R` `[value_dim, value_dim]` the store's value codes were turned by, or None
+        (`value_rotation`)."""
+        return value_rotation(self.store, self.layer_idx, self.spec.dtype)
+
     def code_table(self) -> CodeTable | None:
         """A quantized store's tokens ``lo .. end - 1`` where they lie, found through the block table
         (`QuantizedPageStore.code_table`), for a kernel that follows block ids; None for a full-precision store or
-        where that form does not hold (read `code_read` then). Rotated keys come in the basis of their codes
-        (`rotate_code_table`), as in `code_read`."""
+        where that form does not hold (read `code_read` then). Rotated keys and values come in the basis of their
+        codes (`rotate_code_table`), as in `code_read`."""
         if not self.store.is_quantized:
             return None
         key = (id(self.store), self.lo, self.end)  # the layers of a layer group read the same blocks in a step
@@ -139,8 +147,8 @@ class PagedView:
         if layout is None:
             return None
         table = self.store.layer_table(self.layer_idx, layout, self.new)
-        rotation = self.key_rotation()
-        return table if rotation is None else rotate_code_table(table, rotation)
+        rotation, values = self.key_rotation(), self.value_rotation()
+        return table if rotation is None and values is None else rotate_code_table(table, rotation, values)
 
     # -- chunks ----------------------------------------------------------------------------------------------
     def num_chunks(self, tile_tokens: int) -> int:

@@ -1,4 +1,5 @@
-"""Reads of rotated keys in place: the query turned once instead of every key turned back (`RotatedCodec`)."""
+"""Reads of rotated codes in place: for rotated keys the query turned once instead of every key turned back; for
+rotated values the output turned back once instead of every value (`RotatedCodec`)."""
 
 from __future__ import annotations
 
@@ -8,40 +9,61 @@ from hf_pagedkv.storage.code_read import CodeRead
 from hf_pagedkv.storage.code_table import CodeTable
 
 
-def key_rotation(store, layer_idx: int, dtype: torch.dtype) -> torch.Tensor | None:
-    """The orthogonal matrix `R` `[key_dim, key_dim]` (in `dtype`, on the layer's device) that a quantized store's
-    key codes were turned by (``codes ~ keys @ R``), or None when its keys are not rotated (or it is not quantized)."""
-    codec = getattr(store, "key_codec", None)
+def _rotation(store, half: str, layer_idx: int, dtype: torch.dtype) -> torch.Tensor | None:
+    codec = getattr(store, f"{half}_codec", None)
     if codec is None or not codec.rotated:
         return None
     spec = store.specs[layer_idx]
-    return codec.matrix(spec.key_dim, dtype, spec.device)
+    return codec.matrix(getattr(spec, f"{half}_dim"), dtype, spec.device)
 
 
-def rotate_code_read(read: CodeRead, rotation: torch.Tensor) -> CodeRead:
-    """`read` in the rotated basis of its key codes: the full-precision keys (tail, step's tokens, sink) turned by
-    `rotation` `[dk, dk]` (`[H, batch, m, dk]`, a few blocks' worth), the key codec replaced by its inner codec (its
-    codes are read as stored). With the query turned too, ``(q @ R) . (k @ R) = q . k``: the scores are those of
-    the model's basis up to fp rounding, and no key is turned back."""
+def key_rotation(store, layer_idx: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """The orthogonal matrix `R` `[key_dim, key_dim]` (in `dtype`, on the layer's device) that a quantized store's
+    key codes were turned by (``codes ~ keys @ R``), or None when its keys are not rotated (or it is not quantized)."""
+    return _rotation(store, "key", layer_idx, dtype)
+
+
+def value_rotation(store, layer_idx: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """The orthogonal matrix `R` `[value_dim, value_dim]` that a quantized store's value codes were turned by
+    (``codes ~ values @ R``), or None when its values are not rotated (or it is not quantized). An attention over
+    the codes as stored gives ``p @ (V R) = (p @ V) R``: turn its output back by ``R.T``."""
+    return _rotation(store, "value", layer_idx, dtype)
+
+
+def _turn(x: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
+    return x if rotation is None else torch.matmul(x, rotation.to(x.dtype))  # [..., d] @ [d, d]
+
+
+def _inner(codec, rotation: torch.Tensor | None):
+    return codec if rotation is None else codec.inner
+
+
+def rotate_code_read(read: CodeRead, rotation: torch.Tensor | None,
+                     values: torch.Tensor | None = None) -> CodeRead:
+    """`read` in the rotated basis of its codes: the full-precision keys (tail, step's tokens, sink) turned by
+    `rotation` `[dk, dk]` and the full-precision values by `values` `[dv, dv]` (`[H, batch, m, d]`, a few blocks'
+    worth; either None: that half is not rotated), each rotated codec replaced by its inner codec (its codes are
+    read as stored). With the query turned too, ``(q @ R) . (k @ R) = q . k``: the scores are those of the model's
+    basis up to fp rounding, and no key is turned back; the attention output is ``(p @ V) @ values``, to turn back
+    by ``values.T`` once."""
     kc, vc = read.codecs
-    keys = torch.matmul(read.full[0], rotation.to(read.full[0].dtype))  # [H, batch, m, dk]
-    return read._replace(codecs=(kc.inner, vc), full=(keys, read.full[1]))
+    full = (_turn(read.full[0], rotation), _turn(read.full[1], values))
+    return read._replace(codecs=(_inner(kc, rotation), _inner(vc, values)), full=full)
 
 
-def rotate_code_table(table: CodeTable, rotation: torch.Tensor) -> CodeTable:
-    """`table` in the rotated basis of its key codes (as `rotate_code_read`): the staged keys, the step's keys and
-    the sink keys turned by `rotation`, the key codec replaced by its inner codec. NOTE: the staged and sink keys
-    are the layer's whole staging areas (`[H, slots, dk]`: one block per open sequence), turned as a whole because
-    a kernel indexes them by slot."""
+def rotate_code_table(table: CodeTable, rotation: torch.Tensor | None,
+                      values: torch.Tensor | None = None) -> CodeTable:
+    """`table` in the rotated basis of its codes (as `rotate_code_read`): the staged, the step's and the sink keys
+    turned by `rotation` and values by `values` (either None: not rotated), each rotated codec replaced by its
+    inner codec. NOTE: the staged and sink K/V are the layer's whole staging areas (`[H, slots, d]`: one block per
+    open sequence), turned as a whole because a kernel indexes them by slot."""
     kc, vc = table.codecs
 
-    def turn(x: torch.Tensor) -> torch.Tensor:
-        return torch.matmul(x, rotation.to(x.dtype))  # [..., dk] @ [dk, dk]
+    def turn(pair):
+        return None if pair is None else (_turn(pair[0], rotation), _turn(pair[1], values))
 
-    staged = None if table.staged is None else (turn(table.staged[0]), table.staged[1])
-    new = None if table.new is None else (turn(table.new[0]), table.new[1])
-    sinks = None if table.sinks is None else (turn(table.sinks[0]), table.sinks[1])
-    return table._replace(codecs=(kc.inner, vc), staged=staged, new=new, sinks=sinks)
+    return table._replace(codecs=(_inner(kc, rotation), _inner(vc, values)), staged=turn(table.staged),
+                          new=turn(table.new), sinks=turn(table.sinks))
 
 
-__all__ = ["key_rotation", "rotate_code_read", "rotate_code_table"]
+__all__ = ["key_rotation", "rotate_code_read", "rotate_code_table", "value_rotation"]

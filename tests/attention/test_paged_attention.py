@@ -304,7 +304,7 @@ def test_sliding_window_left_padded_long_prompt(quant, counted):
     assert counted
 
 
-@pytest.mark.parametrize("quant", ["k8v4", "k4v4"])
+@pytest.mark.parametrize("quant", ["k8v4", "k4v4", "k4v4rv"])
 def test_beams_and_left_padding_quantized(quant, counted):
     model = tiny_model("llama")
     x = torch.randint(3, VOCAB, (2, 15), generator=torch.Generator().manual_seed(11))

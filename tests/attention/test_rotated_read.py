@@ -18,7 +18,8 @@ from hf_pagedkv.storage.codecs import RotatedCodec, make_codec
 from tests.attention.test_paged_attention import PAGED_LOGIT_ATOL, QUANTIZED_LOGIT_ATOL, counted  # noqa: F401
 from tests.conftest import VOCAB, tiny_model
 
-NEW_FORMATS = ["k8v4r", "k4v4r", "k4v3r", "k3v3r", "k4ve4m3", "k4ve4m3r", "k4ve4m3b", "ke5m2v4"]
+NEW_FORMATS = ["k8v4r", "k4v4r", "k4v3r", "k3v3r", "k4ve4m3", "k4ve4m3r", "k4ve4m3b", "ke5m2v4", "k8v4v", "k4v4rv",
+               "k3v3rv", "k4ve4m3rv"]
 
 
 def generate(model, impl, quant, input_ids):
@@ -50,12 +51,14 @@ def test_in_place_read_equals_sdpa_over_the_dequantized_keys(quant, counted):  #
     assert (ref[1] - got[1]).abs().max().item() <= QUANTIZED_LOGIT_ATOL
 
 
-def _rotated_read(batch: int = 2, seed: int = 0):
-    """A `CodeRead` with rotated int4 keys (4 encoded 8-token blocks, 3 tail tokens, 1 sink token) and the K/V
-    `[H, batch, 35, D]` that "de-rotate, then attend" sees (decoded keys turned back, the tail and the sink)."""
+def _rotated_read(batch: int = 2, seed: int = 0, values: bool = False):
+    """A `CodeRead` with rotated int4 keys (and rotated int4 values if `values`; 4 encoded 8-token blocks, 3 tail
+    tokens, 1 sink token) and the K/V `[H, batch, 35, D]` that "de-rotate, then attend" sees (decoded K/V turned
+    back, the tail and the sink)."""
     g = torch.Generator().manual_seed(seed)
     H, n, B, D = 2, 4, 8, 16
     kc, vc = RotatedCodec(make_codec("int4", "channel")), make_codec("int4", "token", D)
+    vc = RotatedCodec(vc) if values else vc
     x = torch.randn(H, batch, n, B, D, generator=g) + 4 * torch.randn(H, 1, 1, 1, D, generator=g)
     y = torch.randn(H, batch, n, B, D, generator=g)
     (kcodes, kscales), (vcodes, vscales) = kc.encode(x), vc.encode(y)
@@ -92,6 +95,28 @@ def test_rotated_query_equals_derotated_keys():
         assert (got.double() - want).abs().max().item() <= 1e-5
 
 
+def test_rotated_values_output_turned_back_equals_derotated_values():
+    """Rotated values read as stored (`rotate_code_read` with the value rotation: the tail and sink values turned),
+    the output turned back once by R.T, equal softmax(q k) @ (de-rotated values) within fp32 rounding, by the torch
+    read in tiles and by the C read; without the turn back the output is wrong (the test can fail)."""
+    read, k, v, r = _rotated_read(values=True)
+    qh = torch.randn(2, 2, 3, 16, generator=torch.Generator().manual_seed(2)) * 0.25
+    want = torch.softmax(qh.double() @ k.double().transpose(-1, -2), -1) @ v.double()  # [H, batch, 3, D]
+    turned = rotate_code_read(read, r, r)
+    assert turned.codecs[1] is read.codecs[1].inner and turned.codes is read.codes
+    torch.testing.assert_close(turned.full[1], read.full[1] @ r)  # tail and sink values in the codes' basis
+    for tile in (8, 64):
+        got = code_attention(qh @ r, turned, None, tile) @ r.T
+        assert (got.double() - want).abs().max().item() <= 1e-5, tile
+    stored = code_attention(qh @ r, turned, None, 64)  # not turned back: the rotated basis
+    assert (stored.double() - want).abs().max().item() > 1e-2
+    got = NativeCodeAttention()(qh @ r, turned, None)
+    if got is not None:  # the C read of rotated int4 keys and values (a compiler here)
+        assert ((got @ r.T).double() - want).abs().max().item() <= 1e-5
+    keys_only = rotate_code_read(read, r)  # only the keys turned: the values' codec stays the rotated one
+    assert keys_only.codecs[1] is read.codecs[1] and keys_only.full[1] is read.full[1]
+
+
 def test_read_counts_name_the_path_and_every_fallback(caplog):
     """Rotated int4 keys are read by the C kernel (where it builds); int3 codes are a counted fallback to the torch
     read, logged once per format."""
@@ -104,6 +129,11 @@ def test_read_counts_name_the_path_and_every_fallback(caplog):
     assert not snap["fallbacks"], snap
     path = "kernel-table" if c_builds else "torch-codes"
     assert snap["served"].get(f"{path} int4+rot/int4", 0) > 0, snap
+    READ_COUNTS.reset()
+    generate(model, "hf_pagedkv", "k4v4rv", ids)  # rotated values: the same kernels, the output turned back
+    snap = READ_COUNTS.snapshot()
+    assert not snap["fallbacks"], snap
+    assert snap["served"].get(f"{path} int4+rot/int4+rot", 0) > 0, snap
     READ_COUNTS.reset()
     with caplog.at_level(logging.WARNING, logger="hf_pagedkv.attention.read_counts"):
         generate(model, "hf_pagedkv", "k3v3r", ids)

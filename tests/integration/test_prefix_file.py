@@ -20,7 +20,7 @@ from tests.prefix_utils import GEN, fresh_generate, tiny_single_thread  # noqa: 
 # A hit computes only the suffix, in a step of its own, where the fresh run prefills everything at once: the sums
 # are reassociated (tests/tolerances.py). On the tiny models that moves fp32 logits by < 3e-7; the issue asks 1e-5.
 FRESH_TOL = 1e-5
-QUANTS = [None, "k8v4"]
+QUANTS = [None, "k8v4", "k4v4rv"]  # k4v4rv: rotated keys and values
 
 
 def block_size(quant) -> int:
@@ -149,6 +149,23 @@ def test_a_bad_file_is_refused_and_nothing_is_loaded(tmp_path, case):
         before.blocks_cached, before.blocks_in_use, before.blocks_free)
     assert list(pool.prefix_keys) == keys  # a refused load notes no key
     pool.check_invariants()
+
+
+def test_rotated_values_are_part_of_the_stored_format(tmp_path):
+    """Codes of rotated values are another basis: a file of a k4v4r pool (keys rotated) is refused by a k4v4rv
+    pool (keys and values) with nothing loaded, and loads into a k4v4r one."""
+    model = tiny_model("llama")
+    path = tmp_path / "p.safetensors"
+    serve(model, "k4v4r", ids(1, 17, seed=6)).save_prefix_cache(path)
+    pool = BlockPool(block_size=8, prefix_caching=True, quant="k4v4rv")
+    with pytest.raises(ValueError, match="stored as"):
+        pool.load_prefix_cache(path, model=model)
+    assert pool.stats().blocks_cached == 0 and not list(pool.prefix_keys)
+    same = BlockPool(block_size=8, prefix_caching=True, quant="k4v4r")
+    same.load_prefix_cache(path, model=model)
+    assert same.last_loaded_blocks > 0
+    pool.check_invariants()
+    same.check_invariants()
 
 
 def test_interrupted_save_leaves_the_previous_file_intact(tmp_path, monkeypatch):

@@ -39,13 +39,17 @@ def test_hadamard_rotation_refuses_other_dims():
         hadamard_rotation(96)
     with pytest.raises(ValueError, match="power of two; got 80"):
         RotatedCodec(Int4Codec(axis="channel")).layout(32, 80, torch.float32)
+    with pytest.raises(ValueError, match="power of two; got 48. Use rotate_keys=False and rotate_values=False"):
+        RotatedCodec(Int4Codec(axis="token", group_size=16)).layout(32, 48, torch.float32)  # values
 
 
+@pytest.mark.parametrize("axis", ["channel", "token"])
 @pytest.mark.parametrize("name", ["int8", "int4", "int3", "int2", "fp8-e4m3"])
-def test_rotated_error_is_the_inner_error_of_the_rotated_keys(name):
-    """A rotation keeps L2 norms: per token, ||x - x_hat|| equals the inner codec's error on x @ R."""
+def test_rotated_error_is_the_inner_error_of_the_rotated_keys(name, axis):
+    """A rotation keeps L2 norms: per token, ||x - x_hat|| equals the inner codec's error on x @ R (keys grouped
+    per channel, values per token)."""
     x = blocks(1)
-    inner = make_codec(name, "channel")
+    inner = make_codec(name, axis)
     codec = RotatedCodec(inner)
     y = codec.decode(*codec.encode(x), torch.empty_like(x))
     xr = x @ hadamard_rotation(64).float()
@@ -68,6 +72,30 @@ def test_rotation_rescues_per_token_groups_from_an_outlier_channel():
     x = blocks(3)
     plain, turned = Int4Codec(axis="token"), RotatedCodec(Int4Codec(axis="token"))
     assert rel(turned, x) < 0.7 * rel(plain, x)
+
+
+@pytest.mark.parametrize("name,group,lo,hi", [
+    ("int8", 64, 0.002, 0.008), ("int4", 64, 0.04, 0.1), ("int4", 32, 0.04, 0.09), ("int3", 64, 0.09, 0.22),
+    ("int2", 64, 0.2, 0.5),
+])
+def test_rotated_value_error_bounds_and_gain(name, group, lo, hi):
+    """Rotated values (per token, `group` channels per group) with an outlier channel: lossy, within the bit width's
+    budget, and at least 1.5x below the unrotated codec's error (the outlier no longer sets its group's scale);
+    without an outlier the rotation changes the error by under 3%."""
+    x = blocks(2)
+    plain = make_codec(name, "token", group)
+    turned = RotatedCodec(make_codec(name, "token", group))
+    assert lo < rel(turned, x) < hi
+    assert rel(turned, x) * 1.5 < rel(plain, x)
+    flat = blocks(2, outlier=False)
+    assert abs(rel(turned, flat) / rel(plain, flat) - 1) < 0.03
+
+
+def test_rotated_fp8_values_gain_nothing():
+    """fp8 codes keep a relative precision per element: turning an outlier channel over every channel raises their
+    error instead (which is why rotation is the integer codes' tool)."""
+    x = blocks(2)
+    assert rel(RotatedCodec(make_codec("fp8-e4m3", "token")), x) > 1.3 * rel(make_codec("fp8-e4m3", "token"), x)
 
 
 def test_rotated_decode_into_a_strided_view():
@@ -181,6 +209,11 @@ def test_fp8_bad_arguments():
     ("k4ve4m3", dict(key_bits=4, value_bits=8, value_format="e4m3")),
     ("k4ve4m3b", dict(key_bits=4, value_bits=8, value_format="e4m3", fp8_scales="block")),
     ("ke5m2v4r", dict(key_bits=8, value_bits=4, key_format="e5m2", rotate_keys=True)),
+    ("k8v4rv", dict(key_bits=8, value_bits=4, rotate_keys=True, rotate_values=True)),
+    ("k4v4rv", dict(key_bits=4, value_bits=4, rotate_keys=True, rotate_values=True)),
+    ("k3v3rv", dict(key_bits=3, value_bits=3, rotate_keys=True, rotate_values=True)),
+    ("k8v4v", dict(key_bits=8, value_bits=4, rotate_values=True)),
+    ("k16v4v", dict(value_bits=4, rotate_values=True)),
 ])
 def test_presets_round_trip_their_names(name, fields):
     quant = QuantConfig.preset(name)
@@ -193,6 +226,12 @@ def test_codecs_for_a_config():
     assert isinstance(v, Fp8Codec) and v.fmt == "e4m3" and v.axis == "token" and not v.per_block
     k, v = codecs_for(QuantConfig(value_bits=8, rotate_keys=True))  # full-precision keys are not turned
     assert k.bits is None and not k.rotated
+    k, v = codecs_for(QuantConfig.preset("k4v3rv"))
+    assert k.rotated and isinstance(v, RotatedCodec) and isinstance(v.inner, Int3Codec) and v.axis == "token"
+    assert v.group_size == v.inner.group_size == 64
+    k, v = codecs_for(QuantConfig(key_bits=4, rotate_values=True))  # full-precision values are not turned
+    assert not k.rotated and v.bits is None and not v.rotated
+    assert QuantConfig(key_bits=4, rotate_values=True).name == "k4v16"
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -201,6 +240,7 @@ def test_codecs_for_a_config():
     (dict(value_bits=8, value_format="fp8"), "`value_format` must be one of int, e4m3, e5m2"),
     (dict(key_bits=3, backend="reference"), "3-bit codes are the torch backend's"),
     (dict(key_bits=4, rotate_keys=1), "`rotate_keys` must be True or False"),
+    (dict(value_bits=4, rotate_values="yes"), "`rotate_values` must be True or False"),
     (dict(value_bits=8, fp8_scales="token"), "`fp8_scales` must be one of group, block"),
 ])
 def test_config_errors(kwargs, match):

@@ -70,7 +70,7 @@ def make_codec(name: str, axis: str, group_size: int = 64) -> Codec:
 
 def codecs_for(quant) -> tuple[Codec, Codec]:
     """The key codec (``axis="channel"``; wrapped in `RotatedCodec` when ``quant.rotate_keys``) and the value codec
-    (``axis="token"``) of a `QuantConfig`.
+    (``axis="token"``; wrapped in `RotatedCodec` when ``quant.rotate_values``) of a `QuantConfig`.
 
     Raises:
         ValueError: the backend has no codec for the bits.
@@ -80,6 +80,8 @@ def codecs_for(quant) -> tuple[Codec, Codec]:
                        quant.value_group_size)
     if quant.rotate_keys and key.bits is not None:
         key = RotatedCodec(key)
+    if quant.rotate_values and value.bits is not None:
+        value = RotatedCodec(value)
     return key, value
 
 

@@ -1,4 +1,4 @@
-"""`RotatedCodec`: any codec applied to keys turned by a fixed orthogonal (randomized Hadamard) rotation."""
+"""`RotatedCodec`: any codec applied to keys or values turned by a fixed orthogonal (randomized Hadamard) rotation."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ def hadamard_rotation(dim: int, seed: int = ROTATION_SEED) -> torch.Tensor:
         ValueError: `dim` not a power of two.
     """
     if dim < 1 or dim & (dim - 1):
-        raise ValueError(f"A Hadamard rotation needs head_dim a power of two; got {dim}. Use rotate_keys=False.")
+        raise ValueError(f"A Hadamard rotation needs head_dim a power of two; got {dim}. Use rotate_keys=False and "
+                         "rotate_values=False.")
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < dim:
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)  # Sylvester: [[H, H], [H, -H]]
@@ -34,13 +35,18 @@ class RotatedCodec(Codec):
     each quantization group sees a flatter distribution and a smaller range.
 
     - `encode(x)`: the inner codec's codes and scales of ``x @ R`` (same layout and bytes as the inner codec).
-    - `decode`: the inner reconstruction turned back, ``x_hat = inner_decode @ R.T``, so a dense read gets keys in
-      the model's basis. `unpack` / `affine` give the inner parts, in the rotated basis: an attention that reads the
-      codes in place turns the query instead, ``q . x_hat = (q @ R) . (x_hat @ R)`` (`matrix`), and reads the
-      full-precision tokens (sink, staged block, the step's own) turned by `R` as well.
+    - `decode`: the inner reconstruction turned back, ``x_hat = inner_decode @ R.T``, so a dense read gets keys and
+      values in the model's basis. `unpack` / `affine` give the inner parts, in the rotated basis: an attention that
+      reads key codes in place turns the query instead, ``q . x_hat = (q @ R) . (x_hat @ R)`` (`matrix`); one that
+      reads value codes in place sums them as stored and turns its output back once, ``(p @ (V R)) @ R.T = p @ V``.
+      Either reads the full-precision tokens (sink, staged block, the step's own) turned by `R` as well.
     - Error bound: the inner codec's bound on ``x @ R`` (a rotation keeps the L2 norm of the error:
       ``||x - x_hat|| = ||x @ R - inner_x_hat||`` per token), so per element at most ``sqrt(dim)`` times the inner
       per-element bound, typically about the same as it.
+
+    Values (per token, groups along head_dim): an outlier channel sets the scale of its whole group; turned, its
+    energy is spread over every channel, and the int4 error of a group with one 12x channel halves
+    (tests/storage/test_codecs_v2.py). fp8 codes gain nothing: their error is relative per element.
 
     NOTE: keys stay grouped per channel over the block (KIVI). A per-channel offset (the usual form of an outlier
     channel) stays a per-channel offset after the turn, which the minimum of each group absorbs either way; what
@@ -49,7 +55,7 @@ class RotatedCodec(Codec):
     directions the queries read: attention drift is lower (docs/quantization.md).
 
     Args:
-        inner (`Codec`): the codec of the rotated values.
+        inner (`Codec`): the codec of the rotated keys or values.
 
     Raises:
         ValueError: (`layout`, `encode`) a head dim that is not a power of two.

@@ -14,7 +14,9 @@ prompt plus a question about a slice of a real document (`textwrap.py`'s source,
 
 Per server: requests answered and failed (errors by kind), wall time from the first arrival to the last answer,
 output tokens per second over it, TTFT (arrival to the first content chunk) and end-to-end latency P50/P99
-(nearest rank). The table is printed, and written as JSON with `--json`.
+(nearest rank), and the CPU seconds the server's processes (all of their threads: `transformers serve` runs its model
+in a child process) used from the first arrival to the last answer, read from /proc (Linux; nan elsewhere). The
+table is printed, and written as JSON with `--json`.
 """
 
 from __future__ import annotations
@@ -127,6 +129,22 @@ async def one(client, model: str, messages, max_tokens: int, t0: float, arrival:
             "end": end}
 
 
+def cpu_seconds(pgid: int) -> float:
+    """CPU seconds (user + system) the live processes of process group `pgid` have used so far; nan without /proc."""
+    if not os.path.isdir("/proc"):
+        return float("nan")
+    ticks, total = os.sysconf("SC_CLK_TCK"), 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[2]) == pgid:  # fields from the state on: state ppid pgrp ... utime (11) stime (12)
+            total += int(fields[11]) + int(fields[12])
+    return total / ticks
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, int(q * len(xs) + 0.5) - 1))] if xs else float("nan")
@@ -142,8 +160,9 @@ async def drive(target: str, model_dir: str, args) -> dict:
     try:
         await wait_ready(client, model_dir, proc)
         jobs = workload(args.requests, args.rate, args.seed)
-        t0 = time.perf_counter()
+        cpu0, t0 = cpu_seconds(proc.pid), time.perf_counter()
         results = await asyncio.gather(*(one(client, model_dir, m, args.max_tokens, t0, a) for a, m in jobs))
+        cpu = cpu_seconds(proc.pid) - cpu0
     finally:
         await client.close()
         os.killpg(proc.pid, signal.SIGTERM)
@@ -159,7 +178,7 @@ async def drive(target: str, model_dir: str, args) -> dict:
     wall = max(r["end"] for r in ok) - t0 if ok else float("nan")
     tokens = sum(r["tokens"] for r in ok)
     return {"target": target, "ok": len(ok), "errors": errors, "wall_s": wall, "tokens": tokens,
-            "tok_per_s": tokens / wall if ok else 0.0, "req_per_s": len(ok) / wall if ok else 0.0,
+            "tok_per_s": tokens / wall if ok else 0.0, "cpu_s": cpu, "req_per_s": len(ok) / wall if ok else 0.0,
             "ttft_p50": pct([r["ttft"] for r in ok], 0.5), "ttft_p99": pct([r["ttft"] for r in ok], 0.99),
             "e2e_p50": pct([r["e2e"] for r in ok], 0.5), "e2e_p99": pct([r["e2e"] for r in ok], 0.99)}
 
@@ -189,14 +208,14 @@ def main(argv=None) -> int:
           f"transformers {transformers.__version__}; {args.requests} requests, Poisson {args.rate}/s, "
           f"max_tokens {args.max_tokens}, max_batch_tokens {args.max_batch_tokens}, seed {args.seed}")
     rows = [asyncio.run(drive(t, model_dir, args)) for t in targets]
-    head = "| server | ok | errors | wall s | output tok/s | req/s | TTFT P50 | TTFT P99 | E2E P50 | E2E P99 |"
+    head = "| server | ok | errors | wall s | output tok/s | req/s | TTFT P50 | TTFT P99 | E2E P50 | E2E P99 | CPU s |"
     print(head)
     print("|" + " --- |" * (head.count("|") - 1))
     for r in rows:
         errs = ", ".join(f"{k}: {v}" for k, v in r["errors"].items()) or "0"
         print(f"| {r['target']} | {r['ok']} | {errs} | {r['wall_s']:.1f} | {r['tok_per_s']:.1f} | "
               f"{r['req_per_s']:.2f} | {r['ttft_p50']:.2f} s | {r['ttft_p99']:.2f} s | {r['e2e_p50']:.2f} s | "
-              f"{r['e2e_p99']:.2f} s |")
+              f"{r['e2e_p99']:.2f} s | {r['cpu_s']:.1f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0 if all(r["ok"] == args.requests for r in rows) else 1

@@ -7,9 +7,10 @@ which the engine allows from any one thread) and, after each step, reads every t
 passes what is new to that request's sink. A sink must be cheap and thread-safe (the server's puts the event on
 an asyncio queue with `call_soon_threadsafe`).
 
-The runner's thread steps under `torch.inference_mode()` (no autograd bookkeeping: about 9% less CPU per step
-than `torch.no_grad()` with the same tokens, docs/serving_http.md); so does every other call of the runner that can write the pool's or a
-cache's tensors (`cancel`, `close`), since a tensor made in inference mode may only be written in inference mode.
+The runner's thread steps under `torch.inference_mode()` (no autograd bookkeeping: less CPU per step than
+`torch.no_grad()` with the same tokens, docs/serving_http.md); so does every other call of the runner that can write the
+pool's or a cache's tensors (`cancel`, `close`), since a tensor made in inference mode may only be written in inference
+mode.
 
 Waiting requests: `num_waiting` counts tracked requests the engine has not admitted yet (PENDING at the last step,
 and those submitted since); `submit` refuses new work past `max_queue` of them (`QueueFull`).

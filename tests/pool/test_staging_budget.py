@@ -5,6 +5,8 @@ the end within it."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -195,3 +197,48 @@ def test_plan_counts_the_stages_inside_the_quantized_budget(quant, batch):
         model(torch.tensor([prompt(5, seed=1)]), past_key_values=cache)
         assert pool.num_blocks == plan.pool_blocks >= -(-70 // 32) * batch
         assert pool.groups[0].store.stage_capacity() == plan.num_stages >= min(2 * batch, 256)
+
+
+@functools.lru_cache(maxsize=None)
+def _head_dim_64_model():
+    """A 2-layer Llama with SmolLM2's head shape (1 KV head of 64): quantized blocks as small as SmolLM2's, relative
+    to a full-precision stage (fp32)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=128, intermediate_size=128, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=64, vocab_size=96)
+    return LlamaForCausalLM(config).eval()
+
+
+def _run_budgeted(pool: BlockPool, prompts: list[list[int]], new: int) -> tuple[int, int, list]:
+    """Step an engine on `pool` until every request is done, checking the budget after each step. Returns the most
+    requests held at once, the steps, and the outputs."""
+    engine = Engine(_head_dim_64_model(), pool, max_batch_tokens=128)
+    rids = [engine.add_request(p, max_new_tokens=new, eos_token_id=[]) for p in prompts]
+    most = steps = 0
+    while engine.has_unfinished:
+        engine.step()
+        pool.check_invariants()
+        assert pool.stats().bytes_reserved == tensor_bytes(pool) <= pool.max_memory
+        most = max(most, pool.stats().num_sequences)
+        steps += 1
+        assert steps < 500, "the engine made no progress"
+    assert engine.stats().num_preemptions == 0 or not pool.quant.is_quantized
+    return most, steps, [engine.output(r) for r in rids]
+
+
+def test_quantized_engine_runs_more_requests_at_once_than_full_precision_in_the_same_budget(caplog):
+    """480 KiB hold 30 fp blocks of 16 tokens (three 150-200-token requests at once, with preemptions), or for k8v4
+    7 stages and 34 encoded blocks of 32 tokens: six requests at once, none preempted, every one finished."""
+    prompts = [prompt(n, seed=800 + n) for n in (150, 180, 120, 200, 160, 140, 170, 130)]
+    budget = 480 * 1024
+    fp_most, fp_steps, fp_outs = _run_budgeted(BlockPool(16, max_memory=budget, debug=True), prompts, 8)
+    pool = BlockPool(quant="k8v4", max_memory=budget, debug=True)
+    q_most, q_steps, q_outs = _run_budgeted(pool, prompts, 8)
+    assert stage_capacity(pool) == 7 and pool.num_blocks == 34
+    assert (fp_most, q_most) == (3, 6) and q_steps < fp_steps
+    for outs in (fp_outs, q_outs):
+        assert all(o.error is None and len(o.generated_tokens) == 8 for o in outs)
+    assert "interrupted" not in caplog.text  # no step ran out of stages (nor blocks) half-way
+    assert pool.stats().blocks_in_use == 0 and pool.groups[0].store.staging.num_used == 0

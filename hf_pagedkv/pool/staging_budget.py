@@ -2,7 +2,7 @@
 
 A quantized layer group holds each row's partial last block as a full-precision *stage* (`StagingStore`) until the
 block fills and is encoded. With `max_memory` the stages are part of the budget: the group's store holds at most
-`Store.stage_capacity()` of them (`QuantizedPageStore.budget_split`: a quarter of the budget, 2 to 256), so a
+`Store.stage_capacity()` of them (`QuantizedPageStore.budget_split`: one per `ROW_BLOCKS` encoded blocks), so a
 step checks, before it changes anything, that the stages it will take are available (`stages_fit`), and the serving
 scheduler admits a request only while the running ones' stages (`stages_of_rows`) leave room for it. Pools without a
 byte budget, and full-precision ones, have no stage limit: every function here then says yes.

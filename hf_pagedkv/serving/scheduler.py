@@ -29,7 +29,8 @@ admission, with an error naming the sizes.
 
 A quantized pool with `max_memory` holds each running request's partial last block in full precision inside its
 budget (`staging_budget`): the scheduler admits a request only while the stages the running ones may hold (one per
-decoding request, two per prefilling one) leave two for it, so no step runs out of stages.
+decoding request, two per prefilling one) leave it what it may hold (one when the step computes its whole prompt, two
+when it prefills in chunks), so no step runs out of stages.
 
 Invariants: `waiting` and `running` are sorted by arrival and disjoint; a running request holds a cache on the
 device, a waiting one none or an offloaded one (swapped); the blocks promised in a step fit what the pool could
@@ -194,9 +195,14 @@ class Scheduler:
                 budget -= n
         rejected: list[Request] = []
         stages = stage_capacity(self.pool)  # a quantized max_memory pool's staging area: so many open blocks
+        held = self._stages_held() if stages is not None else 0  # stages the running requests may hold
         while self.waiting and budget > 0 and not preempted:
             req = self.waiting[0]
-            if stages is not None and self._stages_held() + 2 > stages:  # it may take two while it prefills
+            # one stage (its partial last block) when this step computes all it has pending from a block start;
+            # two when it prefills in chunks (`stages_of_rows`) or completes a swapped-in open block and opens another
+            whole = req.num_pending <= budget and (req.num_pending == 1 or req.num_computed % self.pool.block_size == 0)
+            take = 1 if whole else 2
+            if stages is not None and held + take > stages:
                 break
             if req.cache is not None:  # swapped out: its blocks come back first
                 n = min(req.num_pending, budget)
@@ -209,6 +215,7 @@ class Scheduler:
                 chunks[req] = (n, needs)
                 promised.update(needs)
                 budget -= n
+                held += take
                 continue
             reason = self.too_large(req)
             if reason is not None:
@@ -228,6 +235,7 @@ class Scheduler:
             chunks[req] = (n, needs)
             promised.update(needs)
             budget -= n
+            held += take
         batch = tuple(Chunk(req, req.num_computed, n) for req, (n, _) in chunks.items())
         return StepBatch(batch, tuple(preempted), tuple(rejected))
 

@@ -10,6 +10,7 @@ from hf_pagedkv.storage.code_table import CodeTable
 from hf_pagedkv.storage.page_store import LayerSpec
 from hf_pagedkv.storage.quantized_block_states import QuantizedBlockStates
 from hf_pagedkv.storage.read_request import ReadRequest
+from hf_pagedkv.storage.segment_split import SegmentSplit
 from hf_pagedkv.storage.segmented_tensor import SegmentedTensor
 from hf_pagedkv.storage.staging_store import StagingStore
 
@@ -43,6 +44,10 @@ class QuantizedReader:
         self.block_size, self.sink_tokens, self.codecs = block_size, sink_tokens, codecs  # fixed
         self.specs, self.codes, self.scales = specs, codes, scales  # the store's; read only
         self.states, self.staging, self.sinks = states, staging, sinks  # the store's; read only
+        # the block ids and segment starts of the last gather, and their `SegmentSplit`: every half and layer of a
+        # step gathers the same ids from tensors with the same segments, so the split is made once, not per tensor
+        self._split_key: tuple | None = None
+        self._split: SegmentSplit | None = None
 
     def decode_blocks(self, layer_idx: int, half: int, blocks: torch.Tensor, out: torch.Tensor,
                        base: int | None = None) -> torch.Tensor:
@@ -54,9 +59,20 @@ class QuantizedReader:
             c, s = codes.narrow(1, base, n), scales.narrow(1, base, n)  # [num_kv_heads, n, size]
         else:
             idx = blocks.reshape(-1).to(codes.device)
-            c = codes.index_select(1, idx).unflatten(1, blocks.shape)  # [num_kv_heads, (batch,) n, code_size]
-            s = scales.index_select(1, idx).unflatten(1, blocks.shape)
+            split = self._block_split(codes, idx)  # (codes and scales have the same segments of blocks)
+            c = codes.index_select(1, idx, split=split).unflatten(1, blocks.shape)  # [num_kv_heads, (batch,) n, size]
+            s = scales.index_select(1, idx, split=split).unflatten(1, blocks.shape)
         return self.codecs[half].decode(c, s, out)
+
+    def _block_split(self, codes: SegmentedTensor, idx: torch.Tensor) -> SegmentSplit | None:
+        """`codes.split(idx)` for block ids `idx` `[n]`, reused while the ids and the segments are the same; None
+        for one segment (nothing to split)."""
+        if len(codes.segments) == 1:
+            return None
+        key = (idx.device, tuple(idx.tolist()), tuple(codes.starts))
+        if key != self._split_key:  # (a copy of the ids: the split may hold them, and a table may change in place)
+            self._split_key, self._split = key, codes.split(idx.clone())
+        return self._split
 
     def read(self, layer_idx: int, request: ReadRequest) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens ``request.lo .. request.end - 1`` of every row, de-quantized (see `ReadRequest`)."""

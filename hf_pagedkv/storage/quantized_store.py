@@ -20,19 +20,23 @@ from hf_pagedkv.storage.staging_store import StagingStore
 from hf_pagedkv.storage.write_plan import WritePlan
 
 _CODE_SENTINEL = 0xFF  # debug mode: freed code bytes (their scales become NaN, so a decode shows NaN)
-# A fixed budget (`BlockPool(max_memory=...)`) gives a quarter of its bytes (2 to 256 stages: `budget_stages`) to
-# the full-precision stages of open blocks and the rest to encoded blocks: see `QuantizedPageStore.budget_split`
-_STAGE_SHARE = 4
+# A fixed budget (`BlockPool(max_memory=...)`) splits its bytes between the full-precision stages of open blocks
+# and encoded blocks so that each stage comes with `ROW_BLOCKS` encoded blocks (`budget_stages`): a row of
+# (ROW_BLOCKS + 1) blocks then finds both; see `QuantizedPageStore.budget_split`
+ROW_BLOCKS = 4
 _MIN_BUDGET_STAGES = 2  # a row holds two stages in the step that completes its open block and opens the next
-MAX_BUDGET_STAGES = 256  # 128 rows at once: a large budget's quarter would mostly sit unused
+MAX_BUDGET_STAGES = 256  # 128 rows at once: a large budget's stages would mostly sit unused
 
 
-def budget_stages(max_memory: int, stage_bytes: int) -> int:
+def budget_stages(max_memory: int, stage_bytes: int, block_bytes: int) -> int:
     """Full-precision stages a quantized pool keeps inside a budget of `max_memory` bytes, each of `stage_bytes`
-    (one block of every layer in the model dtype): a quarter of the budget, at least 2 and at most
-    `MAX_BUDGET_STAGES`. The rest of the budget buys encoded blocks (`QuantizedPageStore.budget_split`);
-    `hf-pagedkv plan` sizes budgets with the same rule."""
-    return max(_MIN_BUDGET_STAGES, min(MAX_BUDGET_STAGES, max_memory // _STAGE_SHARE // stage_bytes))
+    (one block of every layer in the model dtype), the rest buying encoded blocks of `block_bytes` (every layer,
+    with its sink stage): one stage per `ROW_BLOCKS` encoded blocks, so as many rows of ``(ROW_BLOCKS + 1) *
+    block_size`` tokens find their stages as find their blocks (a row holds one stage, its partial last block, and
+    encoded blocks before it). At least 2 and at most `MAX_BUDGET_STAGES`. An fp32 SmolLM2-135M at k8v4 (a stage
+    4.3 blocks) gives stages about half of the budget; `hf-pagedkv plan` sizes budgets with the same rule."""
+    rows = max_memory // (stage_bytes + ROW_BLOCKS * block_bytes)
+    return max(_MIN_BUDGET_STAGES, min(MAX_BUDGET_STAGES, rows))
 
 
 class QuantizedPageStore:
@@ -134,8 +138,8 @@ class QuantizedPageStore:
 
     def budget_split(self, max_memory: int, spec: LayerSpec, num_layers: int | None) -> tuple[int | None, int]:
         """How a budget of `max_memory` bytes (all layers, each counted with `spec`) splits between full-precision
-        stages and encoded blocks: a quarter of it to stages of ``block_size`` tokens (`budget_stages`), the rest to
-        blocks (`budget_block_bytes`). Returns ``(stages, bytes left for blocks)``; the stages are the staging
+        stages and encoded blocks: one stage of ``block_size`` tokens per `ROW_BLOCKS` blocks (`budget_stages`), the
+        rest to blocks (`budget_block_bytes`). Returns ``(stages, bytes left for blocks)``; the stages are the staging
         area's `capacity` in every layer group (a group holds them for its own layers). Without `num_layers`,
         ``(None, max_memory)``: `device_budget.blocks_for_budget` then refuses the budget.
 
@@ -145,7 +149,7 @@ class QuantizedPageStore:
         if num_layers is None:
             return None, max_memory
         stage = self.block_size * spec.bytes_per_token * num_layers  # one stage, all layers
-        stages = budget_stages(max_memory, stage)
+        stages = budget_stages(max_memory, stage, self.budget_block_bytes(spec) * num_layers)
         least = _MIN_BUDGET_STAGES * stage + self.budget_block_bytes(spec) * num_layers
         if max_memory < least:
             raise ValueError(
@@ -401,4 +405,4 @@ class QuantizedPageStore:
             self.states.encoded[b] = self.states.num_encodes[b] = 0 if b in staged else 1
 
 
-__all__ = ["QuantizedPageStore", "WritePlan", "budget_stages"]
+__all__ = ["QuantizedPageStore", "ROW_BLOCKS", "WritePlan", "budget_stages"]

@@ -24,7 +24,7 @@ import torch
 from hf_pagedkv._compat import layer_plan
 from hf_pagedkv.errors import counted
 from hf_pagedkv.storage.codecs import codec_name, make_codec
-from hf_pagedkv.storage.quantized_store import MAX_BUDGET_STAGES, budget_stages
+from hf_pagedkv.storage.quantized_store import MAX_BUDGET_STAGES, ROW_BLOCKS, budget_stages
 from hf_pagedkv.config import (DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, PRESETS, QuantConfig, check_positive_int,
                                parse_bytes)
 
@@ -253,9 +253,9 @@ def plan_capacity(model: ModelShape, max_seq_len: int, batch: int, quant: str | 
     holds the whole prompt in every layer until the first decode step). ``BlockPool(max_memory=pool_max_memory)``
     holds exactly `pool_blocks` blocks: it divides its budget by `block_bytes` (one block of every layer; encoded
     codes and scales when quantized), so `pool_max_memory` is a whole number of blocks. A quantized pool also keeps
-    each row's open (partial) block and its sink tokens in full precision, inside that budget: it gives a quarter of
-    `max_memory` (2 to 256 stages) to full-precision stages (`quantized_store.budget_stages`; a row holds up to two at
-    once, so `batch` rows need ``2 * batch``) and the rest to blocks with room for a sink stage each; the plan's
+    each row's open (partial) block and its sink tokens in full precision, inside that budget: it gives one
+    full-precision stage per `ROW_BLOCKS` blocks (2 to 256 stages; `quantized_store.budget_stages`; a row holds up to
+    two at once, so `batch` rows need ``2 * batch``) and the rest to blocks with room for a sink stage each; the plan's
     `pool_max_memory` is the least budget that holds both `batch` rows' stages and the blocks (`pool_blocks` is then
     what that budget holds, at least the peak x 1.2), and `pool_bytes` equals it.
 
@@ -326,14 +326,15 @@ def plan_capacity(model: ModelShape, max_seq_len: int, batch: int, quant: str | 
     if any(quantized.values()):  # the stages and sinks sit inside max_memory (`QuantizedPageStore.budget_split`)
         stage_bytes = round(heads * fp_per_head * block_size)
         per_block = block_bytes + round(heads * fp_per_head * QuantConfig().sink_tokens)  # its sink stage
-        num_stages = min(2 * batch, MAX_BUDGET_STAGES)  # the pool keeps at most that many (128 rows at once)
-        blocks_bytes = pool_blocks * per_block
-        pool_max_memory = max(4 * num_stages * stage_bytes,
-                              min(-(-4 * blocks_bytes // 3), blocks_bytes + MAX_BUDGET_STAGES * stage_bytes))
-        while True:  # the pool's own split of that budget: at least num_stages stages and pool_blocks blocks
-            num_stages = budget_stages(pool_max_memory, stage_bytes)
+        need = min(2 * batch, MAX_BUDGET_STAGES)  # the pool keeps at most that many (128 rows at once)
+        # the least budget whose own split (`budget_stages`: one stage per ROW_BLOCKS blocks) gives both
+        row = stage_bytes + ROW_BLOCKS * per_block  # one stage and its ROW_BLOCKS blocks
+        pool_max_memory = max(need * row, min(pool_blocks * row // ROW_BLOCKS,
+                                              pool_blocks * per_block + MAX_BUDGET_STAGES * stage_bytes))
+        while True:  # the pool's own split of that budget: at least `need` stages and pool_blocks blocks
+            num_stages = budget_stages(pool_max_memory, stage_bytes, per_block)
             fit_blocks = (pool_max_memory - num_stages * stage_bytes) // per_block
-            if fit_blocks >= pool_blocks:
+            if fit_blocks >= pool_blocks and num_stages >= need:
                 break
             pool_max_memory += per_block
         pool_blocks, pool_bytes = fit_blocks, pool_max_memory

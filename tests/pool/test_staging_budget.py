@@ -5,6 +5,8 @@ the end within it."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -12,6 +14,7 @@ from transformers import LlamaConfig
 from hf_pagedkv import BlockPool, Engine, PagedCache
 from hf_pagedkv.errors import PoolExhaustedError
 from hf_pagedkv.pool.staging_budget import stage_capacity
+from hf_pagedkv.storage.quantized_store import ROW_BLOCKS
 from tests.conftest import tiny_model
 from tests.serving.engine_helpers import BLOCK, prompt, run_checked, tiny_single_thread  # noqa: F401
 
@@ -19,7 +22,7 @@ CFG = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_head
 LAYERS, HEADS, DIM = 2, 2, 16
 TOKEN = LAYERS * 2 * HEADS * DIM * 4  # one token, all layers, keys and values, fp32: 512 bytes
 STAGE = 32 * TOKEN  # one stage of a 32-token block (the quantized default), all layers: 16 KiB
-BUDGET = 256 * 1024  # a quarter (64 KiB) buys 4 stages
+BUDGET = 136 * 1024  # 4 stages, each with ROW_BLOCKS (4) encoded blocks of 3.3-4.1 KiB, and the rest blocks
 
 
 def tensor_bytes(pool: BlockPool) -> int:
@@ -39,10 +42,10 @@ def add_row(pool: BlockPool, tokens: int, seed: int, batch: int = 1) -> PagedCac
 @pytest.mark.parametrize("quant", ["k8v4", "k4v4"])
 def test_many_short_rows_stay_within_max_memory_stages_included(quant):
     pool = BlockPool(quant=quant, max_memory=BUDGET, debug=True)
-    caches = [add_row(pool, 5, seed=0)]  # sizes the pool: a quarter of the budget for stages, the rest for blocks
+    caches = [add_row(pool, 5, seed=0)]  # sizes the pool: one stage per ROW_BLOCKS blocks, the rest blocks
     store = pool.groups[0].store
-    assert store.stage_capacity() == BUDGET // 4 // STAGE == 4 and stage_capacity(pool) == 4
     per_block = sum(store.budget_block_bytes(spec) for spec in store.specs.values())  # codes, scales, a sink stage
+    assert store.stage_capacity() == BUDGET // (STAGE + ROW_BLOCKS * per_block) == 4 and stage_capacity(pool) == 4
     assert pool.num_blocks == (BUDGET - 4 * STAGE) // per_block
     for i in range(1, 4):  # a 40-token row holds one encoded block and its partial last block (a stage)
         caches.append(add_row(pool, 40 if i % 2 else 5, seed=i))
@@ -101,7 +104,7 @@ def test_full_precision_and_unbudgeted_pools_have_no_stage_limit():
 def test_engine_finishes_every_request_within_a_tight_quantized_budget(quant, caplog):
     model = tiny_model("llama")  # 3 layers, 2 KV heads, head_dim 16, fp32: a 4-token stage is 3 KiB
     stage = 3 * 2 * 2 * 16 * 4 * BLOCK
-    budget = 24 * stage  # 6 stages (a decoding request holds one, a prefilling one up to two), the rest blocks
+    budget = 20 * stage  # 6 stages (a decoding request holds one, a prefilling one up to two), the rest blocks
     pool = BlockPool(block_size=BLOCK, quant=quant, max_memory=budget, debug=True)
     engine = Engine(model, pool, max_batch_tokens=16)
     prompts = [prompt(n, seed=700 + n) for n in (5, 9, 12, 17, 22, 3, 8, 14)]
@@ -154,8 +157,8 @@ def test_generate_swaps_idle_caches_out_when_the_stages_are_exhausted():
     from tests.prefix_utils import GEN
 
     model = tiny_model("llama")
-    stage = 3 * 2 * 2 * 16 * 4 * BLOCK  # 3 KiB: 24 of them buy 6 stages and the blocks
-    pool = BlockPool(block_size=BLOCK, quant="k8v4", max_memory=24 * stage, host_memory="1MiB", debug=True)
+    stage = 3 * 2 * 2 * 16 * 4 * BLOCK  # 3 KiB: 20 of them buy 6 stages and 26 blocks
+    pool = BlockPool(block_size=BLOCK, quant="k8v4", max_memory=20 * stage, host_memory="1MiB", debug=True)
     idle = []
     with torch.no_grad():
         for i in range(6):  # six idle caches, each with a partial last block: every stage in use
@@ -194,3 +197,48 @@ def test_plan_counts_the_stages_inside_the_quantized_budget(quant, batch):
         model(torch.tensor([prompt(5, seed=1)]), past_key_values=cache)
         assert pool.num_blocks == plan.pool_blocks >= -(-70 // 32) * batch
         assert pool.groups[0].store.stage_capacity() == plan.num_stages >= min(2 * batch, 256)
+
+
+@functools.lru_cache(maxsize=None)
+def _head_dim_64_model():
+    """A 2-layer Llama with SmolLM2's head shape (1 KV head of 64): quantized blocks as small as SmolLM2's, relative
+    to a full-precision stage (fp32)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=128, intermediate_size=128, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=64, vocab_size=96)
+    return LlamaForCausalLM(config).eval()
+
+
+def _run_budgeted(pool: BlockPool, prompts: list[list[int]], new: int) -> tuple[int, int, list]:
+    """Step an engine on `pool` until every request is done, checking the budget after each step. Returns the most
+    requests held at once, the steps, and the outputs."""
+    engine = Engine(_head_dim_64_model(), pool, max_batch_tokens=128)
+    rids = [engine.add_request(p, max_new_tokens=new, eos_token_id=[]) for p in prompts]
+    most = steps = 0
+    while engine.has_unfinished:
+        engine.step()
+        pool.check_invariants()
+        assert pool.stats().bytes_reserved == tensor_bytes(pool) <= pool.max_memory
+        most = max(most, pool.stats().num_sequences)
+        steps += 1
+        assert steps < 500, "the engine made no progress"
+    assert engine.stats().num_preemptions == 0 or not pool.quant.is_quantized
+    return most, steps, [engine.output(r) for r in rids]
+
+
+def test_quantized_engine_runs_more_requests_at_once_than_full_precision_in_the_same_budget(caplog):
+    """480 KiB hold 30 fp blocks of 16 tokens (three 150-200-token requests at once, with preemptions), or for k8v4
+    7 stages and 34 encoded blocks of 32 tokens: six requests at once, none preempted, every one finished."""
+    prompts = [prompt(n, seed=800 + n) for n in (150, 180, 120, 200, 160, 140, 170, 130)]
+    budget = 480 * 1024
+    fp_most, fp_steps, fp_outs = _run_budgeted(BlockPool(16, max_memory=budget, debug=True), prompts, 8)
+    pool = BlockPool(quant="k8v4", max_memory=budget, debug=True)
+    q_most, q_steps, q_outs = _run_budgeted(pool, prompts, 8)
+    assert stage_capacity(pool) == 7 and pool.num_blocks == 34
+    assert (fp_most, q_most) == (3, 6) and q_steps < fp_steps
+    for outs in (fp_outs, q_outs):
+        assert all(o.error is None and len(o.generated_tokens) == 8 for o in outs)
+    assert "interrupted" not in caplog.text  # no step ran out of stages (nor blocks) half-way
+    assert pool.stats().blocks_in_use == 0 and pool.groups[0].store.staging.num_used == 0

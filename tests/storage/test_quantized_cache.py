@@ -429,3 +429,48 @@ def test_value_only_drifts_less_than_key_only(smollm):
 
     assert kl("k16v2") < kl("k2v16"), (kl("k16v2"), kl("k2v16"))
     assert kl("k16v2") > 1e-4  # it did quantize
+
+
+def test_gathered_blocks_across_segments_split_once_per_step_and_follow_changed_ids(monkeypatch):
+    """Blocks gathered from a pool grown into several segments decode as each block read alone; every half and
+    layer reading the same ids reuses one segment split, and ids that change (a table rewritten in place, as
+    compaction does) are split again, never read through a stale split."""
+    from hf_pagedkv.storage.segmented_tensor import SegmentedTensor
+
+    config = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+                         vocab_size=96)
+    pool = BlockPool(quant="k8v4")
+    caches = []
+    for seed in range(10):  # each prefill of 96 tokens encodes 3 blocks; the pool grows a segment at a time
+        cache = PagedCache(pool=pool, config=config)
+        g = torch.Generator().manual_seed(seed)
+        for layer in range(2):
+            k = torch.randn(1, 2, 96, 16, generator=g)
+            cache.update(k, -k, layer)
+        caches.append(cache)
+    store = pool.groups[0].store
+    reader = store.reader
+    assert len(store.segment_blocks) >= 2
+    blocks = [b for cache in caches for b in cache.block_tables()[0]]
+    bounds = torch.tensor(store.storage.segment_blocks).cumsum(0).tolist()
+    picked = [blocks[0], blocks[-1], blocks[len(blocks) // 2]]  # from the first and the last segments
+    assert picked[0] < bounds[0] <= picked[1]
+
+    def alone(layer, half, ids):
+        return torch.cat([reader.decode_blocks(layer, half, torch.tensor([b]), torch.empty(2, 1, 32, 16), base=b)
+                          for b in ids], 1)  # [num_kv_heads, len(ids), 32, 16]
+
+    splits = []
+    real_split = SegmentedTensor.split
+    monkeypatch.setattr(SegmentedTensor, "split", lambda self, *a, **k: splits.append(1) or real_split(self, *a, **k))
+    ids = torch.tensor(picked)
+    for layer in range(2):
+        for half in range(2):  # (`alone` reads views: it splits nothing)
+            out = reader.decode_blocks(layer, half, ids, torch.empty(2, 3, 32, 16))
+            assert torch.equal(out, alone(layer, half, picked))
+    assert len(splits) == 1  # one split for both halves of both layers
+    ids[0] = blocks[1]  # the same tensor, rewritten in place
+    out = reader.decode_blocks(1, 1, ids, torch.empty(2, 3, 32, 16))
+    assert len(splits) == 2 and torch.equal(out, alone(1, 1, [blocks[1]] + picked[1:]))
+    for cache in caches:
+        cache.release()

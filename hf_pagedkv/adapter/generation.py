@@ -55,10 +55,11 @@ def generate(model, input_ids: torch.LongTensor, pool: BlockPool, attention_mask
         per row (sequences without the padding).
 
     Raises:
-        ValueError: `pool` not a `BlockPool`; a cache given (`past_key_values` or `cache`); an empty prompt (a row
-            without tokens); `attention_mask` not a left-padding mask of the same shape as `input_ids`; token ids
-            not integers in the model's vocabulary ``[0, vocab_size)`` (nothing is run nor taken from `pool`);
-            `swap_on_exhaustion` not a bool, or given without a host tier.
+        ValueError: `pool` not a `BlockPool`; `model` without `generate` and `config`; a cache given
+            (`past_key_values` or `cache`); an empty prompt (a row without tokens); `attention_mask` not a
+            left-padding mask of the same shape as `input_ids`; token ids not integers in the model's vocabulary
+            ``[0, vocab_size)`` (nothing is run nor taken from `pool`); `swap_on_exhaustion` not a bool, or given
+            without a host tier.
         PoolExhaustedError: a fixed pool has too few blocks for a row (with `swap_on_exhaustion`, even after
             swapping every idle cache out). The pool is left as before that row (and the swapped caches offloaded).
 
@@ -73,6 +74,9 @@ def generate(model, input_ids: torch.LongTensor, pool: BlockPool, attention_mask
     """
     if not isinstance(pool, BlockPool):
         raise ValueError(f"hf_pagedkv.generate needs `pool=` a hf_pagedkv.BlockPool, got {type(pool).__name__}.")
+    if not callable(getattr(model, "generate", None)) or getattr(model, "config", None) is None:
+        raise ValueError(f"hf_pagedkv.generate needs `model` a transformers model with .generate and .config (e.g. "
+                         f"AutoModelForCausalLM.from_pretrained(...)), got {type(model).__name__}.")
     if not isinstance(swap_on_exhaustion, bool):
         raise ValueError(f"`swap_on_exhaustion` must be True or False, got {swap_on_exhaustion!r}.")
     if swap_on_exhaustion and pool.host is None:

@@ -82,6 +82,11 @@ class PoolSettings:
                                  "pool keeps its preallocation.")
         prefix_budget = PrefixCacheBudget(prefix_cache_memory, growable) if prefix_caching else None
         host_memory = None if host_memory is None else parse_bytes(host_memory, name="host_memory")
+        ram = host_memory_bytes()
+        if host_memory is not None and ram is not None and host_memory > ram:
+            raise ValueError(f"host_memory={host_memory:,} bytes is more than this machine's memory ({ram:,} bytes): "
+                             "the host tier holds offloaded caches in RAM (pinned under CUDA), preallocated at its "
+                             "first offload; lower host_memory.")
         return cls(block_size, num_blocks, max_memory, debug, prefix_caching, quant, host_memory, prefix_budget,
                    None if shrink_after is None else float(shrink_after))
 

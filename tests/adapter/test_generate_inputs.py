@@ -1,5 +1,6 @@
-"""`hf_pagedkv.generate` refuses prompts the model cannot embed before anything runs, with the serving engine's
-words, and leaves the pool untouched."""
+"""`hf_pagedkv.generate` refuses prompts the model cannot embed, and what is not a model, before anything runs, with
+the serving engine's words, and leaves the pool untouched; `Engine.add_request` refuses a request id that is not a
+str with a `ValueError`, as its other arguments."""
 
 import pytest
 import torch
@@ -54,3 +55,23 @@ def test_token_ids_that_are_not_integers_are_refused(dtype):
     with pytest.raises(ValueError, match=rf"`input_ids` must hold integer token ids \(torch.long\), got {dtype}"):
         hf_pagedkv.generate(tiny_model("llama"), ids(1, 4).to(dtype), pool=pool, max_new_tokens=2)
     _untouched(pool)
+
+
+@pytest.mark.parametrize("model", [None, "llama", torch.nn.Linear(2, 2)])
+def test_a_model_that_is_not_a_transformers_model_is_refused(model):
+    pool = BlockPool()
+    with pytest.raises(ValueError, match=rf"needs `model` a transformers model with .generate and .config .*, got "
+                                         rf"{type(model).__name__}\.$"):
+        hf_pagedkv.generate(model, ids(1, 4), pool=pool, max_new_tokens=2)
+    _untouched(pool)
+
+
+@pytest.mark.parametrize("request_id", [[1], 7, {"id": 1}])
+def test_engine_request_ids_that_are_not_str_are_refused_before_the_lookup(request_id):
+    pool = BlockPool()
+    engine = Engine(tiny_model("llama"), pool)
+    with pytest.raises(ValueError, match=rf"add_request: request_id must be a str, got {type(request_id).__name__}"):
+        engine.add_request([5, 6], request_id=request_id)
+    assert engine.stats().num_waiting == 0 and not engine.has_unfinished
+    _untouched(pool)
+    assert engine.add_request([5, 6], max_new_tokens=1) == "req_0"  # the numbering did not move

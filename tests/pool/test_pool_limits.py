@@ -97,3 +97,13 @@ def test_largest_block_size_is_accepted():
     cache.update(k, k, layer_idx=0)
     assert pool.stats().blocks_in_use == 1 and pool.stats().tokens_stored == 3
     cache.release()
+
+
+def test_host_memory_beyond_the_ram_is_refused_at_construction(monkeypatch):
+    monkeypatch.setattr(pool_settings, "host_memory_bytes", lambda: 8 * 2**30)
+    with pytest.raises(ValueError, match=r"host_memory=1,099,511,627,776 bytes is more than this machine's memory "
+                                         r"\(8,589,934,592 bytes\): the host tier .* lower host_memory\."):
+        BlockPool(num_blocks=4, host_memory="1TiB")
+    with pytest.raises(ValueError, match=rf"host_memory={10**30:,} bytes is more than this machine's memory"):
+        PagedCache(host_memory=10**30)
+    assert BlockPool(num_blocks=4, host_memory="8GiB").host.host_memory == 8 * 2**30  # all of it: accepted

@@ -49,6 +49,21 @@ def parse_bytes(value: int | str, name: str = "max_memory") -> int:
 # 32-token blocks.
 DEFAULT_BLOCK_SIZE = 16  # tokens per block of a full-precision pool
 DEFAULT_QUANT_BLOCK_SIZE = 32  # tokens per block of a quantized pool (the key quantization group)
+#: The largest block size a pool takes, in tokens. NOTE: a block is the unit of allocation (a row's last block
+#: wastes up to ``block_size - 1`` slots, and a growable pool grows by 16 blocks or more at a time), so a larger
+#: block would hold a whole long context per row; the limit turns a typo (``block_size=10**9``) into an error at
+#: construction instead of a failed allocation of terabytes at the first forward pass.
+MAX_BLOCK_SIZE = 65536
+
+
+def check_block_size(block_size: object) -> int:
+    """Return `block_size` if it is an int in ``[1, MAX_BLOCK_SIZE]``, else raise `ValueError` naming it."""
+    check_positive_int("block_size", block_size)
+    if block_size > MAX_BLOCK_SIZE:
+        raise ValueError(f"`block_size`={block_size:,} is more than the largest block size, {MAX_BLOCK_SIZE:,} tokens: "
+                         f"block_size counts the tokens of one block, the unit of allocation (typical values are "
+                         f"{DEFAULT_BLOCK_SIZE} to 256); give a smaller one, or leave it unset for the default.")
+    return block_size
 
 _BITS = (None, 8, 4, 3, 2)
 _BACKENDS = ("torch", "reference", "bitsandbytes")

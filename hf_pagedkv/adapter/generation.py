@@ -55,9 +55,11 @@ def generate(model, input_ids: torch.LongTensor, pool: BlockPool, attention_mask
         per row (sequences without the padding).
 
     Raises:
-        ValueError: `pool` not a `BlockPool`; a cache given (`past_key_values` or `cache`); an empty prompt (a row
-            without tokens); `attention_mask` not a left-padding mask of the same shape as `input_ids`;
-            `swap_on_exhaustion` not a bool, or given without a host tier.
+        ValueError: `pool` not a `BlockPool`; `model` without `generate` and `config`; a cache given
+            (`past_key_values` or `cache`); an empty prompt (a row without tokens); `attention_mask` not a
+            left-padding mask of the same shape as `input_ids`; token ids not integers in the model's vocabulary
+            ``[0, vocab_size)`` (nothing is run nor taken from `pool`); `swap_on_exhaustion` not a bool, or given
+            without a host tier.
         PoolExhaustedError: a fixed pool has too few blocks for a row (with `swap_on_exhaustion`, even after
             swapping every idle cache out). The pool is left as before that row (and the swapped caches offloaded).
 
@@ -72,6 +74,9 @@ def generate(model, input_ids: torch.LongTensor, pool: BlockPool, attention_mask
     """
     if not isinstance(pool, BlockPool):
         raise ValueError(f"hf_pagedkv.generate needs `pool=` a hf_pagedkv.BlockPool, got {type(pool).__name__}.")
+    if not callable(getattr(model, "generate", None)) or getattr(model, "config", None) is None:
+        raise ValueError(f"hf_pagedkv.generate needs `model` a transformers model with .generate and .config (e.g. "
+                         f"AutoModelForCausalLM.from_pretrained(...)), got {type(model).__name__}.")
     if not isinstance(swap_on_exhaustion, bool):
         raise ValueError(f"`swap_on_exhaustion` must be True or False, got {swap_on_exhaustion!r}.")
     if swap_on_exhaustion and pool.host is None:
@@ -89,6 +94,7 @@ def generate(model, input_ids: torch.LongTensor, pool: BlockPool, attention_mask
         where = f" (row {empty[0]} of {input_ids.shape[0]})" if input_ids.shape[0] > 1 else ""
         raise ValueError(f"hf_pagedkv.generate: {EMPTY_PROMPT}{where}.")
     rows = _unpadded_rows(input_ids, attention_mask)
+    _check_token_ids(model, rows, input_ids)
     run = _generate_row_swapping if swap_on_exhaustion else _generate_row
     outs = [run(model, row, pool, generate_kwargs) for row in rows]
     if len(outs) == 1 and (attention_mask is None or bool(attention_mask.all())):
@@ -105,6 +111,27 @@ def _empty_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) ->
     if attention_mask is None or attention_mask.shape != input_ids.shape:
         return []
     return (~attention_mask.bool().any(1)).nonzero().reshape(-1).tolist()
+
+
+def _check_token_ids(model, rows: list[torch.Tensor], input_ids: torch.Tensor) -> None:
+    """Raise `ValueError` unless every real token of `rows` (each `[1, n]`) is an integer id in the model's
+    vocabulary ``[0, num_embeddings)``, as the serving engine's `check_request` does: else the embedding raises an
+    index error (or a device-side assert under CUDA) from inside `model.generate`, before or after a cache is made."""
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise ValueError(f"`input_ids` must hold integer token ids (torch.long), got {input_ids.dtype}; encode the "
+                         "prompt with the model's tokenizer.")
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = getattr(embeddings, "num_embeddings", None) or getattr(getattr(model, "config", None), "vocab_size", None)
+    if not isinstance(vocab, int):  # a model that tells neither: the embedding checks
+        return
+    for r, row in enumerate(rows):
+        bad = ((row < 0) | (row >= vocab)).reshape(-1).nonzero()
+        if bad.numel():
+            pos = int(bad[0])
+            where = f"row {r}, " if len(rows) > 1 else ""
+            raise ValueError(f"hf_pagedkv.generate: token id {int(row.reshape(-1)[pos])} ({where}position {pos} of the "
+                             f"prompt's real tokens) is outside the model's vocabulary [0, {vocab}); encode the "
+                             "prompt with the model's own tokenizer.")
 
 
 def _unpadded_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:

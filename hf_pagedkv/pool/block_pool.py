@@ -109,10 +109,12 @@ class BlockPool:
     (`LayerRegistry`), and the underscored block operations that also need the pool (owner draining, metrics).
 
     Raises:
-        ValueError: `block_size` or `num_blocks` not a positive int; both `num_blocks` and `max_memory`
-            given; `max_memory` not a size; an invalid `quant`; `prefix_cache_memory` without `prefix_caching`,
-            or neither a size nor a fraction in (0, 1]; `shrink_after` not a number of seconds > 0, or given for a
-            fixed pool.
+        ValueError: `block_size` or `num_blocks` not a positive int; `block_size` over `MAX_BLOCK_SIZE` (65,536
+            tokens); `num_blocks` whose bookkeeping (128 bytes of host memory per block) exceeds the machine's RAM
+            (at the first layer, when its storage would not fit the device: `LayerRegistry.register`); both
+            `num_blocks` and `max_memory` given; `max_memory` not a size; `host_memory` more than the machine's
+            RAM; an invalid `quant`; `prefix_cache_memory` without `prefix_caching`, or neither a size nor a
+            fraction in (0, 1]; `shrink_after` not a number of seconds > 0, or given for a fixed pool.
 
     Example:
 

@@ -11,7 +11,7 @@ import torch
 
 from hf_pagedkv.pool.block_group import BlockGroup
 from hf_pagedkv.pool.pool_settings import PoolSettings
-from hf_pagedkv.storage.device_budget import blocks_for_budget, check_device_share
+from hf_pagedkv.storage.device_budget import blocks_for_budget, check_device_share, check_preallocation
 from hf_pagedkv.storage.page_store import LayerSpec
 
 if TYPE_CHECKING:
@@ -128,13 +128,15 @@ class LayerRegistry:
         With `max_memory`, the first layer sizes the pool (`device_budget.blocks_for_budget`) and every layer's
         device share is checked against that device's memory before its storage is allocated
         (`device_budget.check_device_share`): with `device_map`, layers on different devices count against their
-        own device.
+        own device. With `num_blocks`, the same device share and, given `num_layers`, the whole pool are checked
+        (`device_budget.check_preallocation`).
 
         Raises:
             ValueError: the pool already holds this layer with another shape, dtype or device (a pool shared
                 between different models) or in another group; `max_memory` cannot be resolved without the number
                 of layers (`num_layers`), is below one block, is more than the devices have, or would put more on
-                this layer's device than it has (nothing is allocated for this layer then).
+                this layer's device than it has; `num_blocks` blocks of every layer would not fit the devices
+                (nothing is allocated for this layer then).
         """
         target = self.groups[group]
         for other in self.groups:
@@ -167,6 +169,11 @@ class LayerRegistry:
                         g.add_blocks(n)
                     if stages is not None:
                         g.store.set_stage_capacity(stages)
+        elif self.settings.num_blocks is not None:  # a fixed pool preallocates every block of the layer: fits?
+            held = sum(g.store.block_bytes(s) for g in self.groups for s in g.store.specs.values()
+                       if s.device == spec.device) * self.settings.num_blocks
+            check_preallocation(layer_idx, spec, num_layers, held, target.store.block_bytes(spec),
+                                self.settings.num_blocks, self.settings.block_size, device_memory)
         target.store.add_layer(layer_idx, spec)
         if target.pad_block is not None:  # the new layer's storage of the pad block holds zeros too
             target.store.zero_blocks([target.pad_block], layer_idx)

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from hf_pagedkv.blocks.prefix_budget import PrefixCacheBudget
-from hf_pagedkv.config import DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, check_positive_int, parse_bytes
+from hf_pagedkv.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_QUANT_BLOCK_SIZE,
+    check_block_size,
+    check_positive_int,
+    parse_bytes,
+)
 from hf_pagedkv.pool.group_quant import GroupQuant
 
 _MAX_SHRINK_AFTER = 1e9  # seconds (about 30 years): a timer's delay must fit the platform's time_t
+# host bytes the allocator keeps per block id of every layer group (refcount, fill, free set and heap entries;
+# about 122 with CPython 3.11), whatever the model: what a fixed pool of `num_blocks` costs before any layer is known
+_BOOKKEEPING_BYTES_PER_BLOCK = 128
 
 
 @dataclass(frozen=True)
@@ -54,9 +64,10 @@ class PoolSettings:
         if block_size is None:  # NOTE: one block size for every group: a block id names one token range in all
             # groups' tables; a quantized group's key scales amortise over the block, so any quantized group picks 32
             block_size = DEFAULT_QUANT_BLOCK_SIZE if quant.is_quantized else DEFAULT_BLOCK_SIZE
-        check_positive_int("block_size", block_size)
+        check_block_size(block_size)
         if num_blocks is not None:
             check_positive_int("num_blocks", num_blocks)
+            check_bookkeeping(num_blocks, block_size)
         if num_blocks is not None and max_memory is not None:
             raise ValueError("Give `num_blocks` or `max_memory`, not both.")
         max_memory = None if max_memory is None else parse_bytes(max_memory)
@@ -71,5 +82,38 @@ class PoolSettings:
                                  "pool keeps its preallocation.")
         prefix_budget = PrefixCacheBudget(prefix_cache_memory, growable) if prefix_caching else None
         host_memory = None if host_memory is None else parse_bytes(host_memory, name="host_memory")
+        ram = host_memory_bytes()
+        if host_memory is not None and ram is not None and host_memory > ram:
+            raise ValueError(f"host_memory={host_memory:,} bytes is more than this machine's memory ({ram:,} bytes): "
+                             "the host tier holds offloaded caches in RAM (pinned under CUDA), preallocated at its "
+                             "first offload; lower host_memory.")
         return cls(block_size, num_blocks, max_memory, debug, prefix_caching, quant, host_memory, prefix_budget,
                    None if shrink_after is None else float(shrink_after))
+
+
+def host_memory_bytes() -> int | None:
+    """Physical RAM of this machine in bytes, or None when it cannot be told."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_bookkeeping(num_blocks: int, block_size: int) -> None:
+    """Refuse a fixed pool whose block bookkeeping alone (`_BOOKKEEPING_BYTES_PER_BLOCK` host bytes per block id,
+    made at construction, before any layer's storage) would not fit in this machine's RAM: it would raise a bare
+    `MemoryError` or swap for minutes. The storage itself is checked when the layers register
+    (`device_budget.check_preallocation`).
+
+    Raises:
+        ValueError: naming `num_blocks`, the bytes it would take, the RAM, and `max_memory` as the alternative.
+    """
+    need, have = num_blocks * _BOOKKEEPING_BYTES_PER_BLOCK, host_memory_bytes()
+    if have is not None and need > have:
+        raise ValueError(
+            f"BlockPool(num_blocks={num_blocks:,}): a fixed pool preallocates its blocks, and their bookkeeping "
+            f"alone would take {need:,} bytes of host memory ({_BOOKKEEPING_BYTES_PER_BLOCK} bytes per block), "
+            f"more than this machine has ({have:,} bytes), before any layer's storage ({block_size} tokens of every "
+            f"layer per block). Give fewer blocks (at most {have // _BOOKKEEPING_BYTES_PER_BLOCK:,} fit the "
+            "bookkeeping, far fewer the storage), or size the pool from a byte budget with max_memory='4GiB'."
+        )

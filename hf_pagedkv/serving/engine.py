@@ -160,6 +160,8 @@ class Engine:
         with self._lock:
             arrival = self._num_added
             rid = f"req_{arrival}" if request_id is None else request_id
+            if not isinstance(rid, str):  # (before the lookup below: an unhashable id would raise a TypeError there)
+                raise ValueError(f"add_request: request_id must be a str, got {type(rid).__name__} {rid!r}.")
             if rid in self._requests:
                 raise ValueError(f"add_request: request id {rid!r} is already in use; pick another (or pop_output "
                                  "the finished one first).")

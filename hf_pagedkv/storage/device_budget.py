@@ -123,3 +123,50 @@ def check_device_share(layer_idx: int, spec: LayerSpec, known: Iterable[LayerSpe
             "and each device holds every block of the layers placed on it: lower max_memory, or put fewer layers on "
             f"{spec.device} (device_map)."
         )
+
+
+def check_preallocation(layer_idx: int, spec: LayerSpec, num_layers: int | None, held: int, block_bytes: int,
+                        num_blocks: int, block_size: int, memory_of: MemoryOf) -> None:
+    """Refuse a layer of a fixed pool (`BlockPool(num_blocks=...)`) whose storage would not fit its device.
+
+    A fixed pool preallocates all `num_blocks` blocks in every layer (a CPU store may be committed lazily by the
+    OS, so the allocation can succeed and the process be killed later). Checked before the layer's storage is
+    made: the layers on `spec.device` with this one, and, when `num_layers` is known, the whole pool (every layer
+    counted with this one's shape) against all devices of `spec.device`'s type (as `blocks_for_budget`), so a
+    cache built with a config fails at its first layer, before anything is allocated.
+
+    Args:
+        layer_idx (`int`): the layer being registered.
+        spec (`LayerSpec`): its shape and device.
+        num_layers (`int` or `None`): layers that store K/V (None when the cache was created without a config).
+        held (`int`): bytes the pool already holds on `spec.device` for the layers registered before.
+        block_bytes (`int`): bytes of one block of this layer (keys plus values).
+        num_blocks (`int`): blocks in the pool (every layer holds all of them).
+        block_size (`int`): tokens per block, for the message.
+        memory_of (`Callable[[torch.device], int | None]`): total bytes of a device, None when unknown (then not
+            checked).
+
+    Raises:
+        ValueError: naming `num_blocks`, the bytes it would take, the memory there is, and `max_memory` as the
+            alternative.
+    """
+    devices = devices_like(spec.device)
+    sizes = [memory_of(d) for d in devices]
+    checks = []  # (bytes needed, bytes there, "<where> has", what the bytes are)
+    if num_layers is not None and all(s is not None for s in sizes):
+        where = f"{spec.device} has" if len(devices) == 1 else f"the {len(devices)} {spec.device.type} devices have"
+        what = f"{counted(num_layers, 'layer')} x {num_blocks:,} blocks x {block_bytes:,} bytes"
+        checks.append((num_blocks * block_bytes * num_layers, sum(sizes), where, what))
+    have = memory_of(spec.device)
+    if have is not None:
+        what = f"layer {layer_idx}'s {num_blocks:,} blocks x {block_bytes:,} bytes"
+        what += f", plus {held:,} bytes of the layers already there" if held else ""
+        checks.append((held + num_blocks * block_bytes, have, f"{spec.device} has", what))
+    for need, have, where, what in checks:
+        if need > have:
+            raise ValueError(
+                f"BlockPool(num_blocks={num_blocks:,}) preallocates every block ({block_size} tokens) in every layer: "
+                f"{what} = {need:,} bytes, more than {where} ({have:,} bytes in all); nothing was allocated for "
+                f"layer {layer_idx}. Give fewer blocks (at most about {num_blocks * have // need:,} fit), or size "
+                "the pool from a byte budget with max_memory= (e.g. max_memory='4GiB')."
+            )

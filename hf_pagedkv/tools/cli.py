@@ -9,11 +9,11 @@ import sys
 import time
 from pathlib import Path
 
-from hf_pagedkv.tools.cli_tools import add_tool_commands, run_tool
+from hf_pagedkv.tools.cli_tools import add_tool_commands, check_pool_flags, run_tool
 from hf_pagedkv.tools.serve_command import add_serve_command
 from hf_pagedkv.config import PRESETS, QuantConfig
 from hf_pagedkv.errors import EMPTY_PROMPT, counted
-from hf_pagedkv.tools.models import DEFAULT_MODEL, chat_prompt, default_document, load_model
+from hf_pagedkv.tools.models import DEFAULT_MODEL, chat_prompt, default_document, load_model, missing_model_path
 
 # NOTE: torch and transformers are imported where a command needs them, not here: `hf-pagedkv --help`, a
 # subcommand's --help and an argument error answer in a fraction of a second instead of after seconds of imports.
@@ -30,26 +30,7 @@ def _generate(args: argparse.Namespace) -> int:
     from hf_pagedkv.adapter.paged_cache import PagedCache
     from hf_pagedkv.tools.verify import dynamic_cache_bytes
 
-    if args.file is not None and not os.path.isfile(args.file):
-        print(f"hf-pagedkv generate: --file {args.file!r} is not a readable file", file=sys.stderr)
-        return 2
-    text = None
-    if args.file is not None:
-        try:
-            with open(args.file, encoding="utf-8") as fh:
-                text = fh.read()
-        except UnicodeDecodeError as e:
-            print(f"hf-pagedkv generate: --file {args.file!r} is not UTF-8 text ({e.reason} at byte {e.start}); "
-                  "give a text file", file=sys.stderr)
-            return 2
-        if not text.strip():
-            print(f"hf-pagedkv generate: --file {args.file!r} holds no text: {EMPTY_PROMPT} (a file with some text)",
-                  file=sys.stderr)
-            return 2
-    if args.prompt is not None and not args.prompt.strip() and not args.chat:
-        print(f"hf-pagedkv generate: --prompt is empty and --no-chat adds no template: {EMPTY_PROMPT} (some text)",
-              file=sys.stderr)
-        return 2
+    text = args.file_text  # read (and checked) by `main` before the model loaded
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     try:
@@ -148,6 +129,28 @@ def _generate(args: argparse.Namespace) -> int:
         status = 0 if same or lossy else 1  # unquantized and nothing evicted, any difference is a bug
     cache.release()
     return status
+
+
+def _prompt_error(args: argparse.Namespace) -> str | None:
+    """Why the prompt flags cannot give a prompt (a --file that is missing, not text or empty; an empty raw
+    --prompt), or None; reads --file into `args.file_text` (None without --file). Needs no import: `main` calls it
+    before torch, transformers and the model load."""
+    args.file_text = None
+    if args.file is not None and not os.path.isfile(args.file):
+        return f"--file {args.file!r} is not a readable file"
+    if args.file is not None:
+        try:
+            with open(args.file, encoding="utf-8") as fh:
+                args.file_text = fh.read()
+        except UnicodeDecodeError as e:
+            return f"--file {args.file!r} is not UTF-8 text ({e.reason} at byte {e.start}); give a text file"
+        except OSError as e:
+            return f"--file {args.file!r} cannot be read ({e.strerror}); give a readable text file"
+        if not args.file_text.strip():
+            return f"--file {args.file!r} holds no text: {EMPTY_PROMPT} (a file with some text)"
+    if args.prompt is not None and not args.prompt.strip() and not args.chat:
+        return f"--prompt is empty and --no-chat adds no template: {EMPTY_PROMPT} (some text)"
+    return None
 
 
 def _beyond_context(model, tokenizer, prompt_tokens: int, args: argparse.Namespace, source: str) -> str | None:
@@ -283,13 +286,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--num-threads must be >= 0 (0: torch's default), got {args.num_threads}")
     if not 0 <= args.seed < 2**32:  # what numpy's seeding (transformers' set_seed) accepts
         parser.error(f"--seed must be in [0, 2**32), got {args.seed}")
-    # the storage format and the policy, checked before the model loads (it takes a while)
-    from hf_pagedkv.pool.block_pool import BlockPool
-
-    try:
-        BlockPool(block_size=args.block_size, quant=args.quant)
-    except ValueError as e:
-        parser.error(f"--quant/--block-size: {e}")
+    # the prompt, the model's path, the storage format and the policy, checked before the model loads (it takes a
+    # while), the cheap checks first: the first three import neither torch nor transformers
+    for refusal in (_prompt_error(args), missing_model_path(args.model)):
+        if refusal is not None:
+            print(f"hf-pagedkv generate: {refusal}", file=sys.stderr)
+            return 2
+    check_pool_flags(parser, "--quant/--block-size", block_size=args.block_size, quant=args.quant)
     args.retention_policy = None
     if args.retention is not None:
         from hf_pagedkv.retention.spec import parse_retention

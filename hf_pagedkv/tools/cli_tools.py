@@ -91,6 +91,21 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
         q.add_argument("-v", "--verbose", action="store_true")
 
 
+def check_pool_flags(parser: argparse.ArgumentParser, flags: str, **pool_kwargs) -> None:
+    """Exit through `parser.error` (naming `flags`) when `BlockPool(**pool_kwargs)` would refuse the settings, before
+    a command loads its model: first `PoolSettings.of` (sizes, block size; no torch import, so the error comes at
+    once), then a `BlockPool` (the codecs' packing rules; imports torch; it holds no storage before a layer runs)."""
+    from hf_pagedkv.pool.pool_settings import PoolSettings
+
+    try:
+        PoolSettings.of(**pool_kwargs)
+        from hf_pagedkv.pool.block_pool import BlockPool
+
+        BlockPool(**pool_kwargs)
+    except ValueError as e:
+        parser.error(f"{flags}: {e}")
+
+
 def fmt_bytes(n: float) -> str:
     """``1536 -> '1.5 KiB'``."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

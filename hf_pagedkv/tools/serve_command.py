@@ -1,7 +1,9 @@
 """``hf-pagedkv serve``: the OpenAI-compatible HTTP server (`hf_pagedkv.serving.server`) on a model.
 
 Everything a flag names is checked before the model loads (storage format, sizes, the port, the prefix-cache
-file's folder); the port is bound before loading too, so a taken port fails at once.
+file's folder, a local model path that is not there), the checks that need no import before the server's packages
+and torch are imported; the port is bound before loading too, so a taken port fails at once. What needs the model's
+shape (a --max-memory below one block) is checked right after it loads, before the server starts.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import sys
 
 from hf_pagedkv.config import PRESETS, parse_bytes
 from hf_pagedkv.errors import counted, install_hint
-from hf_pagedkv.tools.models import DEFAULT_MODEL
+from hf_pagedkv.tools.cli_tools import check_pool_flags
+from hf_pagedkv.tools.models import DEFAULT_MODEL, missing_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -74,14 +77,16 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             parser.error(f"--prefix-cache-file {args.prefix_cache_file!r}: its folder {folder!r} is not a writable "
                          "directory (the file is saved there at shutdown)")
-    # the flags above need no import; the rest needs torch and the server's packages (seconds to import)
-    retention = _retention_policy(args, parser)
-    try:
-        import fastapi  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as e:
-        print(f"hf-pagedkv serve needs fastapi and uvicorn ({e}); install them: {_INSTALL}.", file=sys.stderr)
+    missing = missing_model_path(args.model)
+    if missing is not None:
+        print(f"hf-pagedkv serve: {missing}", file=sys.stderr)
         return 2
+    pool_kwargs = dict(block_size=args.block_size, quant=args.quant, max_memory=args.max_memory,
+                       host_memory=args.host_memory, prefix_caching=True)
+    # the pool's settings (the codecs' packing rules import torch, a second; its storage waits for the model)
+    check_pool_flags(parser, "--quant/--block-size/--max-memory/--host-memory", **pool_kwargs)
+    retention = _retention_policy(args, parser)
+    # the flags above need no import but torch; the rest needs the server's packages (seconds to import)
     import torch
 
     if args.device is not None:
@@ -93,6 +98,12 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if device.type == "cuda" and (device.index or 0) >= usable:
             parser.error(f"--device {args.device}: this machine has {usable} usable CUDA devices; pick one of them, "
                          "or leave --device out")
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        print(f"hf-pagedkv serve needs fastapi and uvicorn ({e}); install them: {_INSTALL}.", file=sys.stderr)
+        return 2
 
     from hf_pagedkv.pool.block_pool import BlockPool
     from hf_pagedkv.serving import Engine
@@ -100,12 +111,6 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from hf_pagedkv.serving.server.http_server import bind, serve
     from hf_pagedkv.tools.models import load_model
 
-    pool_kwargs = dict(block_size=args.block_size, quant=args.quant, max_memory=args.max_memory,
-                       host_memory=args.host_memory, prefix_caching=True)
-    try:
-        BlockPool(**pool_kwargs)  # the flags checked before the model loads (a pool holds no storage yet)
-    except ValueError as e:
-        parser.error(f"--quant/--block-size/--max-memory/--host-memory: {e}")
     try:
         sock = bind(args.host, args.port)
     except OSError as e:

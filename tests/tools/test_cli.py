@@ -206,12 +206,12 @@ def test_plan_refuses_what_the_codecs_cannot_pack(capsys):
     assert "4-bit codes pack 2 tokens per byte" in capsys.readouterr().err
 
 
-def test_generate_with_a_model_that_cannot_be_loaded(capsys):
+def test_generate_with_a_model_that_cannot_be_loaded(tmp_path, capsys):
     from hf_pagedkv.tools import cli
 
-    assert cli.main(["generate", "--model", "/nonexistent/model-dir"]) == 2
+    assert cli.main(["generate", "--model", str(tmp_path)]) == 2  # a directory without config.json
     err = capsys.readouterr().err
-    assert "Could not load the model '/nonexistent/model-dir'" in err and "a local directory with config.json" in err
+    assert f"Could not load the model {str(tmp_path)!r}" in err and "a local directory with config.json" in err
 
 
 def test_generate_with_an_empty_raw_prompt(monkeypatch, capsys):

@@ -24,15 +24,9 @@ import torch
 from hf_pagedkv._compat import layer_plan
 from hf_pagedkv.errors import counted
 from hf_pagedkv.storage.codecs import codec_name, make_codec
-<<<<<<< HEAD
 from hf_pagedkv.storage.quantized_store import MAX_BUDGET_STAGES, ROW_BLOCKS, budget_stages
-from hf_pagedkv.config import (DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, PRESETS, QuantConfig, check_positive_int,
-                               parse_bytes)
-=======
-from hf_pagedkv.storage.quantized_store import MAX_BUDGET_STAGES, budget_stages
 from hf_pagedkv.config import (DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, PRESETS, QuantConfig, check_block_size,
                                check_positive_int, parse_bytes)
->>>>>>> fixes
 
 POOL_HEADROOM = 1.2  # the pool to set is the peak KV times this
 BLOCK_SIZE_CANDIDATES = (4, 8, 16, 32, 64, 128)

@@ -134,9 +134,10 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             return 2
         except PoolExhaustedError as e:  # a file saved from a bigger pool: it loads all of its blocks or none
             sock.close()
-            print(f"hf-pagedkv serve: --prefix-cache-file {args.prefix_cache_file}: its prefix blocks do not fit "
-                  f"the pool ({e}). Raise --max-memory, add --host-memory to take the rest, or move the file away to "
-                  "start with an empty prefix cache.", file=sys.stderr)
+            detail = str(e).split(";")[0].removeprefix(f"load_prefix_cache: {args.prefix_cache_file} ")
+            print(f"hf-pagedkv serve: --prefix-cache-file {args.prefix_cache_file}: the file's prefix blocks do not "
+                  f"fit the pool (the file {detail}); nothing was loaded. Raise --max-memory, add --host-memory to "
+                  "take the rest, or move the file away to start with an empty prefix cache.", file=sys.stderr)
             return 2
         print(f"hf-pagedkv serve: loaded {counted(pool.last_loaded_blocks, 'prefix block')} from "
               f"{args.prefix_cache_file}",

@@ -1,5 +1,6 @@
 """`EngineService`: what the HTTP endpoints ask of the engine: prompts tokenized and checked, generations started,
-admission (429 past the queue limit, 503 while draining; a 400 for a request whose choices alone pass it), drain and shutdown (the prefix-cache file saved).
+admission (429 past the queue limit, 503 while draining; a 400 for a request whose choices alone pass it), drain
+and shutdown (the prefix-cache file saved).
 
 Checks that keep a request out of the engine (a 4xx, the pool untouched): another model's name; a prompt that is
 empty or holds token ids outside the vocabulary; `max_tokens` < 1; a prompt plus `max_tokens` past the model's

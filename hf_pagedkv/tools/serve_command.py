@@ -47,6 +47,9 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-queue", type=int, default=256,
                    help="requests waiting for the engine at most; past it new requests get 429 with Retry-After "
                         "(default: %(default)s)")
+    s.add_argument("--max-body-bytes", default="4MiB",
+                   help="the largest request body accepted, e.g. 16MiB; larger ones get 413 before they are parsed "
+                        "(default: %(default)s)")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="model and KV dtype (default: %(default)s)")
     s.add_argument("--device", default=None, help="device of the model and the pool, e.g. cuda:0 (default: where "
@@ -66,7 +69,8 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--port must be <= 65535, got {args.port}")
     if args.max_batch_tokens is not None and args.max_batch_tokens < 1:
         parser.error(f"--max-batch-tokens must be >= 1, got {args.max_batch_tokens}")
-    for flag, value in (("--max-memory", args.max_memory), ("--host-memory", args.host_memory)):
+    for flag, value in (("--max-memory", args.max_memory), ("--host-memory", args.host_memory),
+                        ("--max-body-bytes", args.max_body_bytes)):
         if value is not None:
             try:
                 parse_bytes(value, flag)
@@ -105,6 +109,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"hf-pagedkv serve needs fastapi and uvicorn ({e}); install them: {_INSTALL}.", file=sys.stderr)
         return 2
 
+    from hf_pagedkv.errors import PoolExhaustedError
     from hf_pagedkv.pool.block_pool import BlockPool
     from hf_pagedkv.serving import Engine
     from hf_pagedkv.serving.server import EngineService, create_app
@@ -132,6 +137,13 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             sock.close()
             print(f"hf-pagedkv serve: --prefix-cache-file: {e}", file=sys.stderr)
             return 2
+        except PoolExhaustedError as e:  # a file saved from a bigger pool: it loads all of its blocks or none
+            sock.close()
+            detail = str(e).split(";")[0].removeprefix(f"load_prefix_cache: {args.prefix_cache_file} ")
+            print(f"hf-pagedkv serve: --prefix-cache-file {args.prefix_cache_file}: the file's prefix blocks do not "
+                  f"fit the pool (the file {detail}); nothing was loaded. Raise --max-memory, add --host-memory to "
+                  "take the rest, or move the file away to start with an empty prefix cache.", file=sys.stderr)
+            return 2
         print(f"hf-pagedkv serve: loaded {counted(pool.last_loaded_blocks, 'prefix block')} from "
               f"{args.prefix_cache_file}",
               file=sys.stderr)
@@ -149,7 +161,8 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     url_host = f"[{host}]" if ":" in host else host
     print(f"hf-pagedkv serve: {service.model_name} at http://{url_host}:{port}/v1 (SIGTERM or Ctrl+C drains and "
           "stops)", file=sys.stderr, flush=True)
-    serve(create_app(service), service, sock, log_level="info" if args.verbose else "warning")
+    app = create_app(service, max_body_bytes=parse_bytes(args.max_body_bytes, "--max-body-bytes"))
+    serve(app, service, sock, log_level="info" if args.verbose else "warning")
     logger.info("hf-pagedkv serve: stopped")
     return 0
 

@@ -72,16 +72,16 @@ class Running:
 
 @contextmanager
 def running_server(pool: BlockPool | None = None, max_batch_tokens: int | None = None, retention=None,
-                   **service_kwargs):
-    """`hf_pagedkv.serving.server` on the tiny model (its engine's `retention`), on a free loopback port, in a
-    thread; stopped at exit (and the pool's invariants checked)."""
+                   app_kwargs: dict | None = None, **service_kwargs):
+    """`hf_pagedkv.serving.server` on the tiny model (its engine's `retention`; `app_kwargs` for `create_app`), on a
+    free loopback port, in a thread; stopped at exit (and the pool's invariants checked)."""
     model, tokenizer = model_and_tokenizer()
     pool = pool if pool is not None else BlockPool(block_size=BLOCK, prefix_caching=True, debug=True)
     engine = Engine(model, pool, max_batch_tokens=max_batch_tokens, retention=retention)
     service = EngineService(engine, tokenizer, MODEL, **service_kwargs)
     sock = bind("127.0.0.1", 0)
     port = sock.getsockname()[1]
-    server = DrainingServer(uvicorn.Config(create_app(service), log_level="warning"), service)
+    server = DrainingServer(uvicorn.Config(create_app(service, **(app_kwargs or {})), log_level="warning"), service)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -78,3 +78,29 @@ def test_chat_without_a_template_is_a_400_naming_messages():
             assert srv.pool.stats().num_blocks == 0  # nothing reached the pool
     finally:
         tokenizer.chat_template = template
+
+
+def test_a_tool_message_with_its_tool_call_id_reaches_the_template(srv):
+    """A ``tool`` message carries `tool_call_id` (as OpenAI's API requires); a template that reads it gets it."""
+    from transformers import AutoTokenizer
+
+    from tests.eval_helpers import tiny_model_dir
+
+    messages = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "Calling add."},
+                {"role": "tool", "content": "4", "tool_call_id": "call_7"}]
+    r = srv.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
+                                           extra_body={"return_token_ids": True})
+    assert r.choices[0].prompt_token_ids == templated(messages)  # a template without tool_call_id ignores it
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir())
+    tokenizer.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m.get('tool_call_id', '') }}:"
+                               "{{ m['content'] }}\n{% endfor %}<|assistant|>")
+    served = srv.service.tokenizer
+    srv.service.tokenizer = tokenizer
+    try:
+        r = srv.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
+                                               extra_body={"return_token_ids": True})
+    finally:
+        srv.service.tokenizer = served
+    text = "<|user|>:What is 2 + 2?\n<|assistant|>:Calling add.\n<|tool|>call_7:4\n<|assistant|>"
+    assert r.choices[0].prompt_token_ids == tokenizer(text, add_special_tokens=False).input_ids
+    srv.wait_idle()

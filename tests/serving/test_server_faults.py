@@ -3,6 +3,7 @@ never fit a fixed pool gets a 400 while others go on; a client that disconnects 
 request and frees its blocks; past --max-queue a 429 with Retry-After; draining answers 503 while the requests in
 flight finish, then the server exits by itself."""
 
+import asyncio
 import http.client
 import json
 import signal
@@ -43,6 +44,10 @@ BAD = [  # (body, status, param, words of the message)
     ({**OK, "prompt": [5, 100000]}, 400, "prompt", "token id 100000"),
     ({**OK, "prompt": [[5, 6], []]}, 400, "prompt[1]", "empty"),
     ({**OK, "prompt": "x" * 20000}, 400, "prompt", "leaves no room"),
+    ({**OK, "prompt": 5}, 400, "prompt", "must be a string, a list of strings, a list of token ids (integers), or a "
+                                         "list of lists of token ids; got 5."),
+    ({**OK, "prompt": [1, "a"]}, 400, "prompt", "a list of token ids (integers), or a list of lists of token ids; "
+                                                "got [1, \"a\"]."),
     ({**OK, "logprobs": 3}, 400, "logprobs", "not supported"),
     ({**OK, "echo": True}, 400, "echo", "not supported"),
     ({**OK, "stream_options": {"include_usage": True}}, 400, "stream_options", "only allowed when 'stream' is"),
@@ -79,7 +84,11 @@ def test_bad_chat_input(srv):
             ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role", "one of"),
             ({"model": MODEL, "messages": [{"role": "user", "content": "hi", "x": 1}]}, "messages[0].x", "Unknown"),
             ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
-             "tools", "not supported")]:
+             "tools", "not supported"),
+            ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "4"}]},
+             "messages[1].tool_call_id", "required for a message with role tool"),
+            ({"model": MODEL, "messages": [{"role": "user", "content": "hi", "tool_call_id": "call_1"}]},
+             "messages[0].tool_call_id", "only allowed on a message with role tool, got role user")]:
         before = pool_state(srv)
         status, answer, _ = post(srv.port, "/v1/chat/completions", body)
         assert (status, answer["error"]["param"]) == (400, param) and words in answer["error"]["message"], answer
@@ -269,3 +278,100 @@ def test_a_body_over_the_limit_is_a_413_before_it_is_read(srv):
             assert data, answer
             answer += data
     assert answer.startswith(b"HTTP/1.1 413")
+
+
+def test_one_request_with_more_choices_than_max_queue_is_a_400_not_a_429():
+    """On an idle server a request of more choices than --max-queue could never be admitted: a 400 naming both
+    numbers (a 429 would be retried forever); a request that fits goes on."""
+    with running_server(max_queue=2) as srv:
+        before = pool_state(srv)
+        for body, param, words in [
+                ({**OK, "n": 3}, "n", "asks for 3 choices (n=3), more than the 2 requests this server lets wait at "
+                                      "once (--max-queue 2)"),
+                ({**OK, "prompt": ["a", "b"], "n": 2}, "n", "asks for 4 choices (2 prompts x n=2)"),
+                ({**OK, "prompt": ["a", "b", "c"]}, "prompt", "asks for 3 choices (3 prompts x n=1)")]:
+            status, answer, headers = post(srv.port, "/v1/completions", body)
+            assert (status, answer["error"]["param"], answer["error"]["code"]) == (400, param, "too_many_choices")
+            assert words in answer["error"]["message"] and "retry-after" not in headers, answer
+            assert pool_state(srv) == before
+        status, answer, _ = post(srv.port, "/v1/completions", {**OK, "n": 2})
+        assert status == 200 and [c["index"] for c in answer["choices"]] == [0, 1]
+        srv.wait_idle()
+
+
+def test_a_body_over_a_set_limit_is_a_413_naming_the_limit():
+    body = json.dumps({**OK, "prompt": "a " * 1000}).encode()  # 2,047 bytes
+    with running_server(app_kwargs={"max_body_bytes": 1000}) as srv:
+        before = pool_state(srv)
+        status, answer, _ = post(srv.port, "/v1/completions", body)
+        assert status == 413 and answer["error"]["code"] == "body_too_large", answer
+        assert answer["error"]["message"].startswith(f"The request body is {len(body)} bytes; this server accepts at "
+                                                     "most 1000 bytes (0.0009537 MiB; `hf-pagedkv serve "
+                                                     "--max-body-bytes` sets it)")
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)  # no Content-Length: counted as read
+        try:
+            conn.request("POST", "/v1/completions", iter([body[:900], body[900:]]),
+                         {"Content-Type": "application/json"}, encode_chunked=True)
+            resp = conn.getresponse()
+            answer = json.loads(resp.read())
+        finally:
+            conn.close()
+        assert resp.status == 413 and "is over 1000 bytes; this server accepts at most 1000" in \
+            answer["error"]["message"]
+        assert pool_state(srv) == before
+        status, answer, _ = post(srv.port, "/v1/completions", {**OK, "prompt": "a " * 400})  # under the limit
+        assert status == 200 and answer["usage"]["prompt_tokens"] > 400
+        srv.wait_idle()
+
+
+class _GatedTokenizer:
+    """The tiny tokenizer, recording where it tokenizes; a prompt starting with "SLOW" waits for `release`."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self.loops: list[bool] = []  # per call: whether an event loop runs in the calling thread
+        self.entered, self.release, self.finished = threading.Event(), threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def _record(self) -> None:
+        try:
+            asyncio.get_running_loop()
+            self.loops.append(True)
+        except RuntimeError:
+            self.loops.append(False)
+
+    def __call__(self, text, **kwargs):
+        self._record()
+        if text.startswith("SLOW"):
+            self.entered.set()
+            self.release.wait(20)
+            self.finished.set()
+        return self._tokenizer(text, **kwargs)
+
+    def apply_chat_template(self, *args, **kwargs):
+        self._record()
+        return self._tokenizer.apply_chat_template(*args, **kwargs)
+
+
+def test_tokenizing_runs_off_the_event_loop_so_health_answers_meanwhile():
+    _, tokenizer = model_and_tokenizer()
+    gated = _GatedTokenizer(tokenizer)
+    with running_server() as srv:
+        srv.service.tokenizer = gated
+        results = []
+        slow = threading.Thread(target=lambda: results.append(
+            post(srv.port, "/v1/completions", {**OK, "prompt": "SLOW prompt"})))
+        slow.start()
+        assert gated.entered.wait(20)
+        assert get(srv.port, "/health") == (200, '{"status":"ok"}')
+        answered_while_tokenizing = not gated.finished.is_set()
+        other = srv.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                   max_tokens=2)
+        gated.release.set()
+        slow.join(30)
+        assert answered_while_tokenizing and other.usage.completion_tokens == 2
+        assert results[0][0] == 200 and results[0][1]["usage"]["completion_tokens"] == 4
+        assert gated.loops and not any(gated.loops)  # every tokenizer call ran in a thread without an event loop
+        srv.wait_idle()

@@ -90,6 +90,7 @@ def test_sigterm_drains_saves_the_prefix_cache_and_a_restart_loads_it(tmp_path):
     (["--retention", "kv_zip:0.5"], "compresses through a reconstruction pass"),
     (["--retention", "snapkv:0.5"], "scores tokens with the queries"),
     (["--max-memory", "lots"], "--max-memory"),
+    (["--max-body-bytes", "lots"], "--max-body-bytes: `--max-body-bytes` must be bytes (int) or a size like"),
     (["--block-size", "0"], "--quant/--block-size"),
     (["--max-queue", "0"], "--max-queue must be >= 1"),
     (["--port", "70000"], "--port must be <= 65535"),
@@ -119,3 +120,34 @@ def test_serve_with_a_budget_below_one_block_says_so_before_serving(capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert "hf-pagedkv serve: --max-memory:" in err and "less than one block" in err and "at http" not in err
+
+
+def test_serve_with_a_prefix_file_bigger_than_the_pool_refuses_it_in_one_line(tmp_path, capsys):
+    """A prefix file saved from a bigger pool loads all of its blocks or none: with --max-memory too small for them
+    the command says so in one line and exits 2 (no traceback), before serving."""
+    import torch
+
+    from hf_pagedkv import BlockPool
+    from hf_pagedkv.serving import Engine
+    from hf_pagedkv.tools.models import load_model
+
+    model, tokenizer = load_model(tiny_model_dir(), dtype=torch.float32)
+    pool = BlockPool(block_size=4, prefix_caching=True)
+    engine = Engine(model, pool)
+    with torch.inference_mode():
+        engine.add_request(tokenizer(PROMPT * 3).input_ids, max_new_tokens=2)
+        while engine.has_unfinished:
+            engine.step()
+        path = str(tmp_path / "prefix.safetensors")
+        saved = pool.save_prefix_cache(path, model=model)
+    assert saved >= 10  # 40 tokens and more in blocks of 4; 8KiB holds 4 blocks of the tiny model (2,048 B each)
+    argv = ["serve", "--model", tiny_model_dir(), "--port", "0", "--block-size", "4", "--max-memory", "8KiB",
+            "--prefix-cache-file", path]
+    capsys.readouterr()
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and "at http" not in err, err
+    assert err == (f"hf-pagedkv serve: --prefix-cache-file {path}: the file's prefix blocks do not fit the pool (the "
+                   f"file needs {saved} blocks in the full layer group, the pool has 4 free and 0 cached-idle of 4); "
+                   "nothing was loaded. Raise --max-memory, add --host-memory to take the rest, or move the file "
+                   "away to start with an empty prefix cache.\n")

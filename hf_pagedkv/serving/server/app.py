@@ -3,6 +3,10 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (``stream: true``: server-sent events), GET /v1/models,
 GET /v1/models/{id}, GET /health (503 while draining), GET /metrics (Prometheus text, `server_metrics.py`).
 
+A request body is refused with a 413 past `max_body_bytes` before it is parsed; parsing, tokenizing and chat
+templating run in a worker thread (`asyncio.to_thread`), so a long prompt delays neither `/health` nor other
+clients' streams.
+
 A client that disconnects cancels its choices in the engine (their blocks are freed): streamed, when Starlette
 cancels the response's generator; not streamed, when the wait for the answer sees ``http.disconnect``.
 """
@@ -29,7 +33,7 @@ except ImportError as _e:
 from hf_pagedkv.serving.server.errors import ApiError
 from hf_pagedkv.serving.server.generation import Generation
 from hf_pagedkv.serving.server.protocol import (MAX_BODY_BYTES, ChatCompletionRequest, CompletionRequest,
-                                                check_content_type, parse_body)
+                                                body_too_large, check_content_type, parse_body)
 from hf_pagedkv.serving.server.responses import DONE, ResponseWriter, error_event
 from hf_pagedkv.serving.server.service import DEFAULT_COMPLETION_TOKENS, EngineService
 
@@ -38,9 +42,19 @@ logger = logging.getLogger(__name__)
 CLIENT_GONE = 499  # the status counted for a request whose client disconnected (nginx's convention)
 
 
-def create_app(service: EngineService):
+def create_app(service: EngineService, *, max_body_bytes: int = MAX_BODY_BYTES):
     """The application. Its lifespan starts the service (`EngineService.start`) and closes it at shutdown
-    (unfinished requests cancelled, the prefix cache saved)."""
+    (unfinished requests cancelled, the prefix cache saved).
+
+    Args:
+        service (`EngineService`): the engine behind the endpoints.
+        max_body_bytes (`int`): request bodies larger than this, in bytes, get a 413 ``body_too_large``.
+
+    Raises:
+        ValueError: `max_body_bytes` < 1.
+    """
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}.")
     metrics = ServerMetrics(service)
 
     @asynccontextmanager
@@ -91,15 +105,21 @@ def create_app(service: EngineService):
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    def prepare(raw: bytes, chat: bool):
+        """The body parsed, its prompts tokenized and its settings checked (in a worker thread: a long prompt
+        takes seconds to tokenize)."""
+        body = parse_body(raw, ChatCompletionRequest if chat else CompletionRequest, max_body_bytes)
+        service.check_model(body.model)
+        prompts = [service.chat_prompt(body)] if chat else service.completion_prompts(body)
+        return body, prompts, service.settings(body, prompts, None if chat else DEFAULT_COMPLETION_TOKENS)
+
     async def generate(request: Request, chat: bool):
         endpoint = "chat" if chat else "completions"
         started = time.perf_counter()
         try:
             check_content_type(request.headers.get("content-type"))
-            body = parse_body(await _read_body(request), ChatCompletionRequest if chat else CompletionRequest)
-            service.check_model(body.model)
-            prompts = [service.chat_prompt(body)] if chat else service.completion_prompts(body)
-            settings = service.settings(body, prompts, None if chat else DEFAULT_COMPLETION_TOKENS)
+            raw = await _read_body(request, max_body_bytes)
+            body, prompts, settings = await asyncio.to_thread(prepare, raw, chat)
             gen = service.generate(prompts, body.n, settings)
         except ApiError as e:
             metrics.observe(endpoint, e.status)
@@ -159,16 +179,16 @@ def create_app(service: EngineService):
     return app
 
 
-async def _read_body(request) -> bytes:
-    """The body, refused with a 413 past `MAX_BODY_BYTES` (before reading it all when Content-Length says so)."""
+async def _read_body(request, max_bytes: int) -> bytes:
+    """The body, refused with a 413 past `max_bytes` (before reading any of it when Content-Length says so)."""
     length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        raise ApiError(413, f"The request body is {length} bytes; at most {MAX_BODY_BYTES} are accepted.")
+    if length is not None and length.isdigit() and int(length) > max_bytes:
+        raise body_too_large(length, max_bytes)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise ApiError(413, f"The request body is over {MAX_BODY_BYTES} bytes, the most accepted.")
+        if size > max_bytes:
+            raise body_too_large(f"over {max_bytes}", max_bytes)
         chunks.append(chunk)
     return b"".join(chunks)
 

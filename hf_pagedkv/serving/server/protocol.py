@@ -5,7 +5,8 @@ What is refused, with a 400 naming the field: a ``Content-Type`` other than ``ap
 JSON; `check_content_type`); `stream_options` without ``stream: true`` (as OpenAI's API does); a body that is not UTF-8, not JSON, or not a JSON object; NaN or
 Infinity; a string holding a lone surrogate (``"\\ud800"``, no text); a field this server does not know; a field of
 OpenAI's API that it does not implement, set to anything but its default (`UNSUPPORTED`); a value of the wrong type
-or out of range. A body over `MAX_BODY_BYTES` is a 413. Nothing here touches the engine.
+or out of range. A body over the server's limit (`MAX_BODY_BYTES` by default, ``--max-body-bytes``) is a 413,
+checked before anything is parsed. Nothing here touches the engine.
 
 Extensions of the OpenAI API (as vLLM names them): `stop_token_ids` (extra stop tokens), `ignore_eos` (generate
 `max_tokens` tokens whatever the model's end-of-sequence token), `return_token_ids` (each choice carries the
@@ -22,7 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hf_pagedkv.serving.server.errors import ApiError, bad_request
 
-MAX_BODY_BYTES = 32 * 2**20  # request bodies larger than this get a 413
+# request bodies larger than this get a 413 (``hf-pagedkv serve --max-body-bytes``): 4 MiB holds a 128k-token prompt
+# as text (about 4 bytes a token) or as JSON token ids (about 7), with room to spare
+MAX_BODY_BYTES = 4 * 2**20
 MAX_STOP_STRINGS = 16  # `stop` strings per request at most
 MAX_N = 64  # choices per prompt at most
 
@@ -85,9 +88,31 @@ class CompletionRequest(_Sampling):
 
 
 class ChatMessage(_Body):
+    """One chat message. A ``tool`` message carries the `tool_call_id` it answers (required, as in OpenAI's API);
+    the chat template gets it as ``message["tool_call_id"]`` (a template that does not use it ignores it)."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict] | None = None  # a string, or parts [{"type": "text", "text": ...}]
     name: str | None = None
+    tool_call_id: str | None = None  # role "tool" only
+
+    def template_dict(self, where: str) -> dict:
+        """The message as the chat template takes it (``developer`` becomes ``system``).
+
+        Raises:
+            ApiError: 400 for content that is no text (`text`), a ``tool`` message without `tool_call_id`, or a
+                `tool_call_id` on another role.
+        """
+        if self.role == "tool" and self.tool_call_id is None:
+            raise bad_request(f"`{where}.tool_call_id` is required for a message with role tool (the id of the "
+                              "tool call it answers).", f"{where}.tool_call_id")
+        if self.role != "tool" and self.tool_call_id is not None:
+            raise bad_request(f"`{where}.tool_call_id` is only allowed on a message with role tool, got role "
+                              f"{self.role}.", f"{where}.tool_call_id")
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.text(where)}
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
     def text(self, where: str) -> str:
         """The message's text: `content`, or its text parts joined."""
@@ -113,18 +138,20 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
 
 
-def parse_body(raw: bytes, schema: type[_Sampling]) -> _Sampling:
+def parse_body(raw: bytes, schema: type[_Sampling], max_bytes: int = MAX_BODY_BYTES) -> _Sampling:
     """The body of a request, checked (module docstring).
 
     Args:
         raw (`bytes`): the request body.
         schema (`type`): `CompletionRequest` or `ChatCompletionRequest`.
+        max_bytes (`int`): the largest body accepted, in bytes.
 
     Raises:
-        ApiError: 413 for a body over `MAX_BODY_BYTES`; 400 naming what is wrong (and the field) otherwise.
+        ApiError: 413 for a body over `max_bytes` (`body_too_large`); 400 naming what is wrong (and the field)
+            otherwise.
     """
-    if len(raw) > MAX_BODY_BYTES:
-        raise ApiError(413, f"The request body is {len(raw)} bytes; at most {MAX_BODY_BYTES} are accepted.")
+    if len(raw) > max_bytes:
+        raise body_too_large(str(len(raw)), max_bytes)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -152,11 +179,18 @@ def parse_body(raw: bytes, schema: type[_Sampling]) -> _Sampling:
     try:
         checked = schema.model_validate(body)
     except ValidationError as e:
-        raise _field_error(e, schema) from None
+        raise _field_error(e, schema, body) from None
     if checked.stream_options is not None and not checked.stream:
         raise bad_request("The 'stream_options' parameter is only allowed when 'stream' is enabled: add "
                           "\"stream\": true, or leave `stream_options` out.", "stream_options")
     return checked
+
+
+def body_too_large(size: str, max_bytes: int) -> ApiError:
+    """The 413 of a body of `size` bytes (a number, or "over N") past `max_bytes`."""
+    return ApiError(413, f"The request body is {size} bytes; this server accepts at most {max_bytes} bytes "
+                         f"({max_bytes / 2**20:.4g} MiB; `hf-pagedkv serve --max-body-bytes` sets it). Send a shorter "
+                         "prompt, or split the prompts over several requests.", code="body_too_large")
 
 
 def check_content_type(value: str | None) -> None:
@@ -202,9 +236,12 @@ def _check_text(value, where: str) -> None:
 _UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "StreamOptions"}
 
 
-def _field_error(error: ValidationError, schema: type[_Sampling]) -> ApiError:
+def _field_error(error: ValidationError, schema: type[_Sampling], body: dict) -> ApiError:
     """The first validation error as a 400 naming the field (``messages[0].role``) and the value received."""
     first = error.errors()[0]
+    if first["loc"][0] == "prompt" and first["type"] != "missing":  # a union: pydantic would name its first member
+        return bad_request("`prompt` must be a string, a list of strings, a list of token ids (integers), or a list "
+                           f"of lists of token ids; got {_short(body.get('prompt'))}.", "prompt")
     path = ""
     for part in first["loc"]:
         if isinstance(part, int):
@@ -229,5 +266,5 @@ def _short(value, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "MAX_BODY_BYTES", "check_content_type",
-           "parse_body"]
+__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "MAX_BODY_BYTES", "body_too_large",
+           "check_content_type", "parse_body"]

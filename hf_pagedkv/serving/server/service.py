@@ -1,5 +1,6 @@
 """`EngineService`: what the HTTP endpoints ask of the engine: prompts tokenized and checked, generations started,
-admission (429 past the queue limit, 503 while draining), drain and shutdown (the prefix-cache file saved).
+admission (429 past the queue limit, 503 while draining; a 400 for a request whose choices alone pass it), drain
+and shutdown (the prefix-cache file saved).
 
 Checks that keep a request out of the engine (a 4xx, the pool untouched): another model's name; a prompt that is
 empty or holds token ids outside the vocabulary; `max_tokens` < 1; a prompt plus `max_tokens` past the model's
@@ -30,7 +31,8 @@ RETRY_AFTER_S = 1  # the Retry-After of a 429 or a 503
 
 
 class EngineService:
-    """The engine behind the HTTP endpoints (module docstring). Endpoints call it from the event loop's thread.
+    """The engine behind the HTTP endpoints (module docstring). Endpoints call it from the event loop's thread,
+    except `check_model`, `completion_prompts`, `chat_prompt` and `settings` (worker threads: tokenizing is slow).
 
     Args:
         engine (`Engine`): the engine (not started; its pool should have ``prefix_caching=True`` for `n` > 1
@@ -140,8 +142,7 @@ class EngineService:
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request(f"The tokenizer of `{self.model_name}` has no chat template; use /v1/completions "
                               "with a prompt you format yourself.", "messages")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(f"messages[{i}]")}
-                    for i, m in enumerate(body.messages)]
+        messages = [m.template_dict(f"messages[{i}]") for i, m in enumerate(body.messages)]
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # the template's own checks (roles in order, ...)
@@ -183,8 +184,16 @@ class EngineService:
             hidden_ids=stop_ids - self.eos_ids)
 
     def generate(self, prompts: list[list[int]], n: int, settings: ChoiceSettings) -> Generation:
-        """Start the choices (admission checked first: 503 / 429)."""
-        self.admit(len(prompts) * n)
+        """Start the choices (admission checked first: 503 / 429, or a 400 for more choices than `--max-queue`
+        lets wait at once: such a request could never be admitted)."""
+        choices, limit = len(prompts) * n, self.runner.max_queue
+        if limit is not None and choices > limit:
+            shape = f"{counted(len(prompts), 'prompt')} x n={n}" if len(prompts) > 1 else f"n={n}"
+            raise bad_request(f"This request asks for {choices} choices ({shape}), more than the {limit} requests "
+                              f"this server lets wait at once (--max-queue {limit}), so it could never be admitted. "
+                              f"Send at most {limit} choices per request, or raise --max-queue.",
+                              "n" if n > 1 else "prompt", "too_many_choices")
+        self.admit(choices)
         generation = Generation(self.runner, prompts, n, settings, self.tokenizer)
         try:
             generation.start()

@@ -9,9 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from hf_pagedkv.tools.cli_tools import add_tool_commands, run_tool
+from hf_pagedkv.tools.cli_tools import QUANT_HELP, add_tool_commands, quant_name, run_tool
 from hf_pagedkv.tools.serve_command import add_serve_command
-from hf_pagedkv.config import PRESETS, QuantConfig
+from hf_pagedkv.config import QuantConfig
 from hf_pagedkv.errors import EMPTY_PROMPT, counted
 from hf_pagedkv.tools.models import DEFAULT_MODEL, chat_prompt, default_document, load_model
 
@@ -243,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: %(default)s)")
     g.add_argument("--block-size", type=int, default=None,
                    help="tokens per KV block (default: PagedCache's, 16, or 32 with --quant)")
-    g.add_argument("--quant", default="fp", choices=list(PRESETS),
-                   help="KV storage format, e.g. k8v4: 8-bit keys, 4-bit values (default: %(default)s)")
+    g.add_argument("--quant", default="fp", type=quant_name, metavar="FORMAT",
+                   help=f"KV storage format, e.g. k8v4: 8-bit keys, 4-bit values; {QUANT_HELP} (default: %(default)s)")
     g.add_argument("--retention", metavar="SPEC", help="a retention policy that evicts tokens and frees their blocks: "
                    "sink_window:SINK:WINDOW, or NAME:BUDGET|RATIO[:SHARE] with NAME one of key_norm, key_diff, "
                    "snapkv, pyramidkv, kv_zip, kv_zip_global, kv_zip_weighted (the query-aware ones switch the "

@@ -273,6 +273,21 @@ def test_generate_quant_option(monkeypatch, capsys):
     assert "PagedCache: " in out and "blocks of 4 tokens" in out
 
 
+@pytest.mark.parametrize("quant", ["k4v4r", "k4v4rv", "k8v4rv", "k4v3rv", "k3v3rv", "k4ve4m3"])
+def test_generate_and_plan_take_every_preset_the_library_takes(quant, monkeypatch, capsys):
+    cli = _cli_with_tiny_model(monkeypatch)
+    assert cli.main(GENERATE + ["--quant", quant, "--max-new-tokens", "2"]) == 0
+    assert f"PagedCache ({quant}): 1 block of 32 tokens" in capsys.readouterr().out
+    assert main(["plan", "--model", "llama", "--max-seq-len", "1000", "--quant", quant, "--memory", "64GiB"]) == 0
+    assert f"BlockPool(block_size=32, quant='{quant}', max_memory=" in capsys.readouterr().out
+
+
+def test_plan_off_the_ladder_that_does_not_fit_suggests_a_smaller_ladder_format(capsys):
+    argv = ["plan", "--model", "llama", "--max-seq-len", "4096", "--batch", "16", "--memory", "30GiB"]
+    assert main(argv + ["--quant", "k8v4rv"]) == 1
+    assert "change: --batch 17, or --quant k4v4 (16.60 GiB pool)" in capsys.readouterr().out
+
+
 def test_generate_sampling_options_and_threads(monkeypatch, capsys):
     cli = _cli_with_tiny_model(monkeypatch)
     threads = []
@@ -299,7 +314,9 @@ def test_generate_sampling_options_and_threads(monkeypatch, capsys):
     (["--num-threads", "-1"], "--num-threads must be >= 0"),
     (["--seed", "-1"], "--seed must be in [0, 2**32)"),
     (["--seed", str(2**32)], "--seed must be in [0, 2**32)"),
-    (["--quant", "k9v9"], "invalid choice: 'k9v9'"),
+    (["--quant", "k9v9"], "argument --quant: 'k9v9' is not a KV format; give the ladder fp, v8, k8v8, k8v4, k4v4, "
+                          "k4v2, k2v2, or k<b>v<b> with b in 16, 8, 4, 3, 2, e4m3, e5m2 and the suffixes r (rotated "
+                          "keys), v (rotated values), b (per-block fp8 scales)"),
     (["--retention", "snapkv:0.5", "--attention", "sdpa"], "use --attention hf_pagedkv (or hf_pagedkv_compiled)"),
     (["--attention", "eager"], "invalid choice: 'eager'"),
 ])

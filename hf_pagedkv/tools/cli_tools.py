@@ -154,9 +154,16 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ValueError as e:
         parser.error(f"--memory {args.memory!r}: {e}")
     try:
-        model = ModelShape.from_config(load_config(args.model), name=args.model)
+        config = load_config(args.model)
+        model = ModelShape.from_config(config, name=args.model)
     except ValueError as e:
         parser.error(str(e))
+    limit = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if isinstance(limit, int) and 0 < limit < args.max_seq_len:  # generate and serve refuse such a sequence
+        print(f"hf-pagedkv plan: warning: --max-seq-len {args.max_seq_len:,} is past the model's context of "
+              f"{limit:,} tokens (config.max_position_embeddings), which `hf-pagedkv generate` refuses to pass: "
+              f"the plan below sizes a pool for positions the model was not trained on (give --max-seq-len "
+              f"{limit:,} or less)", file=sys.stderr)
     try:
         kv_heads_per_rank(model.num_kv_heads, args.tp)
     except ValueError as e:

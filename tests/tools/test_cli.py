@@ -59,6 +59,17 @@ def test_plan_default_model_json(capsys):
     assert plan["kv_bytes"] == 4 * (2048 * 30 * 3 * 104 + 30 * 3 * 512)
 
 
+def test_plan_warns_past_the_models_context(capsys):
+    """A sequence past config.max_position_embeddings, which generate refuses, gets a warning; the plan still runs."""
+    assert main(["plan", "--model", "llama", "--max-seq-len", "100000", "--memory", "1TiB"]) == 0
+    captured = capsys.readouterr()
+    assert ("hf-pagedkv plan: warning: --max-seq-len 100,000 is past the model's context of 2,048 tokens "
+            "(config.max_position_embeddings), which `hf-pagedkv generate` refuses to pass") in captured.err
+    assert "give --max-seq-len 2,048 or less" in captured.err and "per sequence: 100,000 tokens" in captured.out
+    assert main(["plan", "--model", "llama", "--max-seq-len", "2048", "--memory", "1TiB"]) == 0
+    assert capsys.readouterr().err == ""  # at the context: no warning
+
+
 def test_plan_local_config(tmp_path, capsys):
     LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, hidden_size=64,
                 vocab_size=96).save_pretrained(tmp_path)

@@ -57,6 +57,9 @@ def _generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"hf-pagedkv generate: --model: {e}", file=sys.stderr)
         return 2
+    except ImportError as e:  # the default model (a GGUF file) without the `demo` extra: what to install, no traceback
+        print(f"hf-pagedkv generate: --model {args.model}: {e}", file=sys.stderr)
+        return 2
     if args.prompt is not None:
         messages = [{"role": "user", "content": args.prompt}]
         prompt = (tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) if args.chat
@@ -220,9 +223,17 @@ def _eval(argv: list[str]) -> int:
     try:
         from eval.drift import main as eval_main
     except ImportError as exc:
-        raise ImportError(f"`hf-pagedkv eval` needs the repository's eval/ folder and its extra ({exc}): run it "
-                          "from a clone with `pip install -e '.[eval]'`, or `python -m eval.drift` there.") from exc
-    return eval_main(argv, prog="hf-pagedkv eval")
+        print(f"hf-pagedkv eval: needs the repository's eval/ folder and its extra ({exc}): run it from a clone with "
+              "`pip install \".[eval]\"`, or `python -m eval.drift` there.", file=sys.stderr)
+        return 2
+    try:
+        return eval_main(argv, prog="hf-pagedkv eval")
+    except ImportError as exc:  # a missing extra, say the `demo` extra for the default model: one line, no traceback
+        print(f"hf-pagedkv eval: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hf-pagedkv eval: interrupted", file=sys.stderr)
+        return 130
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,7 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     elif needs_queries and args.attention == "sdpa":
         parser.error(f"--retention {args.retention} scores tokens with the queries, which sdpa does not hand to the "
                      "cache: use --attention hf_pagedkv (or hf_pagedkv_compiled), or leave --attention out")
-    return _generate(args)
+    try:
+        return _generate(args)
+    except KeyboardInterrupt:  # Ctrl-C: the shell's status for SIGINT, and no traceback
+        print("hf-pagedkv generate: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -116,7 +116,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         torch.set_num_threads(args.num_threads)
     try:
         model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
-    except ValueError as e:
+    except (ValueError, ImportError) as e:  # ImportError: a GGUF model without the `demo` extra
         sock.close()
         print(f"hf-pagedkv serve: --model: {e}", file=sys.stderr)
         return 2

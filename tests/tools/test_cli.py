@@ -270,6 +270,19 @@ def test_eval_import_error_and_interrupt_are_one_line(error, code, said, monkeyp
     assert capsys.readouterr().err == said
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--max-new-tokens", "0"], "--max-new-tokens must be positive, got 0"),
+    (["plan", "--max-seq-len", "0"], "--max-seq-len must be a positive int, got 0"),
+    (["serve", "--port", "70000"], "--port must be <= 65535, got 70000"),
+])
+def test_a_range_error_shows_the_subcommands_usage(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"usage: hf-pagedkv {argv[0]} [-h]")  # not the top-level usage
+    assert f"hf-pagedkv {argv[0]}: error: {message}" in err
+
+
 def test_generate_with_an_empty_raw_prompt(monkeypatch, capsys):
     from hf_pagedkv.tools import cli
 
@@ -568,7 +581,7 @@ def test_generate_refuses_a_file_past_the_models_context_before_any_forward(tmp_
     err = capsys.readouterr().err
     assert (f"hf-pagedkv generate: {path}: the prompt is {n:,} tokens and --max-new-tokens 4 takes the sequence to "
             f"{n + 4:,} positions, past the model's context of 4,096 tokens (config.max_position_embeddings): give "
-            "at most 4,092 prompt tokens (a shorter --file) or lower --max-new-tokens.") in err
+            "at most 4,092 prompt tokens (a shorter --file).") in err
     assert "prefilling" not in err
 
 
@@ -592,7 +605,23 @@ def test_generate_at_the_context_limit_runs_and_says_it_is_prefilling(tmp_path, 
     _no_forward(monkeypatch, model)
     argv[-1] = str(4097 - n)
     assert cli.main(argv) == 2
-    assert "takes the sequence to 4,097 positions, past the model's context of 4,096" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "takes the sequence to 4,097 positions, past the model's context of 4,096" in err
+    assert (f"give at most {n - 1:,} prompt tokens (a shorter --file) or lower --max-new-tokens to at most "
+            f"{4096 - n:,} (the context minus this prompt's tokens).") in err
+
+
+def test_generate_with_too_many_new_tokens_gives_the_room_this_prompt_leaves(monkeypatch, capsys):
+    cli = _cli_with_tiny_model(monkeypatch)
+    model, tokenizer = cli.load_model()
+    _no_forward(monkeypatch, model)
+    n = len(tokenizer(GENERATE[3]).input_ids)
+    assert cli.main(GENERATE[:-1] + ["100000000"]) == 2
+    err = capsys.readouterr().err
+    assert (f"--prompt: the prompt is {n} tokens and --max-new-tokens 100,000,000 takes the sequence to "
+            f"{n + 100_000_000:,} positions, past the model's context of 4,096 tokens "
+            f"(config.max_position_embeddings): lower --max-new-tokens to at most {4096 - n:,} (the context minus "
+            "this prompt's tokens).") in err
 
 
 def test_generate_refuses_a_kv_zip_reconstruction_past_the_context(tmp_path, monkeypatch, capsys):

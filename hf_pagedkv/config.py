@@ -154,7 +154,9 @@ class QuantConfig:
         for name in ("key_bits", "value_bits"):
             bits = getattr(self, name)
             if isinstance(bits, bool) or bits not in _BITS:
-                raise ValueError(f"`{name}` must be one of None (full precision), 8, 4, 2; got {bits!r}.")
+                fmt = name.replace("bits", "format")
+                raise ValueError(f"`{name}` must be None (full precision), 8, 4, 3 or 2 (8 with {fmt}='e4m3' or "
+                                 f"'e5m2' for fp8 codes; a preset name's 16 means None); got {bits!r}.")
         check_positive_int("value_group_size", self.value_group_size)
         if isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
             raise ValueError(f"`sink_tokens` must be an int >= 0 (0: no full-precision sink); got {self.sink_tokens!r}.")
@@ -212,7 +214,7 @@ class QuantConfig:
         else:
             raise ValueError(f"Unknown quantization preset {name!r}; use one of {', '.join(PRESETS)} "
                              "(or 'k<b>v<b>' with b in 16, 8, 4, 3, 2, e4m3, e5m2, and an 'r' suffix for rotated "
-                             "keys, 'v' for rotated values) or a QuantConfig.")
+                             "keys, 'v' for rotated values, 'b' for per-block fp8 scales) or a QuantConfig.")
         return cls(**{**fields, **overrides})
 
 

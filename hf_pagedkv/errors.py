@@ -17,10 +17,10 @@ def install_hint(extra: str, packages: str) -> str:
         packages (`str`): what that extra installs, as pip takes it, e.g. ``"'prometheus_client>=0.20'"``.
 
     Example: ``install_hint("metrics", "'prometheus_client>=0.20'")`` ->
-    ``"pip install -e '.[metrics]' (the `metrics` extra, run in a clone of hf_pagedkv), or pip install
-    'prometheus_client>=0.20'"``.
+    ``pip install ".[metrics]" (the `metrics` extra, run in a clone of hf_pagedkv), or pip install
+    'prometheus_client>=0.20'``.
     """
-    return f"pip install -e '.[{extra}]' (the `{extra}` extra, run in a clone of hf_pagedkv), or pip install {packages}"
+    return f'pip install ".[{extra}]" (the `{extra}` extra, run in a clone of hf_pagedkv), or pip install {packages}'
 
 
 def counted(n: int, noun: str, plural: str | None = None, spec: str = "") -> str:

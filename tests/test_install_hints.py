@@ -1,5 +1,5 @@
 """A missing optional dependency raises an ImportError naming a command that works: hf_pagedkv is installed from a
-clone (it is not on a package index), so the message gives ``pip install -e '.[extra]'`` and the extra's packages."""
+clone (it is not on a package index), so the message gives ``pip install ".[extra]"`` and the extra's packages."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def test_missing_dependency_names_the_command_that_works_from_a_clone(missing, e
     with pytest.raises(ImportError) as e:
         call(tmp_path)
     message = str(e.value)
-    assert f"pip install -e '.[{extra}]' (the `{extra}` extra, run in a clone of hf_pagedkv)" in message
+    assert f'pip install ".[{extra}]" (the `{extra}` extra, run in a clone of hf_pagedkv)' in message
     assert f"or pip install {package}" in message
     assert "hf_pagedkv[" not in message  # the form that fails: hf_pagedkv is on no package index
 

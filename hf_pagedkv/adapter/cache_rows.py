@@ -53,10 +53,14 @@ class CacheRows:
         # step's plan no longer applies (`StepRunner.end_step`, weakly); set once by the StepRunner
         self.on_stale: weakref.WeakMethod | None = None
 
-    def check_usable(self) -> None:
-        """Raises `CacheReleasedError` after `release()`, `CacheOffloadedError` while offloaded."""
+    def check_not_released(self) -> None:
+        """Raises `CacheReleasedError` after `release()` (an offloaded cache passes)."""
         if self.released:
             raise CacheReleasedError("This PagedCache was released; create a new one (or fork() before release()).")
+
+    def check_usable(self) -> None:
+        """Raises `CacheReleasedError` after `release()`, `CacheOffloadedError` while offloaded."""
+        self.check_not_released()
         if self.offloaded is not None:
             raise CacheOffloadedError("This PagedCache is offloaded to the host tier; call cache.prefetch() before "
                                       "using it again.")

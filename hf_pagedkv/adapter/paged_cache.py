@@ -124,8 +124,9 @@ class PagedCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens seen per row (layer `layer_idx`): cached ones, plus those a retention policy evicted; for a
-        `DummyLayer` 0, the first layer with attention (`_compat.seq_length_layer_idx`). 0 after `release()`.
-        Raises `ValueError` for a `layer_idx` other than 0 that names a layer without attention."""
+        `DummyLayer` 0, the first layer with attention (`_compat.seq_length_layer_idx`). Raises `ValueError` for a
+        `layer_idx` other than 0 that names a layer without attention, `CacheReleasedError` after `release()`."""
+        self.rows.check_not_released()  # (0 would let a forward on a released cache start over instead of failing)
         if layer_idx >= len(self.layers):
             return 0
         return self.layers[seq_length_layer_idx(self.layers, layer_idx)].get_seq_length()
@@ -380,8 +381,8 @@ class PagedCache(Cache):
         return self.rows.block_tables(window)
 
     def check_invariants(self) -> None:
-        """Check the pool's invariants and this cache's own: per layer group, rows in step and the block tables'
-        tensor mirror equal to the tables; every layer's tokens held and evicted. Raises `InvariantError`."""
+        """Check the pool's and this cache's invariants: per layer group, rows in step and the block tables' tensor
+        mirror equal to the tables; each layer's tokens held, evicted. Raises `InvariantError`, `CacheReleasedError`."""
         self.runner.check_invariants()
 
     def __repr__(self) -> str:

@@ -394,7 +394,8 @@ class StepRunner:
 
     def check_invariants(self) -> None:
         """The pool's invariants, the rows' (`CacheRows.check_invariants`), and every layer's tokens held and
-        evicted against the rows'. Raises `InvariantError`."""
+        evicted against the rows'. Raises `InvariantError`; `CacheReleasedError` after the cache's `release()`."""
+        self.rows.check_not_released()  # (a released cache holds nothing left to check)
         self.pool.check_invariants()
         self.rows.check_invariants()
         held = self.rows.num_tokens

@@ -9,9 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from hf_pagedkv.tools.cli_tools import add_tool_commands, check_pool_flags, run_tool
+from hf_pagedkv.tools.cli_tools import QUANT_HELP, add_tool_commands, check_pool_flags, quant_name, run_tool
 from hf_pagedkv.tools.serve_command import add_serve_command
-from hf_pagedkv.config import PRESETS, QuantConfig
+from hf_pagedkv.config import QuantConfig
 from hf_pagedkv.errors import EMPTY_PROMPT, counted
 from hf_pagedkv.tools.models import DEFAULT_MODEL, chat_prompt, default_document, load_model, missing_model_path
 
@@ -37,6 +37,9 @@ def _generate(args: argparse.Namespace) -> int:
         model, tokenizer = load_model(args.model)
     except ValueError as e:
         print(f"hf-pagedkv generate: --model: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:  # the default model (a GGUF file) without the `demo` extra: what to install, no traceback
+        print(f"hf-pagedkv generate: --model {args.model}: {e}", file=sys.stderr)
         return 2
     if args.prompt is not None:
         messages = [{"role": "user", "content": args.prompt}]
@@ -167,8 +170,14 @@ def _beyond_context(model, tokenizer, prompt_tokens: int, args: argparse.Namespa
     new = args.max_new_tokens
     context = f"the model's context of {limit:,} tokens (config.max_position_embeddings)"
     if prompt_tokens + new > limit:
-        fix = (f"give at most {limit - new:,} prompt tokens (a shorter {_source_option(args)}) or lower "
-               "--max-new-tokens" if new < limit else f"lower --max-new-tokens below {limit:,}")
+        room = limit - prompt_tokens  # new tokens that fit after this prompt
+        shorter = f"a shorter {_source_option(args)}"
+        fixes = [f"give at most {limit - new:,} prompt tokens ({shorter})"] if new < limit else []
+        if room > 0:
+            fixes.append(f"lower --max-new-tokens to at most {room:,} (the context minus this prompt's tokens)")
+        elif new >= limit:
+            fixes.append(f"give {shorter} and lower --max-new-tokens: the two together at most {limit:,} tokens")
+        fix = " or ".join(fixes)
         return (f"{source}: the prompt is {counted(prompt_tokens, 'token', spec=',')} and --max-new-tokens {new:,} "
                 f"takes the sequence to {prompt_tokens + new:,} positions, past {context}: {fix}.")
     policy = args.retention_policy
@@ -223,9 +232,17 @@ def _eval(argv: list[str]) -> int:
     try:
         from eval.drift import main as eval_main
     except ImportError as exc:
-        raise ImportError(f"`hf-pagedkv eval` needs the repository's eval/ folder and its extra ({exc}): run it "
-                          "from a clone with `pip install -e '.[eval]'`, or `python -m eval.drift` there.") from exc
-    return eval_main(argv, prog="hf-pagedkv eval")
+        print(f"hf-pagedkv eval: needs the repository's eval/ folder and its extra ({exc}): run it from a clone with "
+              "`pip install \".[eval]\"`, or `python -m eval.drift` there.", file=sys.stderr)
+        return 2
+    try:
+        return eval_main(argv, prog="hf-pagedkv eval")
+    except ImportError as exc:  # a missing extra, say the `demo` extra for the default model: one line, no traceback
+        print(f"hf-pagedkv eval: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hf-pagedkv eval: interrupted", file=sys.stderr)
+        return 130
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -246,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: %(default)s)")
     g.add_argument("--block-size", type=int, default=None,
                    help="tokens per KV block (default: PagedCache's, 16, or 32 with --quant)")
-    g.add_argument("--quant", default="fp", choices=list(PRESETS),
-                   help="KV storage format, e.g. k8v4: 8-bit keys, 4-bit values (default: %(default)s)")
+    g.add_argument("--quant", default="fp", type=quant_name, metavar="FORMAT",
+                   help=f"KV storage format, e.g. k8v4: 8-bit keys, 4-bit values; {QUANT_HELP} (default: %(default)s)")
     g.add_argument("--retention", metavar="SPEC", help="a retention policy that evicts tokens and frees their blocks: "
                    "sink_window:SINK:WINDOW, or NAME:BUDGET|RATIO[:SHARE] with NAME one of key_norm, key_diff, "
                    "snapkv, pyramidkv, kv_zip, kv_zip_global, kv_zip_weighted (the query-aware ones switch the "
@@ -269,30 +286,30 @@ def main(argv: list[str] | None = None) -> int:
     add_serve_command(sub)
     args = parser.parse_args(argv)
     if args.command != "generate":
-        return run_tool(args, parser)
+        return run_tool(args, sub.choices[args.command])  # its errors show its own usage line
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     if args.max_new_tokens <= 0:
-        parser.error(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+        g.error(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     if args.block_size is not None and args.block_size <= 0:
-        parser.error(f"--block-size must be positive, got {args.block_size}")
+        g.error(f"--block-size must be positive, got {args.block_size}")
     for flag, value in (("--temperature", args.temperature), ("--top-p", args.top_p)):
         if value is not None and not args.do_sample:
-            parser.error(f"{flag} applies to sampling: add --do-sample")
+            g.error(f"{flag} applies to sampling: add --do-sample")
     if args.temperature is not None and args.temperature <= 0:
-        parser.error(f"--temperature must be positive, got {args.temperature}")
+        g.error(f"--temperature must be positive, got {args.temperature}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
-        parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
+        g.error(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.num_threads < 0:
-        parser.error(f"--num-threads must be >= 0 (0: torch's default), got {args.num_threads}")
+        g.error(f"--num-threads must be >= 0 (0: torch's default), got {args.num_threads}")
     if not 0 <= args.seed < 2**32:  # what numpy's seeding (transformers' set_seed) accepts
-        parser.error(f"--seed must be in [0, 2**32), got {args.seed}")
+        g.error(f"--seed must be in [0, 2**32), got {args.seed}")
     # the prompt, the model's path, the storage format and the policy, checked before the model loads (it takes a
     # while), the cheap checks first: the first three import neither torch nor transformers
     for refusal in (_prompt_error(args), missing_model_path(args.model)):
         if refusal is not None:
             print(f"hf-pagedkv generate: {refusal}", file=sys.stderr)
             return 2
-    check_pool_flags(parser, "--quant/--block-size", block_size=args.block_size, quant=args.quant)
+    check_pool_flags(g, "--quant/--block-size", block_size=args.block_size, quant=args.quant)
     args.retention_policy = None
     if args.retention is not None:
         from hf_pagedkv.retention.spec import parse_retention
@@ -300,15 +317,19 @@ def main(argv: list[str] | None = None) -> int:
         try:
             args.retention_policy = parse_retention(args.retention)
         except ValueError as e:
-            parser.error(str(e))  # it names --retention and the spec
+            g.error(str(e))  # it names --retention and the spec
     policy = args.retention_policy
     needs_queries = policy is not None and (policy.needs_queries or policy.reconstructs)
     if args.attention is None:
         args.attention = "hf_pagedkv" if needs_queries else "sdpa"
     elif needs_queries and args.attention == "sdpa":
-        parser.error(f"--retention {args.retention} scores tokens with the queries, which sdpa does not hand to the "
+        g.error(f"--retention {args.retention} scores tokens with the queries, which sdpa does not hand to the "
                      "cache: use --attention hf_pagedkv (or hf_pagedkv_compiled), or leave --attention out")
-    return _generate(args)
+    try:
+        return _generate(args)
+    except KeyboardInterrupt:  # Ctrl-C: the shell's status for SIGINT, and no traceback
+        print("hf-pagedkv generate: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

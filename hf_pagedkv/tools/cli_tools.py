@@ -7,9 +7,10 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 
-from hf_pagedkv.config import DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, PRESETS, parse_bytes
+from hf_pagedkv.config import DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, PRESETS, QuantConfig, parse_bytes
 from hf_pagedkv.errors import counted, install_hint
 from hf_pagedkv.tools.models import DEFAULT_MODEL
 
@@ -18,6 +19,20 @@ from hf_pagedkv.tools.models import DEFAULT_MODEL
 BLOCK_SIZE_CANDIDATES = (4, 8, 16, 32, 64, 128)  # `tune-block-size --candidates`; planning.BLOCK_SIZE_CANDIDATES
 
 logger = logging.getLogger(__name__)
+
+#: what --quant takes, for the subcommands' help
+QUANT_HELP = (f"the ladder {', '.join(PRESETS)}, or k<b>v<b> with b in 16, 8, 4, 3, 2, e4m3, e5m2 and the "
+              "suffixes r (rotated keys), v (rotated values), b (per-block fp8 scales), e.g. k4v4r, k8v4rv, k4ve4m3")
+
+
+def quant_name(value: str) -> str:
+    """An argparse `type` for --quant: `value` if `QuantConfig.preset` accepts it (torch-free), else an
+    `argparse.ArgumentTypeError` naming the ladder and the suffix grammar."""
+    try:
+        QuantConfig.preset(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a KV format; give {QUANT_HELP}") from e
+    return value.lower()
 
 
 def add_tool_commands(sub: argparse._SubParsersAction) -> None:
@@ -28,8 +43,9 @@ def add_tool_commands(sub: argparse._SubParsersAction) -> None:
                         "(default: %(default)s)")
     p.add_argument("--max-seq-len", type=int, required=True, help="tokens per sequence (prompt + generated)")
     p.add_argument("--batch", type=int, default=1, help="sequences held at once (default: %(default)s)")
-    p.add_argument("--quant", default="fp", choices=list(PRESETS), help="KV format (default: %(default)s)")
-    p.add_argument("--sliding-quant", default=None, choices=list(PRESETS),
+    p.add_argument("--quant", default="fp", type=quant_name, metavar="FORMAT",
+                   help=f"KV format: {QUANT_HELP} (default: %(default)s)")
+    p.add_argument("--sliding-quant", default=None, type=quant_name, metavar="FORMAT",
                    help="KV format of the sliding-window layers, when it differs from --quant's, e.g. fp with "
                         "--quant k4v4 (BlockPool(quant={'sliding': ..., 'full': ...})) (default: --quant's)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
@@ -153,9 +169,16 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ValueError as e:
         parser.error(f"--memory {args.memory!r}: {e}")
     try:
-        model = ModelShape.from_config(load_config(args.model), name=args.model)
+        config = load_config(args.model)
+        model = ModelShape.from_config(config, name=args.model)
     except ValueError as e:
         parser.error(str(e))
+    limit = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if isinstance(limit, int) and 0 < limit < args.max_seq_len:  # generate and serve refuse such a sequence
+        print(f"hf-pagedkv plan: warning: --max-seq-len {args.max_seq_len:,} is past the model's context of "
+              f"{limit:,} tokens (config.max_position_embeddings), which `hf-pagedkv generate` refuses to pass: "
+              f"the plan below sizes a pool for positions the model was not trained on (give --max-seq-len "
+              f"{limit:,} or less)", file=sys.stderr)
     try:
         kv_heads_per_rank(model.num_kv_heads, args.tp)
     except ValueError as e:
@@ -268,7 +291,8 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if plan.tp > 1:
         print(f"tensor parallel: {plan.tp} ranks, each holds {plan.kv_heads_per_rank} of the {m.num_kv_heads} KV "
               f"heads; bytes below are per rank (the job holds {plan.tp}x)")
-    dtype = (f"integer codes with fp16 scales; {plan.dtype} where kept in full precision"
+    codes = "integer or fp8 codes" if re.search(r"e[45]m[23]", plan.quant or "") else "integer codes"
+    dtype = (f"{codes} with fp16 scales; {plan.dtype} where kept in full precision"
              if plan.quant not in (None, "fp") else plan.dtype)  # (`QuantConfig`: codes and fp16 scales)
     print(f"KV format: {plan.quant} ({dtype}), block_size {plan.block_size}")
     per_head = plan.bytes_per_token / (m.num_layers * plan.kv_heads_per_rank)
@@ -313,11 +337,12 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(f"memory: {fmt_bytes(memory)} ({where}): does NOT fit: weights + pool = {fmt_bytes(need)} needed, "
           f"{fmt_bytes(memory)} available.")
     fixes = [f"--batch {max_batch}" if max_batch else "a smaller model or more memory"]
-    for preset in list(PRESETS)[list(PRESETS).index(args.quant) + 1:]:
+    ladder = list(PRESETS)  # the formats after --quant's on the ladder (all of it for a name off the ladder)
+    for preset in ladder[ladder.index(args.quant) + 1 if args.quant in ladder else 0:]:
         alt = plan_capacity(model, args.max_seq_len, args.batch, quant=_quant(args, preset), dtype=args.dtype,
                             block_size=args.block_size, value_group_size=args.value_group_size, memory=memory,
                             tp=args.tp, prefix_cache_memory=args.prefix_cache_memory)
-        if alt.fits:
+        if alt.fits and alt.pool_bytes < plan.pool_bytes:
             fixes.append(f"--quant {preset} ({fmt_bytes(alt.pool_bytes)} pool)")
             break
     print("change: " + ", or ".join(fixes))

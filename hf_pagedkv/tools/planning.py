@@ -25,7 +25,7 @@ from hf_pagedkv._compat import layer_plan
 from hf_pagedkv.errors import counted
 from hf_pagedkv.storage.codecs import codec_name, make_codec
 from hf_pagedkv.storage.quantized_store import MAX_BUDGET_STAGES, ROW_BLOCKS, budget_stages
-from hf_pagedkv.config import (DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, PRESETS, QuantConfig, check_block_size,
+from hf_pagedkv.config import (DEFAULT_BLOCK_SIZE, DEFAULT_QUANT_BLOCK_SIZE, QuantConfig, check_block_size,
                                check_positive_int, parse_bytes)
 
 POOL_HEADROOM = 1.2  # the pool to set is the peak KV times this
@@ -84,19 +84,50 @@ def plan_formats(quant: str | dict) -> tuple[str, dict[str, str]]:
         ValueError: an unknown preset, or a dict key other than "sliding" and "full"; the message names it.
     """
     if not isinstance(quant, dict):
-        if quant not in PRESETS:
-            raise ValueError(f"`quant` must be one of {list(PRESETS)}, got {quant!r}.")
-        return quant, {"full": quant, "sliding": quant}
+        return _preset(quant), {"full": _preset(quant), "sliding": _preset(quant)}
     unknown = [k for k in quant if k not in ("sliding", "full")]
     if unknown:
         raise ValueError(f"quant={quant!r}: unknown layer-group key {unknown[0]!r}; the keys are 'sliding', 'full'.")
     presets = {kind: "fp" if quant.get(kind) is None else quant[kind] for kind in ("full", "sliding")}
     for kind, preset in presets.items():
-        if preset not in PRESETS:
-            raise ValueError(f"quant[{kind!r}]={preset!r}: give None or one of {list(PRESETS)}.")
+        try:
+            presets[kind] = _preset(preset)
+        except ValueError as e:
+            raise ValueError(f"quant[{kind!r}]={preset!r}: give None or a preset name ({e})") from e
     name = presets["full"] if presets["full"] == presets["sliding"] else \
         f"sliding={presets['sliding']},full={presets['full']}"
     return name, presets
+
+
+def _preset(name: str) -> str:
+    """A preset name `QuantConfig.preset` accepts, in lower case (``"K4V4R"`` -> ``"k4v4r"``).
+
+    Raises:
+        ValueError: a name it does not accept (the message gives the ladder and the ``k<b>v<b>`` grammar).
+    """
+    if not isinstance(name, str):
+        raise ValueError(f"`quant` must be a preset name such as 'k8v4', got {name!r}.")
+    QuantConfig.preset(name)
+    return name.lower()
+
+
+def _preset_bytes_per_head_token(head_dim: int, preset: str, *, block_size: int, value_group_size: int,
+                                 dtype_bytes: int) -> float:
+    """`kv_bytes_per_head_token` of any preset name: integer codes of 8, 4, 3 or 2 bits and fp8 codes take what
+    their codec says (`storage.codecs.codecs_for`); a rotation costs no byte."""
+    config = QuantConfig.preset(preset, value_group_size=value_group_size)
+    if config.key_format == config.value_format == "int" and 3 not in (config.key_bits, config.value_bits):
+        return kv_bytes_per_head_token(head_dim, config.key_bits, config.value_bits, block_size=block_size,
+                                       value_group_size=value_group_size, dtype_bytes=dtype_bytes)
+    total = 0.0
+    for bits, fmt, axis in ((config.key_bits, config.key_format, "channel"),
+                            (config.value_bits, config.value_format, "token")):
+        if bits is None:
+            total += head_dim * dtype_bytes
+        else:
+            codec = make_codec(codec_name("torch", bits, fmt, config.fp8_scales), axis, value_group_size)
+            total += codec.bytes_per_token(block_size, head_dim)
+    return total
 
 
 def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
@@ -267,7 +298,7 @@ def plan_capacity(model: ModelShape, max_seq_len: int, batch: int, quant: str | 
     check_positive_int("batch", batch)
     kv_heads = kv_heads_per_rank(model.num_kv_heads, tp)
     quant, presets = plan_formats(quant)  # the plan's name; kind ("full", "sliding") -> preset
-    quantized = {kind: PRESETS[p] != (None, None) for kind, p in presets.items()}
+    quantized = {kind: QuantConfig.preset(p).is_quantized for kind, p in presets.items()}
     if block_size is None:  # one block size for the pool, as `BlockPool`: 32 when any group is quantized
         block_size = DEFAULT_QUANT_BLOCK_SIZE if any(quantized.values()) else DEFAULT_BLOCK_SIZE
     check_block_size(block_size)
@@ -276,8 +307,8 @@ def plan_capacity(model: ModelShape, max_seq_len: int, batch: int, quant: str | 
     if dtype not in _DTYPES:
         raise ValueError(f"`dtype` must be one of {sorted(_DTYPES)}, got {dtype!r}.")
     dtype_bytes = _DTYPES[dtype].itemsize
-    per_heads = {kind: kv_bytes_per_head_token(model.head_dim, *PRESETS[p], block_size=block_size,
-                                               value_group_size=value_group_size, dtype_bytes=dtype_bytes)
+    per_heads = {kind: _preset_bytes_per_head_token(model.head_dim, p, block_size=block_size,
+                                                    value_group_size=value_group_size, dtype_bytes=dtype_bytes)
                  for kind, p in presets.items()}  # kind -> bytes per head and token in a full block
     fp_per_head = kv_bytes_per_head_token(model.head_dim, dtype_bytes=dtype_bytes)
     layers = {"full": model.num_layers - model.num_sliding, "sliding": model.num_sliding}

@@ -13,9 +13,9 @@ import logging
 import os
 import sys
 
-from hf_pagedkv.config import PRESETS, parse_bytes
+from hf_pagedkv.config import parse_bytes
 from hf_pagedkv.errors import counted, install_hint
-from hf_pagedkv.tools.cli_tools import check_pool_flags
+from hf_pagedkv.tools.cli_tools import QUANT_HELP, check_pool_flags, quant_name
 from hf_pagedkv.tools.models import DEFAULT_MODEL, missing_model_path
 
 logger = logging.getLogger(__name__)
@@ -30,8 +30,8 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--served-model-name", help="the name clients pass as `model` (default: --model as given)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, loopback only)")
     s.add_argument("--port", type=int, default=8000, help="TCP port, 0 for a free one (default: %(default)s)")
-    s.add_argument("--quant", default="fp", choices=list(PRESETS),
-                   help="KV storage format, e.g. k8v4: 8-bit keys, 4-bit values (default: %(default)s)")
+    s.add_argument("--quant", default="fp", type=quant_name, metavar="FORMAT",
+                   help=f"KV storage format, e.g. k8v4: 8-bit keys, 4-bit values; {QUANT_HELP} (default: %(default)s)")
     s.add_argument("--block-size", type=int, default=None,
                    help="tokens per KV block (default: 16, or 32 with --quant)")
     s.add_argument("--max-memory", help="a fixed KV budget, e.g. 2GiB: requests beyond it wait, or are preempted "
@@ -125,7 +125,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         torch.set_num_threads(args.num_threads)
     try:
         model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
-    except ValueError as e:
+    except (ValueError, ImportError) as e:  # ImportError: a GGUF model without the `demo` extra
         sock.close()
         print(f"hf-pagedkv serve: --model: {e}", file=sys.stderr)
         return 2

@@ -212,7 +212,7 @@ def test_prometheus_missing_dependency_names_the_extra(monkeypatch):
     from hf_pagedkv.observe.prometheus import start_prometheus_server
 
     monkeypatch.setitem(sys.modules, "prometheus_client", None)
-    with pytest.raises(ImportError, match=r"pip install -e '\.\[metrics\]'"):
+    with pytest.raises(ImportError, match=r'pip install "\.\[metrics\]"'):
         start_prometheus_server(BlockPool())
 
 

@@ -242,6 +242,9 @@ def test_codecs_for_a_config():
     (dict(key_bits=4, rotate_keys=1), "`rotate_keys` must be True or False"),
     (dict(value_bits=4, rotate_values="yes"), "`rotate_values` must be True or False"),
     (dict(value_bits=8, fp8_scales="token"), "`fp8_scales` must be one of group, block"),
+    (dict(key_bits=5), r"`key_bits` must be None \(full precision\), 8, 4, 3 or 2 \(8 with key_format='e4m3' or "
+                       r"'e5m2' for fp8 codes; a preset name's 16 means None\); got 5"),
+    (dict(value_bits=16), r"`value_bits` must be None \(full precision\), 8, 4, 3 or 2 .*got 16"),
 ])
 def test_config_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):

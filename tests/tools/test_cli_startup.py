@@ -44,6 +44,8 @@ def _run(argv: list[str]) -> tuple[int, list[str], str, str]:
     (["serve", "--prefix-cache-file", "/no/such/folder/p.safetensors"], 2, "is not a writable directory"),
     (["generate", "--max-new-tokens", "0"], 2, "--max-new-tokens must be positive, got 0"),
     (["serve", "--no-such-flag"], 2, "unrecognized arguments: --no-such-flag"),
+    (["generate", "--quant", "k4v4x"], 2, "'k4v4x' is not a KV format; give the ladder fp, v8"),
+    (["serve", "--quant", "k4v4rv", "--port", "70000"], 2, "--port must be <= 65535"),  # k4v4rv taken
 ])
 def test_help_and_argument_errors_import_no_torch(argv, code, shown):
     got, heavy, stdout, stderr = _run(argv)

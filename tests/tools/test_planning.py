@@ -101,7 +101,8 @@ def test_plan_matches_what_a_paged_cache_holds():
         assert plan.bytes_per_token * 4 == pool.stats().bytes_per_block
 
 
-@pytest.mark.parametrize("quant", ["v8", "k8v8", "k8v4", "k4v4", "k4v2", "k2v2"])
+@pytest.mark.parametrize("quant", ["v8", "k8v8", "k8v4", "k4v4", "k4v2", "k2v2", "k4v4r", "k8v4rv", "k3v3rv",
+                                   "k4ve4m3", "ke5m2ve4m3b"])
 def test_quantized_plan_matches_what_the_quantized_store_holds(quant):
     """The planner counts what the store holds: codes, scales, partial blocks and sink tokens, to the byte."""
     model = tiny_model("llama")
@@ -136,12 +137,13 @@ def test_bad_plan_arguments():
     shape = ModelShape("m", 1, 0, None, 1, 8, None)
     with pytest.raises(ValueError, match="`batch` must be a positive int, got 0"):
         plan_capacity(shape, 16, 0)
-    with pytest.raises(ValueError, match="`quant` must be one of"):
-        plan_capacity(shape, 16, 1, quant="k3v3")
+    with pytest.raises(ValueError, match="Unknown quantization preset 'k5v5'; use one of fp, v8, k8v8"):
+        plan_capacity(shape, 16, 1, quant="k5v5")
+    assert plan_capacity(shape, 16, 1, quant="K3V3").quant == "k3v3"  # any preset QuantConfig.preset takes
     with pytest.raises(ValueError, match="unknown layer-group key 'slide'; the keys are 'sliding', 'full'"):
         plan_capacity(shape, 16, 1, quant={"slide": "fp"})
-    with pytest.raises(ValueError, match=r"quant\['full'\]='k3v3': give None or one of"):
-        plan_capacity(shape, 16, 1, quant={"full": "k3v3"})
+    with pytest.raises(ValueError, match=r"quant\['full'\]='k5v5': give None or a preset name \(Unknown"):
+        plan_capacity(shape, 16, 1, quant={"full": "k5v5"})
     with pytest.raises(ValueError, match="`dtype` must be one of"):
         plan_capacity(shape, 16, 1, dtype="int8")
 

@@ -8,8 +8,8 @@ slice of `textwrap.py`), all sent at once (past capacity: the engine always has 
 (``ignore_eos``). Each round runs the engine alone (stepped in this thread) under `torch.no_grad()` and under
 `torch.inference_mode()` (as the server's runner steps it; the tokens must be the same), and then the server
 (uvicorn in a thread, its engine thread, an `openai` streaming client in this thread). Prints per round wall time and CPU seconds per
-thread: the engine's (stepping: forwards, scheduling, sampling) and the event loop's (HTTP, chat templates, prompt
-tokenizing, detokenizing, server-sent events). On a shared machine wall time moves with the load (printed); CPU
+thread: the engine's (stepping: forwards, scheduling, sampling) and the server's other threads' together (the event
+loop: HTTP, detokenizing, server-sent events; its worker threads: parsing, chat templates, prompt tokenizing). On a shared machine wall time moves with the load (printed); CPU
 seconds move much less.
 """
 
@@ -38,9 +38,9 @@ from hf_pagedkv.serving.server.http_server import DrainingServer, bind  # noqa: 
 from hf_pagedkv.tools.models import load_model  # noqa: E402
 
 
-def thread_cpu(native_id: int) -> float:
-    """CPU seconds (user + system) of one thread of this process."""
-    return next(t.user_time + t.system_time for t in psutil.Process().threads() if t.id == native_id)
+def threads_cpu() -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of this process, by native thread id."""
+    return {t.id: t.user_time + t.system_time for t in psutil.Process().threads()}
 
 
 def engine_alone(model, prompts: list[list[int]], max_tokens: int, mode) -> dict:
@@ -77,11 +77,12 @@ def served(model, tokenizer, conversations, max_tokens: int) -> dict:
 
         return await asyncio.gather(*(one(m) for m in conversations))
 
-    loop_id, engine_id = thread.native_id, service.runner._thread.native_id
-    loop_cpu, engine_cpu, wall = thread_cpu(loop_id), thread_cpu(engine_id), time.perf_counter()
+    engine_id, client_id = service.runner._thread.native_id, threading.get_native_id()
+    before, wall = threads_cpu(), time.perf_counter()
     tokens = sum(asyncio.run(run()))
-    result = {"wall_s": time.perf_counter() - wall, "tokens": tokens, "engine_cpu_s": thread_cpu(engine_id) - engine_cpu,
-              "event_loop_cpu_s": thread_cpu(loop_id) - loop_cpu}
+    used = {tid: cpu - before.get(tid, 0.0) for tid, cpu in threads_cpu().items()}  # threads started meanwhile: all
+    result = {"wall_s": time.perf_counter() - wall, "tokens": tokens, "engine_cpu_s": used[engine_id],
+              "server_cpu_s": sum(cpu for tid, cpu in used.items() if tid not in (engine_id, client_id))}
     server.should_exit = True
     thread.join(30)
     sock.close()
@@ -107,8 +108,8 @@ def main() -> None:
         assert grad.pop("outputs") == inference.pop("outputs"), "inference_mode changed the tokens"
         for name, result in (("engine alone, no_grad", grad), ("engine alone, inference_mode", inference),
                              ("served", served(model, tokenizer, conversations, args.max_tokens))):
-            extra = (f", event loop CPU {result['event_loop_cpu_s']:.2f} s"
-                     if "event_loop_cpu_s" in result else "")
+            extra = (f", server threads CPU {result['server_cpu_s']:.2f} s"
+                     if "server_cpu_s" in result else "")
             print(f"round {r}, {name}: {result['tokens']} tokens in {result['wall_s']:.1f} s "
                   f"({result['tokens'] / result['wall_s']:.1f} tok/s), engine CPU {result['engine_cpu_s']:.2f} s"
                   f"{extra}", flush=True)

@@ -144,13 +144,31 @@ def test_refuses_what_it_does_not_compute():
         assert NativeCodeAttention()(q, r, b) is None
 
 
-def test_no_compiler_turns_it_off_once(monkeypatch, tmp_path, caplog):
+def test_unread_codecs_name_why():
+    """`unread_codecs`: None for the codecs the C read takes; else the reason a fallback is counted under."""
+    from hf_pagedkv.storage.codecs import RotatedCodec, make_codec
+
+    for k, v in [("int8", "int8"), ("int4", "int3"), ("int3", "fp8-e5m2"), ("fp8-e4m3", "int2")]:
+        assert native_read.unread_codecs((make_codec(k, "channel"), make_codec(v, "token")), (64, 64)) is None
+    int4k, int4v = make_codec("int4", "channel"), make_codec("int4", "token")
+    cases = [((int4k, make_codec("fp8-e4m3-block", "token")), (64, 64), "one scale per block"),
+             ((make_codec("ref-int4", "channel"), int4v), (64, 64), "reads int8/int4/int3/int2 codes"),
+             ((RotatedCodec(int4k), int4v), (64, 64), "reads int8/int4/int3/int2 codes"),  # turned: inner codec
+             ((int4k, make_codec("int4", "token", group_size=32)), (64, 64), "one group per head"),
+             ((int4k, make_codec("int4", "channel")), (64, 64), "values per token"),
+             ((int4k, int4v), (64, 32), "head dims equal")]
+    for codecs, dims, why in cases:
+        assert why in native_read.unread_codecs(codecs, dims)
+
+
+@pytest.mark.parametrize("names", [("int4", "int4"), ("int3", "fp8-e4m3")])
+def test_no_compiler_turns_it_off_once(names, monkeypatch, tmp_path, caplog):
     """Without a C compiler (and no library built before) the read logs one warning and stays off; the
     ``"hf_pagedkv_compiled"`` read then goes on to its other engines."""
     monkeypatch.setenv("HF_PAGEDKV_NATIVE_DIR", str(tmp_path))
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setattr(native_read.shutil, "which", lambda name: None)
-    read, _, _ = _code_read("int4", "int4", batch=2, offset=0.0)
+    read, _, _ = _code_read(*names, batch=2, offset=0.0)
     qh = torch.randn(2, 2, 3, 16)
     reader = NativeCodeAttention()
     with caplog.at_level(logging.WARNING, logger=native_read.__name__):

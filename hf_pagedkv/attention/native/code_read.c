@@ -292,25 +292,48 @@ static inline vf halfv(vu16 h) { /* LANES fp16 bit patterns -> fp32, exactly (su
 #endif
 }
 
-/* `N` fp8 bytes (a multiple of LANES) -> their values in fp32, exactly: through the fp16 bit pattern that holds
- * each one. e5m2 is the upper byte of fp16; e4m3's exponent and mantissa shifted into fp16's read as the value
- * times 2**-8 (normal and subnormal alike: both biases differ by 8), and its NaN (S.1111.111) made fp16's */
+/* the factor between a format's code values as `decode_block` writes them and their values: e4m3 is decoded 2**-8
+ * too small (`decode_fp8`), so its scales are taken 2**8 larger (exact: a power of two) */
+static inline float code_unit(int f) { return f == E4M3 ? 256.0f : 1.0f; }
+
+static inline vb loadb(const uint8_t *p) { /* LANES bytes */
+    vb v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline vu16 wordsv(const uint8_t *p) { /* LANES unsigned bytes -> 16-bit lanes (gcc: in halves, joined) */
+#if LANES == 16
+    return (vu16)_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+#elif defined(__AVX2__)
+    return (vu16)_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+#else
+    return __builtin_convertvector(loadb(p), vu16);
+#endif
+}
+
+static inline vf bytesv(vb b) { /* LANES unsigned bytes -> fp32, through int32 (gcc converted bytes lane by lane) */
+    return __builtin_convertvector(__builtin_convertvector(b, vi), vf);
+}
+
+/* `N` fp8 bytes (a multiple of LANES) -> fp32 through the fp16 bit pattern that holds each one, exactly: e5m2 is the
+ * upper byte of fp16 (its value); e4m3's sign, exponent and mantissa moved to fp16's places read as its value
+ * times 2**-8 (`code_unit`), normal and subnormal alike (the biases differ by 8); its NaN (S.1111.111) made fp16's */
 static inline void decode_fp8(const uint8_t *c, int fmt, int64_t N, float *o) {
     for (int64_t i = 0; i < N; i += LANES) {
-        vb b8;
-        memcpy(&b8, c + i, sizeof b8);
-        const vu16 b = __builtin_convertvector(b8, vu16);
+        const vu16 b = wordsv(c + i);
         if (fmt == E5M2) {
             storev(o + i, halfv(b << 8));
         } else {
-            const vu16 mag = b & 0x7F, nan = (vu16)(mag == 0x7F) & 0x7C00;
-            storev(o + i, halfv(((b & 0x80) << 8) | (mag << 7) | nan) * 256.0f);
+            const vu16 x = b << 7; /* the sign at bit 14: added to itself, it carries to bit 15 */
+            const vu16 nan = (vu16)((b & 0x7F) == 0x7F) & 0x7C00;
+            storev(o + i, halfv((x + (x & 0x4000)) | nan));
         }
     }
 }
 
 /* one block of codes -> bs x D code values in fp32 (int8: signed; int4 0..15, int3 0..7, int2 0..3; fp8: the 8-bit
- * float's value) */
+ * float's value, over `code_unit`) */
 static void decode_block(const uint8_t *c, int fmt, int64_t bs, int64_t D, float *tile) {
     if (fmt == INT8) {
         for (int64_t i = 0; i < bs * D; i++) tile[i] = (float)(int8_t)c[i];
@@ -320,21 +343,29 @@ static void decode_block(const uint8_t *c, int fmt, int64_t bs, int64_t D, float
         decode_fp8(c, fmt, bs * D, tile);
         return;
     }
-    if (fmt == INT3 || fmt == INT2) { /* token t: bits 2 (t / q4) of row t % q4 of the 2-bit plane (+ int3's bit) */
-        const int64_t q4 = bs / 4, q8 = bs / 8;
-        const uint8_t *high = c + q4 * D; /* int3: the plane of the high bit */
-        for (int64_t t = 0; t < bs; t++) {
-            const uint8_t *lo = c + (t % q4) * D;
-            const int sl = 2 * (int)(t / q4);
-            float *o = tile + t * D;
-            if (fmt == INT2) {
-                for (int64_t d = 0; d < D; d++) o[d] = (float)((lo[d] >> sl) & 3);
-                continue;
+    const int64_t q4 = bs / 4, q8 = bs / 8;
+    if (fmt == INT2) { /* row i of the plane: tokens i + k q4 in bits 2k, 2k + 1 */
+        for (int64_t i = 0; i < q4; i++)
+            for (int64_t d = 0; d < D; d += LANES) {
+                const vb lo = loadb(c + i * D + d);
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; k++) /* (unrolled: constant shifts; a variable one ran lane by lane) */
+                    storev(tile + (i + k * q4) * D + d, bytesv((lo >> (2 * k)) & 3));
             }
-            const uint8_t *hi = high + (t % q8) * D;
-            const int sh = (int)(t / q8);
-            for (int64_t d = 0; d < D; d++) o[d] = (float)(((lo[d] >> sl) & 3) | (((hi[d] >> sh) & 1) << 2));
-        }
+        return;
+    }
+    if (fmt == INT3) { /* row i of the high plane: tokens i + j q8 (bit j); their low bits: rows i, i + q8 of the
+                        * 2-bit plane, bits 2 (j / 2) */
+        const uint8_t *high = c + q4 * D;
+        for (int64_t i = 0; i < q8; i++)
+            for (int64_t d = 0; d < D; d += LANES) {
+                const vb hb = loadb(high + i * D + d), l0 = loadb(c + i * D + d), l1 = loadb(c + (i + q8) * D + d);
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; j++) {
+                    const vb code = (((j & 1 ? l1 : l0) >> (2 * (j >> 1))) & 3) | (((hb >> j) & 1) << 2);
+                    storev(tile + (i + j * q8) * D + d, bytesv(code));
+                }
+            }
         return;
     }
     const int64_t half_bs = bs / 2;
@@ -412,8 +443,9 @@ static inline __attribute__((always_inline)) int read_pair(const Pair *a, const 
         locate(a, j, 0, &codes, &s);
         decode_block(codes, kfmt, bs, D, tile);
         const int zk = has_minimums(kfmt); /* int4/int3/int2: minimums after the scales */
+        const float ku = code_unit(kfmt);
         for (int64_t c = 0; c < C; c++) {
-            sv[c] = loadvh(s + c * LANES);
+            sv[c] = loadvh(s + c * LANES) * ku;
             if (zk) zv[c] = loadvh(s + D + c * LANES);
         }
         for (int64_t r = 0; r < R; r++) {
@@ -469,12 +501,13 @@ static inline __attribute__((always_inline)) int read_pair(const Pair *a, const 
         decode_block(codes, vfmt, bs, D, tile);
         int64_t t0 = 0; /* once per block, not per row; LANES at a time (one scalar conversion per scale, through
                          * the stack, was a tenth of a k4v4 read on a Xeon) */
+        const float vu = code_unit(vfmt);
         for (; t0 + LANES <= bs; t0 += LANES) {
-            storev(sf + t0, loadvh(s + t0));
+            storev(sf + t0, loadvh(s + t0) * vu);
             if (z) storev(zf + t0, loadvh(z + t0));
         }
         for (int64_t t = t0; t < bs; t++) {
-            sf[t] = (float)s[t];
+            sf[t] = (float)s[t] * vu;
             if (z) zf[t] = (float)z[t];
         }
         for (int64_t r = 0; r < R; r++) {

@@ -121,8 +121,9 @@ def test_native_read_of_strided_codes_on_threads(threads):
 
 
 def test_refuses_what_it_does_not_compute():
-    """Other codecs (the reference codec, fp8 with one scale per block), a sliding window's cut first block, head dims not a multiple of 16, fp64 queries, shapes that
-    disagree with the read (the C side trusts them) and masks of another width: None, the caller reads eagerly."""
+    """Other codecs (the reference codec, fp8 with one scale per block), a sliding window's cut first block, head
+    dims not a multiple of 16, fp64 queries, shapes that disagree with the read (the C side trusts them) and masks
+    of another width: None, the caller reads eagerly."""
     read, _, _ = _code_read("int4", "int8", batch=2, offset=0.0)
     qh = torch.zeros(2, 2, 3, 16)
     assert NativeCodeAttention.supports(qh, read, None)

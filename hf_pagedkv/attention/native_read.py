@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from hf_pagedkv.attention.compiled_read import CompiledCodeAttention
 from hf_pagedkv.storage.code_read import CodeRead
 from hf_pagedkv.storage.code_table import CodeTable
+from hf_pagedkv.storage.codecs import Fp8Codec, Int2Codec, Int3Codec, Int4Codec, Int8Codec
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,31 @@ MAX_DIM, MAX_ROWS, MAX_BLOCK, LANES = 256, 64, 256, 16
 #: int64 entries per storage segment in the C side's pool description (`code_read.c`'s `SEG_WIDTH`; for a
 #: full-precision pool `FP_SEG_WIDTH`)
 SEG_WIDTH, FP_SEG_WIDTH = 9, 5
+#: the code formats the C side reads (`code_read.c`'s `Format`): integer codecs by type, fp8 by format (per-group
+#: scales only: a per-block scale has no per-group form, `Fp8Codec.affine`)
+FORMATS = {Int8Codec: 8, Int4Codec: 4, Int3Codec: 3, Int2Codec: 2, "e4m3": 43, "e5m2": 52}
+
+
+def code_format(codec) -> int | None:
+    """The C side's number for `codec`'s codes (`FORMATS`), or None when it does not read them."""
+    if type(codec) is Fp8Codec:
+        return None if codec.per_block else FORMATS[codec.fmt]
+    return FORMATS.get(type(codec))
+
+
+def unread_codecs(codecs: tuple, dims: tuple[int, int]) -> str | None:
+    """Why the C read does not take keys and values coded with `codecs` (key and value head dims `dims`), or None
+    when it does: int8/int4/int3/int2 or fp8 (per-group scales) keys per channel and values per token in one group
+    per head, key and value dims equal (rotated keys come with their inner codec, `rotate_code_table`)."""
+    kc, vc = codecs
+    if any(type(c) is Fp8Codec and c.per_block for c in codecs):
+        return "fp8 codes with one scale per block (fp8_scales='block') have no per-group form the C kernel reads"
+    if code_format(kc) is None or code_format(vc) is None:
+        return "the C kernel reads int8/int4/int3/int2 codes and fp8 codes with per-group scales"
+    if kc.axis != "channel" or vc.axis != "token" or vc.group(dims[1]) != dims[1] or dims[0] != dims[1]:
+        return ("the C kernel reads keys per channel and values per token in one group per head (value_group_size "
+                ">= head_dim), key and value head dims equal")
+    return None
 
 
 def _cpu_key() -> str:
@@ -98,12 +123,14 @@ def _strides(t: torch.Tensor, dims: int) -> list[int]:
 
 
 class NativeCodeAttention:
-    """The quantized read in C: per (key/value head, row) it decodes one block of int8/int4 codes at a time into a
-    fp32 tile, scores it against the query rows, takes one softmax over the read and sums the values the same way
-    (key scales folded into the query, value scales into the probabilities, as `fused_code_read`). No Python or
-    torch headers: `ctypes` calls one function with the tensors' pointers and strides (about 10 us per call).
+    """The quantized read in C: per (key/value head, row) it decodes one block of codes at a time (int8, int4, int3,
+    int2, or fp8 e4m3/e5m2 with per-group scales: `unread_codecs`) into a fp32 tile, scores it against the query
+    rows, takes one softmax over the read and sums the values the same way (key scales folded into the query, value
+    scales into the probabilities, as `fused_code_read`). No Python or torch headers: `ctypes` calls one function
+    with the tensors' pointers and strides (about 10 us per call).
 
-    Reads it takes: those of `CompiledCodeAttention.supports`, on the CPU, fp32 queries and full-precision tokens,
+    Reads it takes: the form of `CompiledCodeAttention.supports` (no window start inside the first block, at least
+    one encoded block) over the codecs `unread_codecs` takes, on the CPU, fp32 queries and full-precision tokens,
     fp16 scales, head_dim <= 256, at most 64 query rows per key/value head, blocks of at most 256 tokens. Anything
     else returns None (the caller reads another way). The library is built once per machine (about 1 s) into
     `library_path()`; no compiler, or a failed build, logs a warning once and turns this object off.
@@ -143,12 +170,13 @@ class NativeCodeAttention:
 
     @staticmethod
     def supports(qh: torch.Tensor, read: CodeRead, bias: torch.Tensor | None) -> bool:
-        """Whether the C function computes this read: its form (as `CompiledCodeAttention.supports`), dtypes and
+        """Whether the C function computes this read: its form (`CompiledCodeAttention.supports`'s), codecs, dtypes and
         devices, and every shape the C side indexes by (it trusts them: a wrong one would read out of bounds)."""
         kc, vc = read.codecs
         dk = read.dims[0]
-        if not (sys.byteorder == "little" and CompiledCodeAttention.supports(read) and dk <= MAX_DIM
-                and dk % LANES == 0 and read.block_size <= MAX_BLOCK and read.block_size % 2 == 0):
+        if not (sys.byteorder == "little" and read.lo == read.pos0 and read.num_encoded > 0
+                and unread_codecs(read.codecs, read.dims) is None and dk <= MAX_DIM and dk % LANES == 0
+                and read.block_size <= MAX_BLOCK and read.block_size % 2 == 0):
             return False
         H, batch, rows, dim = qh.shape
         n, bs, sink = read.num_encoded, read.block_size, max(0, read.sink_end - read.lo)
@@ -183,7 +211,8 @@ class NativeCodeAttention:
         kcodec, vcodec = read.codecs
         out = torch.empty((H, batch, rows, dim), dtype=torch.float32)
         b = None if bias is None else bias[0]  # [batch, rows | 1, width]
-        meta = [H, batch, rows, dim, read.num_encoded, fk.shape[2], kcodec.bits, vcodec.bits, read.block_size,
+        meta = [H, batch, rows, dim, read.num_encoded, fk.shape[2], code_format(kcodec), code_format(vcodec),
+                read.block_size,
                 max(0, read.sink_end - read.lo), torch.get_num_threads()]
         for t in (qh, kc, ks, vc, vs, fk, fv):
             meta += _strides(t, 3)
@@ -205,7 +234,7 @@ class NativeCodeAttention:
     def _pool_form_fits(table: CodeTable, heads: int) -> bool:
         """The half of `supports_table` that holds for every read of a layer's pool: codecs, sizes, pool layout."""
         dk = table.dims[0]
-        return (sys.byteorder == "little" and CompiledCodeAttention.supports_codecs(table.codecs, table.dims)
+        return (sys.byteorder == "little" and unread_codecs(table.codecs, table.dims) is None
                 and dk <= MAX_DIM and dk % LANES == 0 and table.block_size <= MAX_BLOCK
                 and table.block_size % 2 == 0 and table.pools_fit(heads, torch.device("cpu")))
 
@@ -284,7 +313,7 @@ class NativeCodeAttention:
         b = None if bias is None else bias[0]  # [batch, rows | 1, width]
         staged, new, sinks = table.staged or (None, None), table.new or (None, None), table.sinks or (None, None)
         q = 0 if new[0] is None else new[0].shape[2]
-        meta = [H, batch, rows, dim, table.num_encoded, kcodec.bits, vcodec.bits, table.block_size,
+        meta = [H, batch, rows, dim, table.num_encoded, code_format(kcodec), code_format(vcodec), table.block_size,
                 table.sink_end - table.lo if table.sink_end else 0, torch.get_num_threads(), table.rest, q,
                 *qh.stride()[:3]]
         for t in (table.codes[0], table.scales[0], table.codes[1], table.scales[1]):
@@ -384,4 +413,4 @@ class NativeCodeAttention:
         return out
 
 
-__all__ = ["NativeCodeAttention", "build", "library_path"]
+__all__ = ["FORMATS", "NativeCodeAttention", "build", "code_format", "library_path", "unread_codecs"]

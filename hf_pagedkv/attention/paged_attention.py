@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_pagedkv.attention.compiled_read import CompiledCodeAttention
+from hf_pagedkv.attention.native_read import unread_codecs
 from hf_pagedkv.attention.paged_view import PagedView
 from hf_pagedkv.attention.read_counts import READ_COUNTS, format_name
 from hf_pagedkv.storage.code_read import CodeRead
@@ -93,9 +94,9 @@ def paged_attention(query: torch.Tensor, view: PagedView, scaling: float, mask: 
         out = None if compiled is None else compiled(qr, read, bias)
         if out is None:
             kernels = compiled is not None or (native is not None and qh.is_cpu)
-            if kernels and not CompiledCodeAttention.supports_codecs(read.codecs, read.dims):
-                READ_COUNTS.fall_back(fmt, "the kernels read int8/int4 keys per channel and int8/int4 values per "
-                                           "token in one group per head")
+            reason = _unread_format(read, qh.is_cpu) if kernels else None
+            if reason is not None:
+                READ_COUNTS.fall_back(fmt, reason)
             out = code_attention(qr, read, bias, tile_tokens)
             READ_COUNTS.serve("torch-codes", fmt)
         else:
@@ -126,6 +127,16 @@ def paged_attention(query: torch.Tensor, view: PagedView, scaling: float, mask: 
         l = (w * torch.stack([l for _, l, _ in stats])).sum(0)
         out = (w * torch.stack([a for _, _, a in stats])).sum(0).div_(_divisor(l))
     return _unpack(out, batch, H, G, q, num_heads)
+
+
+def _unread_format(read: CodeRead, cpu: bool) -> str | None:
+    """Why the kernel of the read's device does not read its codecs (the C one on the CPU: `unread_codecs`; Triton
+    on a GPU: int8/int4 only), or None when it does."""
+    if cpu:
+        return unread_codecs(read.codecs, read.dims)
+    if CompiledCodeAttention.supports_codecs(read.codecs, read.dims):
+        return None
+    return "the GPU kernel reads int8/int4 keys per channel and int8/int4 values per token in one group per head"
 
 
 def fp_attention(qh: torch.Tensor, parts: list, bias: torch.Tensor | None) -> torch.Tensor:

@@ -22,10 +22,14 @@ from tests.conftest import VOCAB, tiny_model
 
 READER = NativeCodeAttention()
 needs_compiler = pytest.mark.skipif(READER.load() is None, reason="no C compiler here: the native read is off")
+#: key and value codecs the C read takes beyond `PAIRS` (the `torch.compile`d read's): 3-bit and 2-bit codes, fp8
+#: with per-group scales (per channel for keys, per token for values)
+NATIVE_PAIRS = PAIRS + [("int3", "int3"), ("int4", "int3"), ("int3", "int8"), ("int2", "int2"),
+                        ("int4", "fp8-e4m3"), ("int8", "fp8-e5m2"), ("fp8-e5m2", "int4"), ("fp8-e4m3", "fp8-e4m3")]
 
 
 @needs_compiler
-@pytest.mark.parametrize("key_codec,value_codec", PAIRS)
+@pytest.mark.parametrize("key_codec,value_codec", NATIVE_PAIRS)
 @pytest.mark.parametrize("offset", [0.0, 8.0])
 @pytest.mark.parametrize("mask", [None, "rows", "broadcast"])
 def test_native_read_within_fp32_of_decoding(key_codec, value_codec, offset, mask):
@@ -46,6 +50,54 @@ def test_native_read_within_fp32_of_decoding(key_codec, value_codec, offset, mas
     assert got is not None and got.shape == want.shape == (2, 2, 3, 16)
     assert (got.double() - want).abs().max().item() <= 1e-5
     assert (got - code_attention(qh, read, bias, 2048)).abs().max().item() <= 1e-5
+
+
+def _codes_as_values(name: str, block_size: int, dim: int, g: torch.Generator):
+    """Value codes of `name` for one block of one head, `[1, 1, 1, code_size]` bytes, unit scales and zero minimums
+    `[1, 1, 1, scale_size]`, and the codes' values `[block_size, dim]` as the codec reads them (`unpack`). fp8: every
+    finite byte once (the rest 0); the integer codecs: random codes."""
+    from hf_pagedkv.storage.codecs import make_codec
+
+    codec = make_codec(name, "token", group_size=dim)
+    if name.startswith("fp8"):
+        codes = torch.arange(256, dtype=torch.uint8)
+        finite = torch.isfinite(codes.view(codec.dtype).float())
+        codes = torch.where(finite, codes, torch.zeros_like(codes))
+        assert block_size * dim == 256 and int(finite.sum()) >= 248
+        scales = torch.ones(block_size, dtype=torch.float16)
+    elif name == "int8":
+        codes = torch.randint(-127, 128, (block_size * dim,), generator=g, dtype=torch.int8).view(torch.uint8)
+        scales = torch.ones(block_size, dtype=torch.float16)
+    else:
+        q = torch.randint(0, 2**codec.bits, (block_size, dim), generator=g, dtype=torch.int32)
+        codes = codec.pack(q).flatten()
+        scales = torch.cat((torch.ones(block_size), torch.zeros(block_size))).half()  # [scales | minimums]
+    values = codec.unpack(codes, torch.empty(block_size, dim))  # [block_size, dim]
+    return codec, codes.view(1, 1, 1, -1), scales.view(1, 1, 1, -1), values
+
+
+@needs_compiler
+@pytest.mark.parametrize("name", ["fp8-e4m3", "fp8-e5m2", "int8", "int4", "int3", "int2"])
+def test_native_read_decodes_every_code_exactly(name):
+    """Each code's value as the codec reads it, bit for bit: one block of 16 tokens x 16 channels as values (unit
+    scales, zero minimums), each query row attending to one token only (a mask of -inf elsewhere): row `t` of the
+    output is token `t`'s codes decoded (its probability exactly 1, the others exactly 0). For fp8 the block holds
+    every finite byte (subnormals, both zeros, the largest magnitudes)."""
+    from hf_pagedkv.storage.code_read import CodeRead
+    from hf_pagedkv.storage.codecs import make_codec
+
+    bs = D = 16
+    g = torch.Generator().manual_seed(21)
+    vcodec, vcodes, vscales, values = _codes_as_values(name, bs, D, g)
+    kcodec = make_codec("int8", "channel")
+    kcodes, kscales = kcodec.encode(torch.randn(1, 1, 1, bs, D, generator=g))
+    full = torch.zeros(1, 1, 0, D)
+    read = CodeRead(0, 0, bs, bs, (D, D), (kcodec, vcodec), (kcodes, vcodes), (kscales, vscales), (full, full), 0)
+    bias = torch.full((1, 1, bs, bs), float("-inf"))
+    bias[0, 0].fill_diagonal_(0.0)  # query row t attends to token t only
+    got = READER(torch.randn(1, 1, bs, D, generator=g), read, bias)
+    assert got is not None and torch.equal(got[0, 0], values)
+    assert values.abs().max().item() > 0
 
 
 @needs_compiler
@@ -69,14 +121,17 @@ def test_native_read_of_strided_codes_on_threads(threads):
 
 
 def test_refuses_what_it_does_not_compute():
-    """Other codecs, a sliding window's cut first block, head dims not a multiple of 16, fp64 queries, shapes that
-    disagree with the read (the C side trusts them) and masks of another width: None, the caller reads eagerly."""
+    """Other codecs (the reference codec, fp8 with one scale per block), a sliding window's cut first block, head
+    dims not a multiple of 16, fp64 queries, shapes that disagree with the read (the C side trusts them) and masks
+    of another width: None, the caller reads eagerly."""
     read, _, _ = _code_read("int4", "int8", batch=2, offset=0.0)
     qh = torch.zeros(2, 2, 3, 16)
     assert NativeCodeAttention.supports(qh, read, None)
     assert NativeCodeAttention.supports(qh, read, _bias(2, 3, read.end))
     refused = [
         (qh, _code_read("ref-int4", "ref-int4", batch=2, offset=0.0)[0], None),
+        (qh, _code_read("int4", "fp8-e4m3-block", batch=2, offset=0.0)[0], None),  # one scale per block
+        (qh, _code_read("fp8-e5m2-block", "int4", batch=2, offset=0.0)[0], None),
         (qh, read._replace(lo=3), None),
         (qh.double(), read, None),
         (torch.zeros(2, 2, 3, 8), read._replace(dims=(8, 8)), None),
@@ -90,13 +145,31 @@ def test_refuses_what_it_does_not_compute():
         assert NativeCodeAttention()(q, r, b) is None
 
 
-def test_no_compiler_turns_it_off_once(monkeypatch, tmp_path, caplog):
+def test_unread_codecs_name_why():
+    """`unread_codecs`: None for the codecs the C read takes; else the reason a fallback is counted under."""
+    from hf_pagedkv.storage.codecs import RotatedCodec, make_codec
+
+    for k, v in [("int8", "int8"), ("int4", "int3"), ("int3", "fp8-e5m2"), ("fp8-e4m3", "int2")]:
+        assert native_read.unread_codecs((make_codec(k, "channel"), make_codec(v, "token")), (64, 64)) is None
+    int4k, int4v = make_codec("int4", "channel"), make_codec("int4", "token")
+    cases = [((int4k, make_codec("fp8-e4m3-block", "token")), (64, 64), "one scale per block"),
+             ((make_codec("ref-int4", "channel"), int4v), (64, 64), "reads int8/int4/int3/int2 codes"),
+             ((RotatedCodec(int4k), int4v), (64, 64), "reads int8/int4/int3/int2 codes"),  # turned: inner codec
+             ((int4k, make_codec("int4", "token", group_size=32)), (64, 64), "one group per head"),
+             ((int4k, make_codec("int4", "channel")), (64, 64), "values per token"),
+             ((int4k, int4v), (64, 32), "head dims equal")]
+    for codecs, dims, why in cases:
+        assert why in native_read.unread_codecs(codecs, dims)
+
+
+@pytest.mark.parametrize("names", [("int4", "int4"), ("int3", "fp8-e4m3")])
+def test_no_compiler_turns_it_off_once(names, monkeypatch, tmp_path, caplog):
     """Without a C compiler (and no library built before) the read logs one warning and stays off; the
     ``"hf_pagedkv_compiled"`` read then goes on to its other engines."""
     monkeypatch.setenv("HF_PAGEDKV_NATIVE_DIR", str(tmp_path))
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setattr(native_read.shutil, "which", lambda name: None)
-    read, _, _ = _code_read("int4", "int4", batch=2, offset=0.0)
+    read, _, _ = _code_read(*names, batch=2, offset=0.0)
     qh = torch.randn(2, 2, 3, 16)
     reader = NativeCodeAttention()
     with caplog.at_level(logging.WARNING, logger=native_read.__name__):
@@ -134,7 +207,7 @@ class _Recording(NativeCodeAttention):
 
 
 @needs_compiler
-@pytest.mark.parametrize("quant", ["k8v4", "k4v4", "k8v8"])
+@pytest.mark.parametrize("quant", ["k8v4", "k4v4", "k8v8", "k3v3r", "k4ve4m3"])
 def test_generation_matches_the_eager_read(quant, monkeypatch):
     """Greedy generation through ``"hf_pagedkv_compiled"``, its quantized reads all in C (the `torch.compile`d
     engine made to fail if reached), gives the tokens of ``"hf_pagedkv"`` and logits within 1e-4 (the same codes
@@ -181,18 +254,17 @@ def generate_eager_and_compiled(quant: str, block_size: int) -> None:
 
 
 @needs_compiler
-@pytest.mark.parametrize("bits", [(8, 8), (8, 4), (4, 4)])
-def test_native_read_at_model_sizes(bits):
+@pytest.mark.parametrize("names", [("int8", "int8"), ("int8", "int4"), ("int4", "int4"), ("int3", "int3"),
+                                   ("int4", "fp8-e4m3"), ("int4", "fp8-e5m2")])
+def test_native_read_at_model_sizes(names):
     """SmolLM2's sizes (3 key/value heads, 3 query rows each, head_dim 64) in 32-token blocks, 2,048 encoded tokens,
     a 5-token tail and 4 sink tokens, batch 2 with a mask: the eager read's result within 1e-5."""
     from hf_pagedkv.storage.code_read import CodeRead
-    from hf_pagedkv.storage.codecs.int4 import Int4Codec
-    from hf_pagedkv.storage.codecs.int8 import Int8Codec
+    from hf_pagedkv.storage.codecs import make_codec
 
     g = torch.Generator().manual_seed(6)
     H, batch, n, bs, D = 3, 2, 64, 32, 64
-    kc = Int8Codec(axis="channel") if bits[0] == 8 else Int4Codec(axis="channel")
-    vc = Int8Codec(axis="token") if bits[1] == 8 else Int4Codec(axis="token")
+    kc, vc = make_codec(names[0], "channel"), make_codec(names[1], "token", group_size=D)
     (kcodes, kscales), (vcodes, vscales) = (c.encode(torch.randn(H, batch, n, bs, D, generator=g)) for c in (kc, vc))
     full = tuple(torch.randn(H, batch, 9, D, generator=g) for _ in range(2))  # 5 tail, then 4 sink tokens
     read = CodeRead(0, 0, n * bs + 5, bs, (D, D), (kc, vc), (kcodes, vcodes), (kscales, vscales), full, 4)
@@ -217,17 +289,19 @@ def test_a_corrupted_library_is_built_again(monkeypatch, tmp_path):
 
 
 @needs_compiler
-@pytest.mark.parametrize("quant", ["k8v8", "k8v4", "k4v4"])
+@pytest.mark.parametrize("quant,block_size", [("k8v8", 4), ("k8v4", 4), ("k4v4", 4), ("k3v3r", 8), ("k4v3", 8),
+                                              ("k4ve4m3", 4), ("ke5m2ve5m2", 4), ("k2v2", 4)])
 @pytest.mark.parametrize("prompt", [22, 24])
-def test_table_read_equals_the_gathered_read(quant, prompt):
+def test_table_read_equals_the_gathered_read(quant, block_size, prompt):
     """The C read through block ids (`read_table`: the pool's codes, each row's staged partial block, the step's
     token and the sink token where they lie) on 3 rows whose decode blocks interleave in a fixed pool gives the C
     read of the gathered `CodeRead` bit for bit (the same sums in the same order), and the eager read within 1e-5;
-    a 22-token prompt leaves a staged partial block, 24 none before the step's token."""
+    a 22-token prompt leaves a staged partial block, 24 none before the step's token in 4-token blocks (3-bit codes
+    pack 8 tokens: 8-token blocks, 4 staged)."""
     from hf_pagedkv import BlockPool, QuantConfig
     from hf_pagedkv.attention import PagedView
 
-    cache = PagedCache(pool=BlockPool(block_size=4, num_blocks=40, quant=QuantConfig.preset(quant)))
+    cache = PagedCache(pool=BlockPool(block_size=block_size, num_blocks=40, quant=QuantConfig.preset(quant)))
     g = torch.Generator().manual_seed(13)
     with torch.no_grad():
         for q in (prompt,) + (1,) * 12:
@@ -239,8 +313,8 @@ def test_table_read_equals_the_gathered_read(quant, prompt):
     table, read = view.code_table(), view.code_read()
     assert table is not None and read is not None
     ids = table.ids
-    assert ids.shape == (3, (prompt + 12) // 4) and (ids[:, 1:] - ids[:, :-1] != 1).any()  # blocks out of order
-    assert table.rest == (prompt + 12) % 4 and table.new is not None and table.sink_end == 1
+    assert ids.shape == (3, (prompt + 12) // block_size) and (ids[:, 1:] - ids[:, :-1] != 1).any()  # out of order
+    assert table.rest == (prompt + 12) % block_size and table.new is not None and table.sink_end == 1
     qh = torch.randn(2, 3, 2, 16, generator=g) * 0.3  # [H, batch, rows, D]
     bias = _bias(3, 2, table.end - table.lo)
     bias[:, 1, :, 5] = float("-inf")
@@ -539,7 +613,7 @@ def test_a_row_masked_everywhere_reads_zero():
 
 
 @needs_compiler
-@pytest.mark.parametrize("quant", [None, "k4v4"])
+@pytest.mark.parametrize("quant", [None, "k4v4", "k4v3r", "k4ve5m2"])
 def test_hf_pagedkv_reads_in_c_unless_turned_off(quant, monkeypatch):
     """``"hf_pagedkv"`` reads in C on the CPU too (not only ``"hf_pagedkv_compiled"``); with
     ``HF_PAGEDKV_NATIVE_READ=0`` it reads with torch (no C call), the same tokens, logits within 1e-4."""

@@ -118,17 +118,24 @@ def test_rotated_values_output_turned_back_equals_derotated_values():
 
 
 def test_read_counts_name_the_path_and_every_fallback(caplog):
-    """Rotated int4 keys are read by the C kernel (where it builds); int3 codes are a counted fallback to the torch
-    read, logged once per format."""
+    """Rotated keys, 3-bit codes and fp8 codes with per-group scales are read by the C kernel (where it builds) as
+    often as int4 codes are: no fallback, each path serving the reads it serves for k4v4; fp8 with one scale per
+    block is a counted fallback to the torch read, logged once per format."""
     model = tiny_model("llama")
     ids = torch.randint(3, VOCAB, (1, 21), generator=torch.Generator().manual_seed(8))
     c_builds = NativeCodeAttention().load() is not None
-    READ_COUNTS.reset()
-    generate(model, "hf_pagedkv", "k4v4r", ids)
-    snap = READ_COUNTS.snapshot()
-    assert not snap["fallbacks"], snap
     path = "kernel-table" if c_builds else "torch-codes"
-    assert snap["served"].get(f"{path} int4+rot/int4", 0) > 0, snap
+    names = {"k4v4": "int4/int4", "k4v4r": "int4+rot/int4", "k3v3r": "int3+rot/int3", "k4v3r": "int4+rot/int3",
+             "k4ve4m3": "int4/fp8-e4m3", "k4ve4m3r": "int4+rot/fp8-e4m3", "ke5m2v4": "fp8-e5m2/int4"}
+    paths = {}
+    for quant, fmt in names.items():
+        READ_COUNTS.reset()
+        generate(model, "hf_pagedkv", quant, ids)
+        snap = READ_COUNTS.snapshot()
+        assert not snap["fallbacks"], (quant, snap)
+        assert snap["served"].get(f"{path} {fmt}", 0) > 0, (quant, snap)
+        paths[quant] = {k.replace(fmt, "F"): n for k, n in snap["served"].items()}
+        assert paths[quant] == paths["k4v4"], (quant, paths)
     READ_COUNTS.reset()
     generate(model, "hf_pagedkv", "k4v4rv", ids)  # rotated values: the same kernels, the output turned back
     snap = READ_COUNTS.snapshot()
@@ -136,13 +143,15 @@ def test_read_counts_name_the_path_and_every_fallback(caplog):
     assert snap["served"].get(f"{path} int4+rot/int4+rot", 0) > 0, snap
     READ_COUNTS.reset()
     with caplog.at_level(logging.WARNING, logger="hf_pagedkv.attention.read_counts"):
-        generate(model, "hf_pagedkv", "k3v3r", ids)
+        generate(model, "hf_pagedkv", "k4ve4m3b", ids)
     snap = READ_COUNTS.snapshot()
+    fmt = "int4/fp8-e4m3-block"
     if c_builds:
         (reason, n), = snap["fallbacks"].items()
-        assert reason.startswith("int3+rot/int3: the kernels read int8/int4") and n > 0
-        assert n == snap["served"]["torch-codes int3+rot/int3"]
-        assert sum("int3+rot/int3" in r.getMessage() for r in caplog.records) == 1  # logged once, counted always
-    assert "kernel-table int3+rot/int3" not in snap["served"]
+        assert reason == f"{fmt}: fp8 codes with one scale per block (fp8_scales='block') have no per-group form " \
+                         "the C kernel reads" and n > 0
+        assert n == snap["served"][f"torch-codes {fmt}"]
+        assert sum(fmt in r.getMessage() for r in caplog.records) == 1  # logged once, counted always
+    assert f"kernel-table {fmt}" not in snap["served"]
     READ_COUNTS.reset()
     assert READ_COUNTS.snapshot() == {"served": {}, "fallbacks": {}}

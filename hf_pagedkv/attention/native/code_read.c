@@ -1,13 +1,16 @@
 /* The quantized decode read of "hf_pagedkv" (`fused_code_read`'s contract) as one C function: attention of a few
- * query rows over int8/int4 codes and fp16 scales read where they lie, one block of codes decoded at a time into a
- * small fp32 tile, one softmax over the read. Built at first use by `hf_pagedkv.attention.native_read` (the
+ * query rows over int8/int4/int3/int2/fp8 codes and fp16 scales read where they lie, one block of codes decoded at a
+ * time into a small fp32 tile, one softmax over the read. Built at first use by `hf_pagedkv.attention.native_read` (the
  * machine's C compiler, cached per CPU), called through ctypes: no Python or torch headers.
  *
  * Layouts (strides in elements; the last dimension of every array is contiguous):
  *   q      [H, B, R, D] float32: the scaled query rows of each key/value head
- *   kc, vc [H, B, n, code] uint8: keys per channel, values per token (one group per head); int8 codes are the
- *          two's complement bytes; int4 codes hold token t (bits 0-3) and t + bs/2 (bits 4-7) of byte (t, d)
- *   ks, vs [H, B, n, scale] fp16: int8 [scale per channel | per token], int4 [scales | minimums]
+ *   kc, vc [H, B, n, code] uint8: keys per channel, values per token (one group per head), in one of the
+ *          `Format`s: int8 codes are the two's complement bytes; int4 codes hold token t (bits 0-3) and t + bs/2
+ *          (bits 4-7) of byte (t, d); int2 codes tokens t + i bs/4 in bits 2i, 2i + 1 of byte (t, d); int3 codes an
+ *          int2 plane of the low two bits ([bs/4, D] bytes), then a plane of the high bit (token t + i bs/8 in bit
+ *          i of byte (t, d) of [bs/8, D] bytes); fp8 codes the bytes of float8_e4m3fn / float8_e5m2, token-major
+ *   ks, vs [H, B, n, scale] fp16: int8 and fp8 [scale per channel | per token], int4/int3/int2 [scales | minimums]
  *   fk, fv [H, B, m, D] float32: the full-precision tail, then the `sink` sink tokens
  *   bias   [B, R | 1, width] float32 (optional): additive mask over columns 0 .. width - 1, width = n*bs + m - sink
  *   out    [H, B, R, D] float32, contiguous
@@ -259,10 +262,110 @@ static int for_each_pair(int (*one)(void **, const int64_t *, int64_t), void **p
     return failed;
 }
 
-/* one block of codes -> bs x D integer values in fp32 (int8: signed; int4: 0..15) */
-static void decode_block(const uint8_t *c, int bits, int64_t bs, int64_t D, float *tile) {
-    if (bits == 8) {
+/* the code formats (`native_read.FORMATS`): the integer codecs by their bits, the fp8 ones by their own numbers */
+typedef enum { INT2 = 2, INT3 = 3, INT4 = 4, INT8 = 8, E4M3 = 43, E5M2 = 52 } Format;
+
+/* whether `f` is a format read here, in blocks of `bs` tokens (its packing's tokens per byte divide it) */
+static int known_format(int f, int64_t bs) {
+    switch (f) {
+    case INT8: case E4M3: case E5M2: return 1;
+    case INT4: return bs % 2 == 0;
+    case INT3: return bs % 8 == 0;
+    case INT2: return bs % 4 == 0;
+    default: return 0;
+    }
+}
+
+/* asymmetric formats: a minimum per group after the scales (x = s c + z); the others are x = s c */
+static inline int has_minimums(int f) { return f == INT4 || f == INT3 || f == INT2; }
+
+typedef uint8_t vb __attribute__((vector_size(LANES), aligned(1)));
+typedef uint16_t vu16 __attribute__((vector_size(2 * LANES), aligned(2)));
+
+static inline vf halfv(vu16 h) { /* LANES fp16 bit patterns -> fp32, exactly (subnormals included) */
+#if LANES == 16
+    return (vf)_mm512_cvtph_ps((__m256i)h);
+#elif defined(__F16C__)
+    return (vf)_mm256_cvtph_ps((__m128i)h);
+#else
+    return __builtin_convertvector((vh)h, vf);
+#endif
+}
+
+/* the factor between a format's code values as `decode_block` writes them and their values: e4m3 is decoded 2**-8
+ * too small (`decode_fp8`), so its scales are taken 2**8 larger (exact: a power of two) */
+static inline float code_unit(int f) { return f == E4M3 ? 256.0f : 1.0f; }
+
+static inline vb loadb(const uint8_t *p) { /* LANES bytes */
+    vb v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline vu16 wordsv(const uint8_t *p) { /* LANES unsigned bytes -> 16-bit lanes (gcc: in halves, joined) */
+#if LANES == 16
+    return (vu16)_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+#elif defined(__AVX2__)
+    return (vu16)_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+#else
+    return __builtin_convertvector(loadb(p), vu16);
+#endif
+}
+
+static inline vf bytesv(vb b) { /* LANES unsigned bytes -> fp32, through int32 (gcc converted bytes lane by lane) */
+    return __builtin_convertvector(__builtin_convertvector(b, vi), vf);
+}
+
+/* `N` fp8 bytes (a multiple of LANES) -> fp32 through the fp16 bit pattern that holds each one, exactly: e5m2 is the
+ * upper byte of fp16 (its value); e4m3's sign, exponent and mantissa moved to fp16's places read as its value
+ * times 2**-8 (`code_unit`), normal and subnormal alike (the biases differ by 8); its NaN (S.1111.111) made fp16's */
+static inline void decode_fp8(const uint8_t *c, int fmt, int64_t N, float *o) {
+    for (int64_t i = 0; i < N; i += LANES) {
+        const vu16 b = wordsv(c + i);
+        if (fmt == E5M2) {
+            storev(o + i, halfv(b << 8));
+        } else {
+            const vu16 x = b << 7; /* the sign at bit 14: added to itself, it carries to bit 15 */
+            const vu16 nan = (vu16)((b & 0x7F) == 0x7F) & 0x7C00;
+            storev(o + i, halfv((x + (x & 0x4000)) | nan));
+        }
+    }
+}
+
+/* one block of codes -> bs x D code values in fp32 (int8: signed; int4 0..15, int3 0..7, int2 0..3; fp8: the 8-bit
+ * float's value, over `code_unit`) */
+static void decode_block(const uint8_t *c, int fmt, int64_t bs, int64_t D, float *tile) {
+    if (fmt == INT8) {
         for (int64_t i = 0; i < bs * D; i++) tile[i] = (float)(int8_t)c[i];
+        return;
+    }
+    if (fmt == E4M3 || fmt == E5M2) {
+        decode_fp8(c, fmt, bs * D, tile);
+        return;
+    }
+    const int64_t q4 = bs / 4, q8 = bs / 8;
+    if (fmt == INT2) { /* row i of the plane: tokens i + k q4 in bits 2k, 2k + 1 */
+        for (int64_t i = 0; i < q4; i++)
+            for (int64_t d = 0; d < D; d += LANES) {
+                const vb lo = loadb(c + i * D + d);
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; k++) /* (unrolled: constant shifts; a variable one ran lane by lane) */
+                    storev(tile + (i + k * q4) * D + d, bytesv((lo >> (2 * k)) & 3));
+            }
+        return;
+    }
+    if (fmt == INT3) { /* row i of the high plane: tokens i + j q8 (bit j); their low bits: rows i, i + q8 of the
+                        * 2-bit plane, bits 2 (j / 2) */
+        const uint8_t *high = c + q4 * D;
+        for (int64_t i = 0; i < q8; i++)
+            for (int64_t d = 0; d < D; d += LANES) {
+                const vb hb = loadb(high + i * D + d), l0 = loadb(c + i * D + d), l1 = loadb(c + (i + q8) * D + d);
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; j++) {
+                    const vb code = (((j & 1 ? l1 : l0) >> (2 * (j >> 1))) & 3) | (((hb >> j) & 1) << 2);
+                    storev(tile + (i + j * q8) * D + d, bytesv(code));
+                }
+            }
         return;
     }
     const int64_t half_bs = bs / 2;
@@ -296,7 +399,7 @@ typedef struct {
     float *out;
     Segment seg[SEGMENTS];
     int64_t q_sr, kc_sn, ks_sn, vc_sn, vs_sn, bi_sr, R, n, bs, sink, nseg, h;
-    int kbits, vbits;
+    int kfmt, vfmt; /* `Format`s */
 } Pair;
 
 /* where encoded block j of a pair lies: its codes and its scales, keys (`half_` 0) or values (1) */
@@ -321,7 +424,7 @@ static inline __attribute__((always_inline)) int read_pair(const Pair *a, const 
     const int64_t q_sr = a->q_sr, bi_sr = a->bi_sr, R = a->R, n = a->n, bs = a->bs, sink = a->sink;
     const Segment *seg = a->seg;
     const int64_t m = seg[0].n + seg[1].n + seg[2].n;
-    const int kbits = a->kbits, vbits = a->vbits;
+    const int kfmt = a->kfmt, vfmt = a->vfmt;
     const int64_t T = n * bs, W = T + m, width = W - sink;
     float *scores = malloc(sizeof(float) * R * W);
     float *tile = malloc(sizeof(float) * bs * D);
@@ -338,10 +441,11 @@ static inline __attribute__((always_inline)) int read_pair(const Pair *a, const 
         const uint8_t *codes;
         const half *s;
         locate(a, j, 0, &codes, &s);
-        decode_block(codes, kbits, bs, D, tile);
-        const int zk = kbits == 4; /* int4: minimums after the scales */
+        decode_block(codes, kfmt, bs, D, tile);
+        const int zk = has_minimums(kfmt); /* int4/int3/int2: minimums after the scales */
+        const float ku = code_unit(kfmt);
         for (int64_t c = 0; c < C; c++) {
-            sv[c] = loadvh(s + c * LANES);
+            sv[c] = loadvh(s + c * LANES) * ku;
             if (zk) zv[c] = loadvh(s + D + c * LANES);
         }
         for (int64_t r = 0; r < R; r++) {
@@ -389,20 +493,21 @@ static inline __attribute__((always_inline)) int read_pair(const Pair *a, const 
         const uint8_t *codes;
         const half *s;
         locate(a, j, 1, &codes, &s);
-        const half *z = vbits == 4 ? s + bs : NULL;
+        const half *z = has_minimums(vfmt) ? s + bs : NULL;
         int any = 0;
         for (int64_t r = 0; r < R && !any; r++)
             for (int64_t t = 0; t < bs; t++) any |= scores[r * W + j * bs + t] != 0.0f;
         if (!any) continue;
-        decode_block(codes, vbits, bs, D, tile);
+        decode_block(codes, vfmt, bs, D, tile);
         int64_t t0 = 0; /* once per block, not per row; LANES at a time (one scalar conversion per scale, through
                          * the stack, was a tenth of a k4v4 read on a Xeon) */
+        const float vu = code_unit(vfmt);
         for (; t0 + LANES <= bs; t0 += LANES) {
-            storev(sf + t0, loadvh(s + t0));
+            storev(sf + t0, loadvh(s + t0) * vu);
             if (z) storev(zf + t0, loadvh(z + t0));
         }
         for (int64_t t = t0; t < bs; t++) {
-            sf[t] = (float)s[t];
+            sf[t] = (float)s[t] * vu;
             if (z) zf[t] = (float)z[t];
         }
         for (int64_t r = 0; r < R; r++) {
@@ -446,19 +551,19 @@ static int read_one(void **ptr, const int64_t *meta, int64_t hb) {
                     .seg = {{(const float *)ptr[5] + h * st[15] + b * st[16], (const float *)ptr[6] + h * st[18] + b * st[19],
                              meta[5], st[17], st[20]}},
                     .q_sr = st[2], .kc_sn = st[5], .ks_sn = st[8], .vc_sn = st[11], .vs_sn = st[14], .bi_sr = st[22],
-                    .R = R, .n = meta[4], .bs = meta[8], .sink = meta[9], .kbits = (int)meta[6], .vbits = (int)meta[7]};
+                    .R = R, .n = meta[4], .bs = meta[8], .sink = meta[9], .kfmt = (int)meta[6], .vfmt = (int)meta[7]};
     return dispatch(&a, D);
 }
 
 /* ptr: q, kc, ks, vc, vs, fk, fv, bias (or NULL), out.
- * meta: H, B, R, D, n, m, kbits, vbits, bs, sink, nthreads, then the strides of dims 0..2 of q, kc, ks, vc, vs,
- * fk, fv and of the bias's dims 1..2 (h stride: none, it is shared by every head).
+ * meta: H, B, R, D, n, m, kfmt, vfmt (`Format`s), bs, sink, nthreads, then the strides of dims 0..2 of q, kc, ks,
+ * vc, vs, fk, fv and of the bias's dims 1..2 (h stride: none, it is shared by every head).
  * Returns 0, or 1 for unsupported sizes / no memory (nothing written that the caller keeps). */
 int hf_pagedkv_code_read(void **ptr, const int64_t *meta) {
     const int64_t H = meta[0], B = meta[1], R = meta[2], D = meta[3], bs = meta[8];
-    const int kbits = (int)meta[6], vbits = (int)meta[7], nthreads = (int)meta[10];
-    if (D > MAX_DIM || D % LANES || R > 64 || bs > MAX_BLOCK || bs % 2 || (kbits != 8 && kbits != 4)
-        || (vbits != 8 && vbits != 4))
+    const int kfmt = (int)meta[6], vfmt = (int)meta[7], nthreads = (int)meta[10];
+    if (D > MAX_DIM || D % LANES || R > 64 || bs > MAX_BLOCK || bs % 2 || !known_format(kfmt, bs)
+        || !known_format(vfmt, bs))
         return 1;
     return for_each_pair(read_one, ptr, meta, H * B, nthreads);
 }
@@ -480,7 +585,7 @@ static int read_table_one(void **ptr, const int64_t *meta, int64_t hb) {
                              sink ? (const float *)ptr[13] + h * st[23] + sink_row[b] * st[24] : NULL, sink, st[22],
                              st[24]}},
                     .q_sr = st[2], .kc_sn = st[4], .ks_sn = st[6], .vc_sn = st[8], .vs_sn = st[10], .bi_sr = st[26],
-                    .R = R, .n = n, .bs = meta[7], .sink = sink, .kbits = (int)meta[5], .vbits = (int)meta[6]};
+                    .R = R, .n = n, .bs = meta[7], .sink = sink, .kfmt = (int)meta[5], .vfmt = (int)meta[6]};
     return dispatch(&a, D);
 }
 
@@ -490,16 +595,16 @@ static int read_table_one(void **ptr, const int64_t *meta, int64_t hb) {
  *      and value codes and scales lie, `[H, blocks, size]` each), three unused, ids [B, n] int64 (contiguous), stage [B] int64 (each row's staged partial block: its first slot), staged
  *      keys and values ([H, slots, D]), the step's keys and values ([B, H, qn, D]), sink [B] int64 (each row's
  *      first sink slot read), sink keys and values ([H, slots, D]), bias (or NULL), out [H, B, R, D].
- * meta: H, B, R, D, n, kbits, vbits, bs, sink (sink tokens read), nthreads, rest (staged tokens per row), qn, then
- *       the strides of q (3 dims), of the four pool arrays (heads: unused, blocks), of the staged keys and values
- *       (heads, slots), of the step's keys and values (3 dims), of the sink keys and values (heads, slots), of the
- *       bias (dims 1..2), then nseg.
+ * meta: H, B, R, D, n, kfmt, vfmt (`Format`s), bs, sink (sink tokens read), nthreads, rest (staged tokens per
+ *       row), qn, then the strides of q (3 dims), of the four pool arrays (heads: unused, blocks), of the staged
+ *       keys and values (heads, slots), of the step's keys and values (3 dims), of the sink keys and values (heads,
+ *       slots), of the bias (dims 1..2), then nseg.
  * Returns 0, or 1 for unsupported sizes / no memory. */
 int hf_pagedkv_code_table_read(void **ptr, const int64_t *meta) {
     const int64_t H = meta[0], B = meta[1], R = meta[2], D = meta[3], bs = meta[7];
-    const int kbits = (int)meta[5], vbits = (int)meta[6], nthreads = (int)meta[9];
-    if (D > MAX_DIM || D % LANES || R > 64 || bs > MAX_BLOCK || bs % 2 || (kbits != 8 && kbits != 4)
-        || (vbits != 8 && vbits != 4))
+    const int kfmt = (int)meta[5], vfmt = (int)meta[6], nthreads = (int)meta[9];
+    if (D > MAX_DIM || D % LANES || R > 64 || bs > MAX_BLOCK || bs % 2 || !known_format(kfmt, bs)
+        || !known_format(vfmt, bs))
         return 1;
     return for_each_pair(read_table_one, ptr, meta, H * B, nthreads);
 }

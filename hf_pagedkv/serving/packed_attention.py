@@ -27,8 +27,8 @@ def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     For each segment of the step (`PackedParts` on `key`, from `PackedCache.update`): the segment's queries attend
     to the K/V its request's `PagedCache` returned, with the segment's causal (and sliding-window) mask, through
     transformers' `sdpa` (as `generate` attends), or `hf_pagedkv.attention.paged_attention_forward` for a model with
-    soft-capping (the eager formula) or one configured with ``"hf_pagedkv"`` (a read of the blocks in place at
-    decode steps). The segments' outputs are concatenated in packed order.
+    soft-capping (the eager formula) or a step that reads in place (`PackedParts.read_in_place`: a quantized pool,
+    or a model configured with ``"hf_pagedkv"``; decode segments then read their blocks in place). The segments' outputs are concatenated in packed order.
 
     Args:
         module (`torch.nn.Module`): the attention layer.
@@ -55,7 +55,7 @@ def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         attend = paged_attention_forward  # reads in place at decode, or the eager formula with soft-capping
     else:  # (what `paged_attention_forward` calls for plain tensors, looked up once per layer, not per request)
         attend = sdpa_attention_function()
-    # plain tensors (the tags dropped) unless the model reads in place: sdpa, never a read in place (exact against
+    # plain tensors (the tags dropped) unless the step reads in place: sdpa, never a read in place (exact against
     # generate)
     plain = attend is paged_attention_forward and not packed.read_in_place
     outs = []

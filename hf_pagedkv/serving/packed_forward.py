@@ -58,8 +58,8 @@ class PackedForward:
         kwargs = {}
         if self.keeps_logits:
             kwargs["logits_to_keep"] = torch.tensor(keep, device=self.device) if keep else 1
-        with torch.no_grad(), packed_attention(self.model) as model_reads_in_place:
-            cache = PackedCache(segments, model_reads_in_place or self.quantized_pool)
+        with torch.no_grad(), packed_attention(self.model, self.quantized_pool) as read_in_place:
+            cache = PackedCache(segments, read_in_place)
             out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True, **cache_kwargs(cache),
                              **kwargs)
         logits = out.logits[0]  # [kept positions, vocab]

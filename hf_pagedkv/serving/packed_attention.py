@@ -29,7 +29,8 @@ def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     to the K/V its request's `PagedCache` returned, with the segment's causal (and sliding-window) mask, through
     transformers' `sdpa` (as `generate` attends), or `hf_pagedkv.attention.paged_attention_forward` for a model with
     soft-capping (the eager formula) or a step that reads in place (`PackedParts.read_in_place`: a quantized pool,
-    or a model configured with ``"hf_pagedkv"``; decode segments then read their blocks in place). The segments' outputs are concatenated in packed order.
+    or a model configured with ``"hf_pagedkv"``; decode segments then read their blocks in place). The segments'
+    outputs are concatenated in packed order.
 
     Args:
         module (`torch.nn.Module`): the attention layer.

@@ -299,7 +299,7 @@ def main() -> int:
           f"block/page {PAGE}")
     hf_pagedkv.generate_batch(model, [[100, 101, 102]], GenerationConfig(max_new_tokens=2), progress_bar=False)
     run_solo(model, [[100, 101, 102]], 2)  # warm-up
-    if any(m.endswith(IN_PLACE) for m in args.methods):  # (builds the in-place read's C library once)
+    if any(m.endswith(IN_PLACE) or m in ENGINE_QUANT for m in args.methods):  # (loads the in-place read's C library)
         with method_attention(model, "hf_pagedkv" + IN_PLACE):
             hf_pagedkv.generate_batch(model, [[100, 101, 102]], GenerationConfig(max_new_tokens=2),
                                       pool=BlockPool(quant="k8v4"), progress_bar=False)

@@ -10,11 +10,12 @@ one process on one thread (`torch.set_num_threads(1)`), greedy, `--new` new toke
 
 - `hf_pagedkv`: `hf_pagedkv.generate_batch` (the serving `Engine`, `--max-batch-tokens` per step);
 - `hf_pagedkv-k8v4`: the same engine on `BlockPool(quant="k8v4")` (8-bit keys, 4-bit values, its default blocks
-  of 32 tokens) with the same budget; its tokens may differ from `solo`'s within the codec's drift;
+  of 32 tokens) with the same budget, its decode segments reading their codes in place; its tokens may differ
+  from `solo`'s within the codec's drift;
   `hf_pagedkv-k4v4` (not run by default): the same with 4-bit keys;
 - `hf_pagedkv-inplace`, `hf_pagedkv-k8v4-inplace`, `hf_pagedkv-k4v4-inplace` (not run by default): those engines
   with the model's attention set to ``"hf_pagedkv"`` (`model.set_attn_implementation`, restored after): decode
-  segments of every pool, full-precision ones too, read their blocks in place;
+  segments of a full-precision pool then read their blocks in place too (a quantized pool's always do);
 - `transformers`: `model.generate_batch` (transformers' continuous batching, sdpa on the CPU), with
   `ContinuousBatchingConfig(page_size=16, max_batch_tokens=--max-batch-tokens, num_blocks=...)`: enough blocks for
   every request at once, or the blocks of the memory budget (`--transformers-pages all` gives it every request

@@ -10,8 +10,12 @@ one process on one thread (`torch.set_num_threads(1)`), greedy, `--new` new toke
 
 - `hf_pagedkv`: `hf_pagedkv.generate_batch` (the serving `Engine`, `--max-batch-tokens` per step);
 - `hf_pagedkv-k8v4`: the same engine on `BlockPool(quant="k8v4")` (8-bit keys, 4-bit values, its default blocks
-  of 32 tokens) with the same budget; its tokens may differ from `solo`'s within the codec's drift;
+  of 32 tokens) with the same budget, its decode segments reading their codes in place; its tokens may differ
+  from `solo`'s within the codec's drift;
   `hf_pagedkv-k4v4` (not run by default): the same with 4-bit keys;
+- `hf_pagedkv-inplace`, `hf_pagedkv-k8v4-inplace`, `hf_pagedkv-k4v4-inplace` (not run by default): those engines
+  with the model's attention set to ``"hf_pagedkv"`` (`model.set_attn_implementation`, restored after): decode
+  segments of a full-precision pool then read their blocks in place too (a quantized pool's always do);
 - `transformers`: `model.generate_batch` (transformers' continuous batching, sdpa on the CPU), with
   `ContinuousBatchingConfig(page_size=16, max_batch_tokens=--max-batch-tokens, num_blocks=...)`: enough blocks for
   every request at once, or the blocks of the memory budget (`--transformers-pages all` gives it every request
@@ -43,6 +47,7 @@ background thread and gets `add_request` at each arrival; `solo` is not run in t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import platform
 import sys
 import time
@@ -114,10 +119,25 @@ def run_engine(model, prompts, new, pool, max_batch_tokens):
 
 
 ENGINE_QUANT = {"hf_pagedkv-k8v4": "k8v4", "hf_pagedkv-k4v4": "k4v4"}  # quantized engine methods -> preset
+ENGINE_METHODS = ["hf_pagedkv", *ENGINE_QUANT]
+IN_PLACE = "-inplace"  # an engine method with this suffix runs with the model's attention set to "hf_pagedkv"
+
+
+@contextlib.contextmanager
+def method_attention(model, method: str):
+    """The model's attention for `method`: ``"hf_pagedkv"`` for a ``-inplace`` method, its own otherwise."""
+    own = model.config._attn_implementation
+    if method.endswith(IN_PLACE):
+        model.set_attn_implementation("hf_pagedkv")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(own)
 
 
 def engine_pool(method: str, budget: int | None, sharing: bool) -> BlockPool:
     """The pool of an engine method: fp blocks of `PAGE` tokens, or quantized blocks of their default size."""
+    method = method.removesuffix(IN_PLACE)
     if method in ENGINE_QUANT:
         return BlockPool(max_memory=budget, prefix_caching=sharing, quant=ENGINE_QUANT[method])
     return BlockPool(PAGE, max_memory=budget, prefix_caching=sharing)
@@ -217,7 +237,8 @@ def arrivals_main(args, model, vocab, per_token) -> int:
                                                       workload == "shared", arrivals)
             else:
                 pool = engine_pool(method, budget, workload == "shared")
-                outs, due = run_engine_arrivals(model, prompts, args.new, pool, args.max_batch_tokens, arrivals)
+                with method_attention(model, method):
+                    outs, due = run_engine_arrivals(model, prompts, args.new, pool, args.max_batch_tokens, arrivals)
             cpu = clock() - t0
             done = [(o, t) for o, t in zip(outs, due) if o is not None and o.error is None and o.timestamps]
             e2e = [o.timestamps[-1] - t for o, t in done]
@@ -256,7 +277,7 @@ def main() -> int:
     parser.add_argument("--workloads", nargs="+", default=["mixed", "shared", "pressure"],
                         choices=["mixed", "shared", "pressure"])
     parser.add_argument("--methods", nargs="+", default=["solo", "hf_pagedkv", "hf_pagedkv-k8v4", "transformers"],
-                        choices=["solo", "hf_pagedkv", "hf_pagedkv-k8v4", "hf_pagedkv-k4v4", "transformers"])
+                        choices=["solo", *ENGINE_METHODS, *(m + IN_PLACE for m in ENGINE_METHODS), "transformers"])
     parser.add_argument("--arrivals", default="batch", choices=["batch", "poisson"],
                         help="batch: every request at once (the table above); poisson: seeded arrivals at --rate")
     parser.add_argument("--rate", type=float, default=1.0, help="requests per second (--arrivals poisson)")
@@ -279,6 +300,10 @@ def main() -> int:
           f"block/page {PAGE}")
     hf_pagedkv.generate_batch(model, [[100, 101, 102]], GenerationConfig(max_new_tokens=2), progress_bar=False)
     run_solo(model, [[100, 101, 102]], 2)  # warm-up
+    if any(m.endswith(IN_PLACE) or m in ENGINE_QUANT for m in args.methods):  # (loads the in-place read's C library)
+        with method_attention(model, "hf_pagedkv" + IN_PLACE):
+            hf_pagedkv.generate_batch(model, [[100, 101, 102]], GenerationConfig(max_new_tokens=2),
+                                      pool=BlockPool(quant="k8v4"), progress_bar=False)
     if args.arrivals == "poisson":
         if args.rate <= 0:
             parser.error(f"--rate must be > 0 requests per second, got {args.rate}")
@@ -303,7 +328,8 @@ def main() -> int:
                 outs, peak, finished = run_solo(model, prompts, args.new)
             elif method.startswith("hf_pagedkv"):
                 pool = engine_pool(method, budget, workload == "shared")
-                outs, peak, finished, stats = run_engine(model, prompts, args.new, pool, args.max_batch_tokens)
+                with method_attention(model, method):
+                    outs, peak, finished, stats = run_engine(model, prompts, args.new, pool, args.max_batch_tokens)
                 notes.append(f"{workload}: {method} {stats.num_steps} steps, {stats.num_preemptions} preemptions, "
                              f"prefix hit rate {stats.prefix_hit_rate:.2f}, pool {pool.num_blocks} blocks of "
                              f"{pool.block_size}")

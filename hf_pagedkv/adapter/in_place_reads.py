@@ -12,8 +12,12 @@ from hf_pagedkv.attention.registration import ATTENTION_NAME, COMPILED_ATTENTION
 from hf_pagedkv.errors import CacheReleasedError
 
 
+#: the name a serving engine's packed attention takes for a step whose decode segments read their requests' pools
+#: in place (registered by `hf_pagedkv.serving`; a step that does not read in place takes ``"hf_pagedkv_packed"``)
+PACKED_IN_PLACE_NAME = "hf_pagedkv_packed_in_place"
+
 #: the attention implementations (names in transformers' registry) that read a `PagedCache`'s pool in place
-IN_PLACE_NAMES = (ATTENTION_NAME, COMPILED_ATTENTION_NAME)
+IN_PLACE_NAMES = (ATTENTION_NAME, COMPILED_ATTENTION_NAME, PACKED_IN_PLACE_NAME)
 
 
 class InPlaceReads:

@@ -111,7 +111,7 @@ class Engine:
         self._device = model.device  # where sampling generators live; fixed
         self._vocab_size = model.get_input_embeddings().num_embeddings  # valid token ids: 0 .. vocab - 1
         self._max_positions = getattr(model.config, "max_position_embeddings", None)  # the longest prompt
-        self._forward = PackedForward(model)  # runs a scheduled step through the model; fixed
+        self._forward = PackedForward(model, pool)  # runs a scheduled step through the model; fixed
         self._retention = EngineRetention(model, retention)  # the requests' policies (the default); fixed
         self._scheduler = Scheduler(pool, model, groups, [pool.group_for(None)] if None in windows else [],
                                     max_batch_tokens)

@@ -1,5 +1,6 @@
 """The packed attention: per-request attention over a `PackedCache` step, registered in transformers as
-``"hf_pagedkv_packed"``, and `packed_attention`, which selects it on a model for the duration of one engine step."""
+``"hf_pagedkv_packed"`` (and as ``"hf_pagedkv_packed_in_place"`` for steps that read in place), and
+`packed_attention`, which selects it on a model for the duration of one engine step."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import contextlib
 import torch
 
 from hf_pagedkv._compat import register_attention, sdpa_attention_function
-from hf_pagedkv.adapter.in_place_reads import IN_PLACE_NAMES
+from hf_pagedkv.adapter.in_place_reads import IN_PLACE_NAMES, PACKED_IN_PLACE_NAME
 from hf_pagedkv.attention import paged_attention_forward
 from hf_pagedkv.serving.packed_cache import packed_parts
 
@@ -27,8 +28,9 @@ def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     For each segment of the step (`PackedParts` on `key`, from `PackedCache.update`): the segment's queries attend
     to the K/V its request's `PagedCache` returned, with the segment's causal (and sliding-window) mask, through
     transformers' `sdpa` (as `generate` attends), or `hf_pagedkv.attention.paged_attention_forward` for a model with
-    soft-capping (the eager formula) or one configured with ``"hf_pagedkv"`` (a read of the blocks in place at
-    decode steps). The segments' outputs are concatenated in packed order.
+    soft-capping (the eager formula) or a step that reads in place (`PackedParts.read_in_place`: a quantized pool,
+    or a model configured with ``"hf_pagedkv"``; decode segments then read their blocks in place). The segments'
+    outputs are concatenated in packed order.
 
     Args:
         module (`torch.nn.Module`): the attention layer.
@@ -55,7 +57,7 @@ def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         attend = paged_attention_forward  # reads in place at decode, or the eager formula with soft-capping
     else:  # (what `paged_attention_forward` calls for plain tensors, looked up once per layer, not per request)
         attend = sdpa_attention_function()
-    # plain tensors (the tags dropped) unless the model reads in place: sdpa, never a read in place (exact against
+    # plain tensors (the tags dropped) unless the step reads in place: sdpa, never a read in place (exact against
     # generate)
     plain = attend is paged_attention_forward and not packed.read_in_place
     outs = []
@@ -71,25 +73,35 @@ def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
 
 
 @contextlib.contextmanager
-def packed_attention(model):
+def packed_attention(model, quantized_pool: bool = False):
     """Select the packed attention on `model` for the block, then restore its own.
 
+    Args:
+        quantized_pool (`bool`): the step's requests are in a quantized pool (their decode segments read in place
+            whatever the model's own attention).
+
     Yields:
-        `bool`: whether the model's own attention reads `PagedCache` blocks in place (``"hf_pagedkv"``); the
-        segments then go to it with the caches' keys as they are.
+        `bool`: whether the step reads in place: the pool is quantized, or the model's own attention reads
+        `PagedCache` blocks in place (``"hf_pagedkv"``). The segments then go to ``"hf_pagedkv"``'s attention with
+        the caches' keys as they are, and the model is switched to ``"hf_pagedkv_packed_in_place"``, a name the
+        requests' caches know reads in place (`IN_PLACE_NAMES`: a cache confirmed by an earlier step hands every
+        layer, its first included, the placeholders the read in place takes, nothing de-quantized).
     """
     own = model.config._attn_implementation
-    model.set_attn_implementation(PACKED_ATTENTION_NAME)
+    read_in_place = quantized_pool or own in IN_PLACE_NAMES
+    model.set_attn_implementation(PACKED_IN_PLACE_NAME if read_in_place else PACKED_ATTENTION_NAME)
     try:
-        yield own in IN_PLACE_NAMES
+        yield read_in_place
     finally:
         model.set_attn_implementation(own)
 
 
 def register() -> None:
-    """Add ``"hf_pagedkv_packed"`` to transformers' `AttentionInterface`, without a mask function: the model then
-    builds no mask for the packed row (each segment builds its own). Idempotent."""
-    register_attention(PACKED_ATTENTION_NAME, packed_attention_forward, mask=False)
+    """Add ``"hf_pagedkv_packed"`` and ``"hf_pagedkv_packed_in_place"`` to transformers' `AttentionInterface`,
+    without a mask function: the model then builds no mask for the packed row (each segment builds its own).
+    Idempotent."""
+    for name in (PACKED_ATTENTION_NAME, PACKED_IN_PLACE_NAME):
+        register_attention(name, packed_attention_forward, mask=False)
 
 
 __all__ = ["PACKED_ATTENTION_NAME", "packed_attention", "packed_attention_forward", "register"]

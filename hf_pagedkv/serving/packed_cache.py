@@ -58,8 +58,8 @@ class PackedCache(Cache):
 
     Args:
         segments (`list[PackedSegment]`): the step's requests, in packed order, covering the row without gaps.
-        read_in_place (`bool`): let the ``"hf_pagedkv"`` attention read decode segments in place (the model was
-            configured with it); otherwise each segment attends with `sdpa`.
+        read_in_place (`bool`): let the ``"hf_pagedkv"`` attention read decode segments in place (the pool is
+            quantized, or the model was configured with it); otherwise each segment attends with `sdpa`.
     """
 
     is_compileable = False

@@ -19,12 +19,22 @@ class PackedForward:
     and a `PackedCache` over the requests' own caches, switches the model to the packed attention for the call,
     and returns the logits of the positions that predict a token (each sampling chunk's last token).
 
+    Decode segments read their blocks in place (``"hf_pagedkv"``'s `paged_attention_forward`: quantized codes read
+    by the C kernel on the CPU, nothing de-quantized) when the pool is quantized, or when the model's own attention
+    is ``"hf_pagedkv"``; otherwise (a full-precision pool, the model on `sdpa`) every segment attends with `sdpa`
+    over its history, exactly as `generate` does.
+
     Args:
         model (`PreTrainedModel`): the model; fixed.
+        pool (`BlockPool`, *optional*): the requests' pool; a quantized one (`pool.quant.is_quantized`) is read in
+            place at decode. None: as a full-precision pool.
     """
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, pool=None) -> None:
         self.model = model  # fixed
+        # decode segments read in place whatever the model's attention: de-quantizing each request's whole history
+        # in every layer and step costs more than the read of the codes; fixed
+        self.quantized_pool = pool is not None and pool.quant.is_quantized
         self.device = model.device  # where the inputs go; fixed
         # only the sampled positions go through the LM head (transformers' `logits_to_keep`), when the model takes it
         self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -48,7 +58,7 @@ class PackedForward:
         kwargs = {}
         if self.keeps_logits:
             kwargs["logits_to_keep"] = torch.tensor(keep, device=self.device) if keep else 1
-        with torch.no_grad(), packed_attention(self.model) as read_in_place:
+        with torch.no_grad(), packed_attention(self.model, self.quantized_pool) as read_in_place:
             cache = PackedCache(segments, read_in_place)
             out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True, **cache_kwargs(cache),
                              **kwargs)

@@ -196,3 +196,46 @@ def test_quantized_pool_equals_solo_paged_generate(quant):
     assert engine.stats().num_preemptions > 0 and engine.stats().num_finished == len(prompts)
     assert all(len(o.generated_tokens) == NEW for o in outs)
     assert pool.stats().blocks_in_use == 0
+
+
+@pytest.mark.parametrize("quant", ["k8v4", "k4v4"])
+def test_quantized_pool_decodes_read_in_place(quant):
+    # a quantized pool's decode segments read their codes in place (the model stays on sdpa): one in-place read per
+    # request, layer and decode token, but for the first layer of each request's first decode step (there its cache
+    # hands a de-quantized copy, read by sdpa, with the view the attention confirms; later steps start confirmed);
+    # the tokens are those of a solo PagedCache generate with the "hf_pagedkv" attention on the same storage (every
+    # prompt prefilled in one step)
+    from hf_pagedkv.attention import READ_COUNTS
+
+    model = tiny_model("llama")
+    prompts = [prompt(n, seed=500 + n) for n in (3, 9, 17, 26, 8)]
+    refs = []
+    model.set_attn_implementation("hf_pagedkv")
+    try:
+        for p in prompts:
+            with PagedCache(pool=BlockPool(block_size=BLOCK, quant=quant), config=model.config) as cache:
+                ids = torch.tensor([p])
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
+                                     **cache_kwargs(cache))
+                refs.append(out[0, len(p):].tolist())
+    finally:
+        model.set_attn_implementation("sdpa")
+    READ_COUNTS.reset()
+    pool = BlockPool(block_size=BLOCK, quant=quant, debug=True)
+    engine, outs = serve("llama", prompts, pool, max_batch_tokens=64)
+    snap = READ_COUNTS.snapshot()
+    assert model.config._attn_implementation == "sdpa"
+    assert [o.generated_tokens for o in outs] == refs
+    assert engine.stats().num_steps == NEW  # one prefill step, then the decode steps
+    decoded = sum(len(o.generated_tokens) - 1 for o in outs)  # decode segments (a request may stop at eos)
+    served = snap["served"]
+    assert snap["fallbacks"] == {} and not any(k.startswith("fp") for k in served), snap
+    assert decoded >= 3 * (NEW - 1)
+    decoding = sum(len(o.generated_tokens) > 1 for o in outs)
+    assert sum(served.values()) == decoded * model.config.num_hidden_layers - decoding, snap
+    assert pool.stats().blocks_in_use == 0
+    # a full-precision pool keeps sdpa (bit-exact against generate): no read in place
+    READ_COUNTS.reset()
+    engine, outs = serve("llama", prompts, BlockPool(block_size=BLOCK, debug=True), max_batch_tokens=64)
+    assert READ_COUNTS.snapshot()["served"] == {}
+    assert_solo("llama", prompts, outs)

@@ -5,15 +5,15 @@ chosen layers (their codes, scales and bytes follow that preset) by wrapping the
 the 20-window protocol can say whether a per-layer choice pays before the store supports one. Bytes are the sum of
 each layer's block bytes. A config ``BASE@L1,L2=OTHER`` stores layers L1, L2 in preset OTHER and the rest in BASE:
 
-    python benchmarks/dev/per_layer_drift.py --num-windows 20 --output-dir eval/results \
-        --configs k8v4rv@0=k8v8rv k8v4rv@0,29=k8v8rv k8v4rv@17,19,24=k8v8rv k8v4rv@6,11,17,19,24=k8v8rv
+    python benchmarks/dev/per_layer_drift.py --num-windows 20 --configs k8v4rv@6,11,17,19,24=k8v8rv \
+        k8v4rv@17,19,24=k8v8rv k8v4rv@0,29=k8v8rv
 
 ``--screen N``: rank the layers by how much of the residual stream their 4-bit rotated values move instead (one
 forward pass over the first N windows' 2,048 tokens: for each layer, the mean norm of ``o_proj`` of the attention
 output's change over the last 256 positions when the values are k8v4rv's 4-bit codes instead of full precision,
 divided by the mean norm of the layer's input), printed most sensitive first:
 
-    python benchmarks/dev/per_layer_drift.py --screen 1
+    python benchmarks/dev/per_layer_drift.py --screen 3
 """
 
 from __future__ import annotations

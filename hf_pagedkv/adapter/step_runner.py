@@ -394,9 +394,13 @@ class StepRunner:
 
     def check_invariants(self) -> None:
         """The pool's invariants, the rows' (`CacheRows.check_invariants`), and every layer's tokens held and
-        evicted against the rows'. Raises `InvariantError`; `CacheReleasedError` after the cache's `release()`."""
-        self.rows.check_not_released()  # (a released cache holds nothing left to check)
+        evicted against the rows'; after the cache's `release()`, that it holds no block. Raises `InvariantError`."""
         self.pool.check_invariants()
+        if self.rows.released:
+            held = [list(row.blocks) for rt in self.rows.groups for row in rt.rows if row.blocks]
+            if held:
+                raise InvariantError(f"a released cache still holds blocks: {held}")
+            return
         self.rows.check_invariants()
         held = self.rows.num_tokens
         evicted = 0 if self.retention is None else self.retention.num_evicted

@@ -280,7 +280,6 @@ RELEASED_CACHE_CALLS = {
     "offload": lambda cache, model: cache.offload(),
     "prefetch": lambda cache, model: cache.prefetch(),
     "get_seq_length": lambda cache, model: cache.get_seq_length(),
-    "check_invariants": lambda cache, model: cache.check_invariants(),
 }
 
 

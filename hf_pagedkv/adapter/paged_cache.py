@@ -381,9 +381,7 @@ class PagedCache(Cache):
         return self.rows.block_tables(window)
 
     def check_invariants(self) -> None:
-        """Check the pool's and this cache's invariants: per layer group, rows in step and the block tables' tensor
-        mirror equal to the tables; each layer's tokens held, evicted; a released cache, that it holds no block.
-        Raises `InvariantError`."""
+        """Check the pool's and this cache's invariants (`StepRunner.check_invariants`). Raises `InvariantError`."""
         self.runner.check_invariants()
 
     def __repr__(self) -> str:

@@ -207,8 +207,8 @@ class Scheduler:
             if req.cache is not None:  # swapped out: its blocks come back first
                 n = min(req.num_pending, budget)
                 needs = self._needs(req, req.num_computed, n)
-                held = num_blocks_for(held_tokens(req), self.pool.block_size)  # (a sliding group holds fewer)
-                if not self._fits(promised, {g: held + k for g, k in needs.items()}) or not self._swap_in(req):
+                blocks = num_blocks_for(held_tokens(req), self.pool.block_size)  # (a sliding group holds fewer)
+                if not self._fits(promised, {g: blocks + k for g, k in needs.items()}) or not self._swap_in(req):
                     self.num_allocation_failures += 1
                     break
                 self.waiting.pop(0)

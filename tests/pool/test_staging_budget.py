@@ -128,6 +128,29 @@ def test_engine_finishes_every_request_within_a_tight_quantized_budget(quant, ca
     assert pool.stats().blocks_in_use == 0
 
 
+def test_requests_swapped_back_in_leave_the_stage_count_of_the_step_right(caplog):
+    """With a host tier the engine swaps preempted requests out and back; a step that swaps one back in and then
+    admits new ones counts the stages of both, so no step takes more stages than the budget holds."""
+    model = tiny_model("llama")
+    stage = 3 * 2 * 2 * 16 * 4 * BLOCK
+    pool = BlockPool(block_size=BLOCK, quant="k8v4", max_memory=20 * stage, host_memory="1MiB", debug=True)
+    engine = Engine(model, pool, max_batch_tokens=16)
+    prompts = [prompt(n, seed=900 + n) for n in (5, 9, 12, 17, 22, 3, 8, 14, 6, 11)]
+    rids = [engine.add_request(p, max_new_tokens=24) for p in prompts]
+    steps = 0
+    while engine.has_unfinished:
+        engine.step()
+        pool.check_invariants()
+        assert pool.groups[0].store.staging.num_used <= stage_capacity(pool)
+        steps += 1
+        assert steps < 2000, "the engine made no progress"
+    assert engine.stats().num_preemptions > 0  # swapped out and back in
+    assert "interrupted" not in caplog.text  # no step ran out of stages (nor blocks) half-way
+    outs = [engine.output(r) for r in rids]
+    assert all(o.error is None for o in outs) and [len(o.generated_tokens) for o in outs] == [24] * len(prompts)
+    assert pool.stats().blocks_in_use == 0
+
+
 def test_compaction_of_a_budgeted_quantized_pool_never_exceeds_its_stages():
     """A moved open block's stage is copied before the old one returns: with every stage in use, `compact` moves
     nothing in that group (all or nothing) instead of raising; with stages free it moves the blocks."""

@@ -6,6 +6,15 @@ EMPTY_PROMPT = ("the prompt is empty (0 tokens): the model needs at least one to
                 "logits from; give at least one token")
 
 
+def out_of_vocabulary(token_id: int, position: str, vocab_size: int) -> str:
+    """Why a prompt's token id is refused, the same words in every entry point (`hf_pagedkv.generate`,
+    `Engine.add_request`), each prefixing its own name: ``out_of_vocabulary(70000, "position 3", 49152)`` ->
+    ``"token id 70000 (position 3) is outside the model's vocabulary [0, 49152); encode the prompt with the model's
+    own tokenizer."``"""
+    return (f"token id {token_id} ({position}) is outside the model's vocabulary [0, {vocab_size}); encode the "
+            "prompt with the model's own tokenizer.")
+
+
 def install_hint(extra: str, packages: str) -> str:
     """The commands that install an optional extra, for `ImportError` messages.
 

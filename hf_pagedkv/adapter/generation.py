@@ -12,7 +12,7 @@ import torch
 from hf_pagedkv._compat import CACHE_KWARG_NAMES, cache_kwargs
 from hf_pagedkv.pool.block_pool import BlockPool
 from hf_pagedkv.adapter.paged_cache import PagedCache
-from hf_pagedkv.errors import EMPTY_PROMPT, PoolExhaustedError
+from hf_pagedkv.errors import EMPTY_PROMPT, PoolExhaustedError, out_of_vocabulary
 
 logger = logging.getLogger(__name__)
 
@@ -129,9 +129,8 @@ def _check_token_ids(model, rows: list[torch.Tensor], input_ids: torch.Tensor) -
         if bad.numel():
             pos = int(bad[0])
             where = f"row {r}, " if len(rows) > 1 else ""
-            raise ValueError(f"hf_pagedkv.generate: token id {int(row.reshape(-1)[pos])} ({where}position {pos} of the "
-                             f"prompt's real tokens) is outside the model's vocabulary [0, {vocab}); encode the "
-                             "prompt with the model's own tokenizer.")
+            position = f"{where}position {pos} of the prompt's real tokens"
+            raise ValueError(f"hf_pagedkv.generate: {out_of_vocabulary(int(row.reshape(-1)[pos]), position, vocab)}")
 
 
 def _unpadded_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_pagedkv.errors import EMPTY_PROMPT, counted
+from hf_pagedkv.errors import EMPTY_PROMPT, counted, out_of_vocabulary
 from hf_pagedkv.serving.request import Request
 from hf_pagedkv.serving.sampling import SamplingParams
 
@@ -37,8 +37,7 @@ def check_request(request_id, input_ids, max_new_tokens, generation_config, voca
         raise ValueError(f"{where}: {EMPTY_PROMPT}.")
     bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise ValueError(f"{where}: token id {bad} (position {prompt.index(bad)}) is outside the model's vocabulary "
-                         f"[0, {vocab_size}); encode the prompt with the model's own tokenizer.")
+        raise ValueError(f"{where}: {out_of_vocabulary(bad, f'position {prompt.index(bad)}', vocab_size)}")
     if max_positions is not None and len(prompt) > max_positions:
         raise ValueError(f"{where}: the prompt has {counted(len(prompt), 'token')}, more than the model's context "
                          f"of {max_positions} (max_position_embeddings); shorten it.")

@@ -4,13 +4,12 @@ each gets."""
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING
 
 import torch
 
 from hf_pagedkv.pool.block_group import BlockGroup
-from hf_pagedkv.pool.pool_settings import PoolSettings
+from hf_pagedkv.pool.pool_settings import PoolSettings, host_memory_bytes
 from hf_pagedkv.storage.device_budget import blocks_for_budget, check_device_share, check_preallocation
 from hf_pagedkv.storage.page_store import LayerSpec
 
@@ -186,11 +185,11 @@ def _describe(spec: LayerSpec) -> str:
 
 def device_memory(device: torch.device) -> int | None:
     """Total bytes of memory on `device` (physical RAM for the CPU), or None when it cannot be told."""
+    if device.type == "cpu":
+        return host_memory_bytes()
     try:
         if device.type == "cuda":
             return torch.cuda.mem_get_info(device)[1]
-        if device.type == "cpu":
-            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, RuntimeError, AttributeError):
         pass
     return None

@@ -25,8 +25,8 @@ def generate_batch(model, inputs: list[list[int]], generation_config=None, *, po
         model (`PreTrainedModel`): a decoder-only model.
         inputs (`list[list[int]]`): the prompts' token ids.
         generation_config (`GenerationConfig` or `dict`, *optional*): `max_new_tokens` (else ``max_length -
-            len(prompt)``, at least 1), `do_sample`, `temperature`, `top_k`, `top_p`, `eos_token_id`; the model's by
-            default (a dict changes those fields of the model's).
+            len(prompt)``, at least 1), `do_sample`, `temperature`, `top_k`, `top_p`, `eos_token_id`,
+            `num_return_sequences`; the model's by default (a dict changes those fields of the model's).
         pool (`BlockPool`, *optional*): the KV pool (a fixed one preempts when full; ``prefix_caching=True``
             shares prompt prefixes); a new growable pool by default.
         max_batch_tokens (`int`, *optional*, defaults to 512): tokens per step.
@@ -36,12 +36,16 @@ def generate_batch(model, inputs: list[list[int]], generation_config=None, *, po
             ``"sink_window:4:1024"`` (`Engine`'s `retention`).
 
     Returns:
-        `dict[str, RequestOutput]`: one output per prompt; a request that could not run (too large for a fixed
-        pool, or its step raised) has its `error` set and the others are unaffected.
+        `dict[str, RequestOutput]`: one output per prompt and returned sequence; with ``num_return_sequences=n``
+        each prompt's ``n - 1`` extra sequences are ``"req_<i>__child#<j>"``, listed before ``"req_<i>"``, as
+        transformers names them (each its own request; with ``prefix_caching=True`` they prefill the prompt once).
+        A request that could not run (too large for a fixed pool, or its step raised) has its `error` set and the
+        others are unaffected.
 
     Raises:
         ValueError: a bad prompt (empty, ids outside the vocabulary), named by its index, before anything runs;
-            bad engine, sampling or retention settings.
+            bad engine, sampling or retention settings; ``num_beams > 1`` (no beam search here: `model.generate`
+            with a `PagedCache` shares beams' blocks).
         KeyboardInterrupt: after every request's blocks were freed.
     """
     config = generation_config if generation_config is not None else model.generation_config
@@ -53,6 +57,12 @@ def generate_batch(model, inputs: list[list[int]], generation_config=None, *, po
                              "transformers GenerationConfig or a dict of its fields.")
     if not isinstance(inputs, (list, tuple)):
         raise ValueError(f"generate_batch: inputs must be a list of token-id lists, got {type(inputs).__name__}.")
+    if (config.num_beams or 1) > 1:
+        raise ValueError(f"generate_batch: num_beams={config.num_beams}, but continuous batching does not search "
+                         "beams; use model.generate with a PagedCache (its beams share blocks), or num_beams=1.")
+    copies = 1 if config.num_return_sequences is None else config.num_return_sequences
+    if not isinstance(copies, int) or copies < 1:
+        raise ValueError(f"generate_batch: num_return_sequences must be an int >= 1, got {copies!r}.")
     engine = Engine(model, pool, generation_config=config, max_batch_tokens=max_batch_tokens, retention=retention)
     sampling = dict(do_sample=bool(config.do_sample))
     if config.do_sample:
@@ -65,7 +75,8 @@ def generate_batch(model, inputs: list[list[int]], generation_config=None, *, po
             if new is None:
                 length = config.max_length if config.max_length is not None else DEFAULT_MAX_NEW_TOKENS
                 new = max(1, length - (len(prompt) if hasattr(prompt, "__len__") else 0))
-            ids.append(engine.add_request(prompt, f"req_{i}", new, **sampling))
+            for rid in [f"req_{i}__child#{j}" for j in range(copies - 1)] + [f"req_{i}"]:
+                ids.append(engine.add_request(prompt, rid, new, **sampling))
         bar = _progress(len(ids), progress_bar)
         done = 0
         while engine.has_unfinished:

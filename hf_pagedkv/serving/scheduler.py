@@ -7,7 +7,9 @@ Each step has a budget of `max_batch_tokens` tokens. The scheduler fills it in t
 3. waiting requests, oldest first (a preempted request keeps its arrival, so it comes back before newer ones),
    each admitted with a first chunk while the budget lasts and its blocks are free; admission stops at the
    first request that does not fit (no overtaking, so a large request is not starved). Nothing is admitted in a
-   step that preempted.
+   step that preempted. With prefix caching, a request whose prompt starts with full blocks that a running request
+   is still computing waits (it keeps its place; later ones may go first) until they are published, then attaches
+   to them: requests that arrive together with the same prefix prefill it once.
 
 Blocks: a request computing tokens ``start .. start + n - 1`` needs ``ceil((start + n) / B) - ceil(start / B)`` new
 blocks in each layer group (its cache allocates them in the forward). The scheduler only promises blocks the pool
@@ -196,8 +198,12 @@ class Scheduler:
         rejected: list[Request] = []
         stages = stage_capacity(self.pool)  # a quantized max_memory pool's staging area: so many open blocks
         held = self._stages_held() if stages is not None else 0  # stages the running requests may hold
-        while self.waiting and budget > 0 and not preempted:
-            req = self.waiting[0]
+        deferred = 0  # waiting requests at the front left for a prefix in flight (`_prefix_in_flight`)
+        while len(self.waiting) > deferred and budget > 0 and not preempted:
+            req = self.waiting[deferred]
+            if req.cache is None and self._prefix_in_flight(req):
+                deferred += 1
+                continue
             # one stage (its partial last block) when this step computes all it has pending from a block start;
             # two when it prefills in chunks (`stages_of_rows`) or completes a swapped-in open block and opens another
             whole = req.num_pending <= budget and (req.num_pending == 1 or req.num_computed % self.pool.block_size == 0)
@@ -211,7 +217,7 @@ class Scheduler:
                 if not self._fits(promised, {g: blocks + k for g, k in needs.items()}) or not self._swap_in(req):
                     self.num_allocation_failures += 1
                     break
-                self.waiting.pop(0)
+                self.waiting.pop(deferred)
                 chunks[req] = (n, needs)
                 promised.update(needs)
                 budget -= n
@@ -219,7 +225,7 @@ class Scheduler:
                 continue
             reason = self.too_large(req)
             if reason is not None:
-                self.waiting.pop(0)
+                self.waiting.pop(deferred)
                 req.error = reason
                 rejected.append(req)
                 continue
@@ -230,7 +236,7 @@ class Scheduler:
                 self.num_allocation_failures += 1
                 cache.release()
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(deferred)
             self._admit(req, cache)
             chunks[req] = (n, needs)
             promised.update(needs)
@@ -238,6 +244,25 @@ class Scheduler:
             held += take
         batch = tuple(Chunk(req, req.num_computed, n) for req, (n, _) in chunks.items())
         return StepBatch(batch, tuple(preempted), tuple(rejected))
+
+    def _prefix_in_flight(self, req: Request) -> bool:
+        """Whether a running request is computing full blocks that `req`'s prompt starts with and has not
+        published them yet (with prefix caching, both without a retention policy): `req` had better wait a step
+        and attach to them than compute them again."""
+        if not self.pool.prefix_caching or req.retention is not None:
+            return False
+        B = self.pool.block_size
+        usable = (len(req.all_ids) - 1) // B  # `from_prefix` leaves at least the last token to compute
+        for other in self.running:
+            if other.retention is not None or other.num_published >= usable:
+                continue
+            limit = min(usable, len(other.prompt) // B)
+            shared = 0
+            while shared < limit and req.all_ids[shared * B:(shared + 1) * B] == other.prompt[shared * B:][:B]:
+                shared += 1
+            if shared > other.num_published:
+                return True
+        return False
 
     def _stages_held(self) -> int:
         """Full-precision stages the running requests may hold at once in a step (`staging_budget.stages_of_rows`)."""

@@ -488,6 +488,11 @@ def _trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def run_tool(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """Run a subcommand added by `add_tool_commands`."""
+    """Run a subcommand added by `add_tool_commands` (or `serve`); Ctrl-C ends it with one line and status 130 (the
+    shell's status for SIGINT), not a traceback."""
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr)
-    return args.run(args, parser)
+    try:
+        return args.run(args, parser)
+    except KeyboardInterrupt:
+        print(f"hf-pagedkv {args.command}: interrupted", file=sys.stderr)
+        return 130

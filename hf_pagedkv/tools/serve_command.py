@@ -9,7 +9,6 @@ shape (a --max-memory below one block) is checked right after it loads, before t
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
@@ -18,7 +17,6 @@ from hf_pagedkv.errors import counted, install_hint
 from hf_pagedkv.tools.cli_tools import QUANT_HELP, check_pool_flags, quant_name
 from hf_pagedkv.tools.models import DEFAULT_MODEL, missing_model_path
 
-logger = logging.getLogger(__name__)
 
 _INSTALL = install_hint("serve", "fastapi uvicorn prometheus_client")
 
@@ -163,7 +161,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
           "stops)", file=sys.stderr, flush=True)
     app = create_app(service, max_body_bytes=parse_bytes(args.max_body_bytes, "--max-body-bytes"))
     serve(app, service, sock, log_level="info" if args.verbose else "warning")
-    logger.info("hf-pagedkv serve: stopped")
+    print("hf-pagedkv serve: stopped", file=sys.stderr)
     return 0
 
 

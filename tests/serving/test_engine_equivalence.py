@@ -98,6 +98,22 @@ def test_prefix_caching_shares_prompt_blocks_in_flight():
     assert pool.stats().blocks_in_use == 0 and pool.stats().blocks_cached > 0
 
 
+def test_requests_arriving_together_prefill_a_shared_prefix_once():
+    # one step's budget holds every prompt, yet requests 1 and 2 wait one step for request 0's 16 system tokens
+    # instead of computing them again; request 3 (another prefix) is not held back behind them
+    system = prompt(16, seed=9)
+    prompts = [system + prompt(n, seed=50 + n) for n in (3, 5, 6)] + [prompt(10, seed=59)]
+    pool = BlockPool(block_size=BLOCK, prefix_caching=True, debug=True)
+    engine, outs = serve("llama", prompts, pool, max_batch_tokens=512)
+    assert_solo("llama", prompts, outs)
+    stats = engine.stats()
+    assert stats.prefix_hit_tokens == 2 * 16
+    assert stats.num_tokens_computed == 16 + 3 + 5 + 6 + 10 + sum(len(o.generated_tokens) - 1 for o in outs)
+    first = [o.timestamps[0] for o in outs]  # a step's tokens share its time
+    assert first[3] == first[0] < first[1] == first[2]
+    assert pool.stats().blocks_in_use == 0
+
+
 def test_prefix_caching_with_preemption():
     system = prompt(12, seed=8)
     prompts = [system + prompt(n, seed=40 + n) for n in (2, 7, 4, 9, 5)]

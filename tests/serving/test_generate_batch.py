@@ -2,6 +2,7 @@
 engine; outputs equal solo `generate`; a `max_memory` pool is sized before the first admission."""
 
 import pytest
+import torch
 from transformers import GenerationConfig
 
 import hf_pagedkv
@@ -68,3 +69,29 @@ def test_a_dict_generation_config_changes_the_models_settings():
     with pytest.raises(ValueError, match="no setting 'max_new_tokenz'"):
         hf_pagedkv.generate_batch(model, prompts, {"max_new_tokenz": 5}, pool=pool, progress_bar=False)
     assert pool.stats().blocks_in_use == 0
+
+
+def test_num_return_sequences_gives_transformers_child_ids_sharing_the_prompt():
+    model = tiny_model("llama")
+    prompts = [prompt(2 * BLOCK + 1, 71), prompt(5, 72)]
+    pool = BlockPool(block_size=BLOCK, prefix_caching=True, debug=True)
+    config = GenerationConfig(max_new_tokens=6, do_sample=True, top_k=0, eos_token_id=[], num_return_sequences=3)
+    torch.manual_seed(0)
+    out = hf_pagedkv.generate_batch(model, prompts, config, pool=pool, progress_bar=False)
+    assert list(out) == ["req_0__child#0", "req_0__child#1", "req_0", "req_1__child#0", "req_1__child#1", "req_1"]
+    for rid, o in out.items():
+        assert o.prompt_ids == prompts[int(rid[4])] and len(o.generated_tokens) == 6 and o.error is None
+    assert len({tuple(out[f"req_0{c}"].generated_tokens) for c in ("__child#0", "__child#1", "")}) > 1  # own seeds
+    assert pool.stats().hit_tokens >= 2 * 2 * BLOCK  # two of the first prompt's copies attached to its 2 full blocks
+    assert pool.stats().blocks_in_use == 0
+
+
+def test_beam_search_is_refused_by_name_before_anything_runs():
+    pool = BlockPool(block_size=BLOCK, debug=True)
+    with pytest.raises(ValueError, match="num_beams=3.*PagedCache"):
+        hf_pagedkv.generate_batch(tiny_model("llama"), [[5, 6]], GenerationConfig(num_beams=3, max_new_tokens=2),
+                                  pool=pool, progress_bar=False)
+    with pytest.raises(ValueError, match="num_return_sequences must be an int >= 1"):
+        hf_pagedkv.generate_batch(tiny_model("llama"), [[5, 6]], {"num_return_sequences": 0}, pool=pool,
+                                  progress_bar=False)
+    assert pool.stats().blocks_in_use == 0 and pool.stats().lookups == 0

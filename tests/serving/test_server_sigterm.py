@@ -69,6 +69,8 @@ def test_sigterm_drains_saves_the_prefix_cache_and_a_restart_loads_it(tmp_path):
     finally:
         if server.proc.poll() is None:
             server.proc.kill()
+    time.sleep(0.2)  # the reader thread takes the last lines
+    assert "".join(server.lines).rstrip().endswith("hf-pagedkv serve: stopped")
     assert os.path.getsize(path) > 0 and not [f for f in os.listdir(tmp_path) if f != "prefix.safetensors"]
 
     again = ServeProcess("--prefix-cache-file", path)
@@ -151,3 +153,29 @@ def test_serve_with_a_prefix_file_bigger_than_the_pool_refuses_it_in_one_line(tm
                    f"file needs {saved} blocks in the full layer group, the pool has 4 free and 0 cached-idle of 4); "
                    "nothing was loaded. Raise --max-memory, add --host-memory to take the rest, or move the file "
                    "away to start with an empty prefix cache.\n")
+
+
+def test_two_ctrl_c_with_a_request_in_flight_stop_in_one_line_and_still_save_the_prefix_cache(tmp_path):
+    path = str(tmp_path / "prefix.safetensors")
+    server = ServeProcess("--prefix-cache-file", path)
+    try:
+        stream = server.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4000, temperature=0,
+                                                  stream=True, extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks)
+        server.proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 10
+        while get(server.port, "/health")[0] != 503:  # the first signal drains
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        server.proc.send_signal(signal.SIGINT)  # the second stops at once
+        assert server.proc.wait(60) == 130
+        assert [c.choices[0].finish_reason for c in chunks][-1] == "abort"
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+    time.sleep(0.2)  # the reader thread takes the last lines
+    err = "".join(server.lines)
+    assert "Traceback" not in err, err
+    assert err.rstrip().endswith("hf-pagedkv serve: interrupted"), err
+    assert os.path.getsize(path) > 0

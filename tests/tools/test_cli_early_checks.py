@@ -4,6 +4,8 @@ answers in a fraction of a second, not after seconds of imports and a model load
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 import hf_pagedkv.tools.models as models
@@ -70,3 +72,15 @@ def test_an_existing_local_path_passes(tmp_path):
     assert models.missing_model_path(str(tmp_path)) is None
     assert models.missing_model_path(str(tmp_path / "m.gguf")) is None
     assert "no such GGUF file" in models.missing_model_path(str(tmp_path / "other.gguf"))
+
+
+def test_ctrl_c_in_a_tool_command_is_one_line_and_status_130(capsys):
+    from hf_pagedkv.tools import cli_tools
+
+    def interrupted(args, parser):
+        raise KeyboardInterrupt
+
+    parser = argparse.ArgumentParser()
+    args = argparse.Namespace(command="plan", verbose=False, run=interrupted)
+    assert cli_tools.run_tool(args, parser) == 130
+    assert capsys.readouterr().err == "hf-pagedkv plan: interrupted\n"

@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 
 from hf_pagedkv._compat import Cache
+from hf_pagedkv.adapter.paged_layer import PagedLayer
 from hf_pagedkv.storage.heap import TRIM_MIN_TOKENS, trim_heap
 
 _ATTR = "hf_pagedkv_packed"  # the attribute of the keys `PackedCache.update` returns that holds the step's parts
@@ -89,7 +90,7 @@ class PackedCache(Cache):
         Returns:
             `(key_states, value_states)`, the inputs themselves (the attention reads the tagged parts).
         """
-        writes = self._writes_for(key_states, layer_idx)
+        writes = self._writes_for(key_states, value_states, layer_idx)
         if writes is not None:
             parts = writes.update(key_states, value_states, layer_idx)
         else:
@@ -108,7 +109,8 @@ class PackedCache(Cache):
             seg.start, hi - lo, keys.shape[-2], seg.cache.layers[layer_idx].sliding_window, keys.device)
         return PackedPart(lo, hi, keys, values, mask)
 
-    def _writes_for(self, key_states: torch.Tensor, layer_idx: int) -> PackedWrites | None:
+    def _writes_for(self, key_states: torch.Tensor, value_states: torch.Tensor,
+                    layer_idx: int) -> PackedWrites | None:
         """The `PackedWrites` of `layer_idx`'s group, built at its first layer after the step's first (which plans
         every request's step through `update`); None: every segment goes through `update` (in-place reads,
         autograd, or no request qualifies)."""
@@ -121,7 +123,7 @@ class PackedCache(Cache):
         if group is None:
             return None
         if group not in self._writes:
-            self._writes[group] = PackedWrites.build(self, layer_idx)
+            self._writes[group] = PackedWrites.build(self, key_states, value_states, layer_idx)
         return self._writes[group]
 
     def _mask(self, start: int, q: int, held: int, window: int | None, device) -> torch.Tensor | None:
@@ -168,11 +170,13 @@ class PackedWrites:
         packed (`PackedCache`): the step (its segments and masks).
         ios (`list[StepIO | None]`): per segment, its `StepIO` in this group, or None (through `update`); one at least.
         layer_idx (`int`): a layer of the group.
+        fresh (`list[int]`): the segments (with a `StepIO`) whose layers are set up by this step.
     """
 
-    def __init__(self, packed: PackedCache, ios: list, layer_idx: int) -> None:
+    def __init__(self, packed: PackedCache, ios: list, layer_idx: int, fresh: list[int] = ()) -> None:
         self.packed = packed  # fixed
         self.ios = ios  # per segment; fixed
+        self.fresh = fresh  # segments in their request's first step: each layer's spec is fixed before its write
         fast = [i for i, io in enumerate(ios) if io is not None]
         segs = packed.segments
         self.store = ios[fast[0]].store  # the pool's store of this group (one pool: the same for every request)
@@ -191,19 +195,30 @@ class PackedWrites:
                 self.masks[i] = packed._mask(seg.start, q, io.end - io.lo, window, self.slots.device)
 
     @classmethod
-    def build(cls, packed: PackedCache, layer_idx: int) -> PackedWrites | None:
-        """The group of `layer_idx` (its first layer in the step), or None when no segment qualifies."""
-        ios = []
+    def build(cls, packed: PackedCache, key_states: torch.Tensor, value_states: torch.Tensor,
+              layer_idx: int) -> PackedWrites | None:
+        """The group of `layer_idx` (its first layer in the step, K/V `[1, num_kv_heads, num_step_tokens, dim]`), or
+        None when no segment qualifies."""
+        ios, fresh = [], []
         for seg in packed.segments:
             layer = seg.cache.layers[layer_idx] if layer_idx < len(seg.cache.layers) else None
-            initialized = layer is not None and getattr(layer, "spec", None) is not None
-            ios.append(seg.cache.runner.step_io(layer) if initialized else None)
+            if not isinstance(layer, PagedLayer):
+                ios.append(None)
+                continue
+            if not layer.is_initialized:  # a request's first step: its layer's spec, as its first `update` fixes it
+                layer.lazy_initialization(key_states[:, :, seg.lo: seg.hi], value_states[:, :, seg.lo: seg.hi])
+                fresh.append(len(ios))
+            ios.append(seg.cache.runner.step_io(layer))
         stores = {id(io.store) for io in ios if io is not None}
-        return cls(packed, ios, layer_idx) if len(stores) == 1 else None
+        return cls(packed, ios, layer_idx, [i for i in fresh if ios[i] is not None]) if len(stores) == 1 else None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> list[PackedPart]:
         """`PackedCache.update` of one layer of the group: the parts, in packed order."""
         k, v = key_states, value_states  # [1, num_kv_heads, num_step_tokens, dim]
+        for i in self.fresh:  # (a request's first step: as its first `update` would, before the write)
+            seg, layer = self.packed.segments[i], self.packed.segments[i].cache.layers[layer_idx]
+            if not layer.is_initialized:
+                layer.lazy_initialization(k[:, :, seg.lo: seg.hi], v[:, :, seg.lo: seg.hi])
         if self.tokens is not None:
             k, v = k.index_select(2, self.tokens), v.index_select(2, self.tokens)  # [1, heads, written, dim]
         with self.lock:

@@ -88,17 +88,14 @@ def test_decodes_and_prefills_share_one_write_per_layer():
     # interleave (a request's blocks are not consecutive: its history is gathered) in some steps
     steps = [[5, 9, 3, 0], [1, 1, 1, 6], [1, 1, 1, 7], [1, 0, 1, 1], [1, 1, 1, 1]]
     seen, pool, caches = schedule("llama", steps)
-    later = seen[1:]
-    assert seen[0]._writes[0] is None  # fresh caches (their layers are set up by their first step): `update`
-    assert [io is None for io in seen[1]._writes[0].ios] == [False, False, False, True]  # the fourth is fresh
-    assert seen[1]._writes[0].tokens.tolist() == list(range(3))  # the others' tokens, in the one write
-    for step in seen[2:]:
+    later = seen  # (fresh caches too: their layers' specs are fixed from the step's K/V, as `update` does)
+    for step in seen:
         writes = step._writes[0]
         assert isinstance(writes, PackedWrites)
         assert all(io is not None for io in writes.ios)  # every request in the one write
         assert writes.tokens is None and writes.slots.shape == (sum(s.hi - s.lo for s in step.segments),)
-    assert any(io.view_start is None for step in later for io in step._writes[0].ios if io)  # a gathered history
-    assert any(io.view_start is not None for step in later for io in step._writes[0].ios if io)  # a view
+    assert any(io.view_start is None for step in later for io in step._writes[0].ios )  # a gathered history
+    assert any(io.view_start is not None for step in later for io in step._writes[0].ios )  # a view
     for c in caches:
         c.release()
     assert pool.stats().blocks_in_use == 0

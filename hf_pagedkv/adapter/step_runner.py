@@ -16,6 +16,7 @@ from hf_pagedkv.adapter.grad import attach_step_grad, needs_grad
 from hf_pagedkv.adapter.in_place_reads import InPlaceReads
 from hf_pagedkv.adapter.paged_layer import PagedLayer
 from hf_pagedkv.adapter.prefix_cache import prefix_key
+from hf_pagedkv.adapter.step_io import StepIO
 from hf_pagedkv.adapter.step_plan import StepPlan
 from hf_pagedkv.adapter.step_planner import StepPlanner
 from hf_pagedkv.adapter.step_tensors import StepTensors
@@ -153,6 +154,13 @@ class StepRunner:
             out = attach_step_grad(out, step_kv, plan.start - lo, plan.grad_history)
             self.grad_history = True
         return out
+
+    def step_io(self, layer: PagedLayer) -> StepIO | None:
+        """`layer`'s writes and reads in the current step, for a caller that writes many caches' K/V at once (the
+        serving engine's packed step); None: call `update` (see `StepIO.of`). Raises as `check_usable`."""
+        self.check_usable()
+        return StepIO.of(self.plan, self._tensors, self.rows, self.pool.groups[layer.group], layer,
+                         self.rows.num_tokens, self.retention is not None, self.read_layer)
 
     def read_layer(self, layer: PagedLayer, lo: int, new: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens `lo .. layer.num_tokens - 1` of every row: `[batch, num_kv_heads, seq_len, head_dim]` each.

@@ -21,6 +21,7 @@ from hf_pagedkv.errors import PoolExhaustedError, counted
 from hf_pagedkv.pool.block_pool import BlockPool
 from hf_pagedkv.pool.group_quant import GroupQuant
 from hf_pagedkv.retention.retention_stats import RetentionStats
+from hf_pagedkv.retention.spec import parse_retention
 from hf_pagedkv.storage.heap import TRIM_MIN_TOKENS, trim_heap
 
 logger = logging.getLogger(__name__)
@@ -49,8 +50,9 @@ class PagedCache(Cache):
             pool by default.
         debug (`bool`, *optional*, defaults to `False`): check `pool.check_invariants()` after every step and
             poison freed blocks with NaN, so a stale read shows up at once.
-        retention (`RetentionPolicy`, *optional*): evict tokens before each forward step and give their blocks
-            back (`SinkWindow`, `KeyNorm`, `KeyDiff`, `SnapKV`, `PyramidKV`, `KVzip` in `hf_pagedkv.retention`;
+        retention (`RetentionPolicy` or `str`, *optional*): evict tokens before each forward step and give their
+            blocks back (`SinkWindow`, `KeyNorm`, `KeyDiff`, `SnapKV`, `PyramidKV`, `KVzip` in `hf_pagedkv.retention`,
+            or a spec such as ``"sink_window:4:1024"``, parsed as `hf-pagedkv generate --retention` parses it;
             `SnapKV`, `PyramidKV` and `KVzip` need ``attn_implementation="hf_pagedkv"``, `KVzip` compresses only
             through `hf_pagedkv.compress_context`); `get_seq_length()` counts every token seen, `retention_stats()`
             those held. A tiered policy (`PyramidKV`) gives each tier of full-attention layers a layer group.
@@ -85,6 +87,8 @@ class PagedCache(Cache):
         if not isinstance(debug, bool):
             raise ValueError(f"`debug` must be True or False, got {debug!r}.")
         pool = _pool_for(pool, debug, config, pool_settings)
+        if isinstance(retention, str):  # a spec, as `Engine`, `generate_batch` and the CLI take it
+            retention = parse_retention(retention)
         evictor = None if retention is None else Evictor(retention)  # raises ValueError for what is not a policy
         plan = [] if config is None else layer_plan(config)  # raises ValueError for what is not a config
         if debug:

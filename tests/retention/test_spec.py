@@ -155,3 +155,15 @@ def test_an_empty_retention_spec_is_refused_not_ignored(capsys):
     with pytest.raises(SystemExit) as e:
         main(["plan", "--max-seq-len", "4096", "--memory", "8GiB", "--retention", ""])
     assert e.value.code == 2 and "--retention ''" in capsys.readouterr().err
+
+
+def test_paged_cache_takes_a_spec_string_as_engine_and_generate_batch_do():
+    from hf_pagedkv import PagedCache
+
+    cache = PagedCache(retention="sink_window:4:16")
+    policy = cache.retention_policy
+    assert isinstance(policy, SinkWindow) and (policy.sink_tokens, policy.window) == (4, 16)
+    with pytest.raises(ValueError, match="sink_window:x"):
+        PagedCache(retention="sink_window:x:8")
+    with pytest.raises(ValueError, match="must be a retention policy"):
+        PagedCache(retention=3)

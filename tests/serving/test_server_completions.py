@@ -33,7 +33,8 @@ def test_greedy_tokens_equal_the_engine_and_solo_generate(srv):
         choice = r.choices[0]
         assert choice.prompt_token_ids == p_ids
         assert choice.token_ids == expected == solo(p_ids, NEW)
-        assert choice.text == tokenizer.decode(expected, skip_special_tokens=True)
+        # a character the last token leaves incomplete (U+FFFD in a decode) is dropped
+        assert choice.text == tokenizer.decode(expected, skip_special_tokens=True).rstrip("\ufffd")
         assert choice.finish_reason == ("stop" if expected[-1] == tokenizer.eos_token_id else "length")
         assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(p_ids), len(expected))
         assert r.model == MODEL and r.object == "text_completion" and r.id.startswith("cmpl-")
@@ -112,7 +113,7 @@ def test_stop_token_ids_end_the_choice_and_hide_the_token(srv):
     first = whole.token_ids.index(stop_id)
     r = complete(srv, PROMPTS[0], max_tokens=24, extra_body={"stop_token_ids": [stop_id]}).choices[0]
     assert r.token_ids == whole.token_ids[: first + 1] and r.finish_reason == "stop"
-    assert r.text == tokenizer.decode(whole.token_ids[:first], skip_special_tokens=True)
+    assert r.text == tokenizer.decode(whole.token_ids[:first], skip_special_tokens=True).rstrip("\ufffd")
     srv.wait_idle()
 
 

@@ -31,3 +31,12 @@ def test_a_stop_string_over_several_tokens_ends_the_text_before_it():
         assert "".join(got) == expected and stream.stopped == (stop != "not there")
         if stream.stopped:
             assert stream.push([ids[0]]) == ""  # nothing after the stop
+
+
+def test_a_character_cut_off_by_the_end_of_the_choice_is_dropped_not_sent_as_u_fffd():
+    _, tokenizer = model_and_tokenizer()
+    ids = tokenizer(TEXT).input_ids
+    cut = next(i for i in range(1, len(ids)) if tokenizer.decode(ids[:i]).endswith("\ufffd"))  # inside a character
+    got = pieces(TextStream(tokenizer, []), ids[:cut])
+    whole = tokenizer.decode(ids[:cut])
+    assert "".join(got) == whole.rstrip("\ufffd") and whole.endswith("\ufffd") and "\ufffd" not in "".join(got)

@@ -163,15 +163,15 @@ class EngineService:
         if limit < 1:
             where = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
             raise bad_request(f"The prompt is {counted(longest, 'token')}, which leaves no room for a new token: "
-                              f"{self._limit_reason()}.", where, "context_length_exceeded")
+                              f"{self._limit_reason(longest)}.", where, "context_length_exceeded")
         if max_tokens is None:
             max_tokens = limit if default_max_tokens is None else min(default_max_tokens, limit)
         if max_tokens < 1:
             raise bad_request(f"`{name}` must be >= 1, got {max_tokens}.", name)
         if max_tokens > limit:
             raise bad_request(f"`{name}` is {max_tokens}, but with the prompt's {counted(longest, 'token')} at most "
-                              f"{limit} fit: {self._limit_reason()}. Lower `{name}` or shorten the prompt.", name,
-                              "context_length_exceeded")
+                              f"{limit} fit: {self._limit_reason(longest)}. Lower `{name}` or shorten the prompt.",
+                              name, "context_length_exceeded")
         stop_ids = frozenset(body.stop_token_ids or ())
         bad = sorted(t for t in stop_ids if not 0 <= t < self.vocab_size)
         if bad:
@@ -217,27 +217,28 @@ class EngineService:
         return [g.num_blocks - (self.pool.groups[i].pad_block is not None)
                 for i, g in enumerate(stats.groups) if g.window is None]
 
-    def _token_limit(self, prompt_len: int) -> int:
-        """New tokens a prompt of `prompt_len` tokens may ask for at most."""
+    def _limits(self, prompt_len: int) -> list[tuple[int, str]]:
+        """(new tokens a prompt of `prompt_len` tokens may ask for at most, why) for each limit that applies."""
         limits = []
         if self.context_length:
-            limits.append(self.context_length - prompt_len)
+            limits.append((self.context_length - prompt_len, f"the model's context is {self.context_length} tokens"))
         if not self.pool.growable:
             caps = [c for c in self._capacities() if c > 0]
             if caps:  # the engine stores prompt + new - 1 tokens: they must fit in cap blocks
-                limits.append(min(caps) * self.pool.block_size - prompt_len + 1)
-        return min(limits) if limits else 2**31
+                limits.append((min(caps) * self.pool.block_size - prompt_len + 1,
+                               f"the KV pool holds {counted(min(caps), 'block')} of "
+                               f"{counted(self.pool.block_size, 'token')} for one request (raise --max-memory)"))
+        return limits
 
-    def _limit_reason(self) -> str:
-        parts = []
-        if self.context_length:
-            parts.append(f"the model's context is {self.context_length} tokens")
-        if not self.pool.growable:
-            caps = [c for c in self._capacities() if c > 0]
-            if caps:
-                parts.append(f"the KV pool holds {counted(min(caps), 'block')} of "
-                             f"{counted(self.pool.block_size, 'token')} for one request (raise --max-memory)")
-        return " and ".join(parts)
+    def _token_limit(self, prompt_len: int) -> int:
+        """New tokens a prompt of `prompt_len` tokens may ask for at most."""
+        return min((n for n, _ in self._limits(prompt_len)), default=2**31)
+
+    def _limit_reason(self, prompt_len: int) -> str:
+        """Why `_token_limit(prompt_len)` is what it is: the limits that bind."""
+        limits = self._limits(prompt_len)
+        least = min((n for n, _ in limits), default=None)
+        return " and ".join(why for n, why in limits if n == least)
 
 
 def _eos_ids(eos) -> frozenset[int]:

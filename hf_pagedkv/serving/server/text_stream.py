@@ -4,7 +4,7 @@ Detokenizing token by token is wrong in two ways: a multi-byte character split o
 until its last byte comes, and tokenizers that drop a word's leading space at the start of a text (SentencePiece)
 decode a lone token differently from the same token after others. So, as vLLM and TGI do, each new piece is
 decoded *with a few tokens before it* and only the part after their text is new, and nothing ending in U+FFFD is
-sent until the next token completes it::
+sent until the next token completes it (a character the choice's end cuts off is dropped)::
 
     tokens:  [ ... prefix_offset | ... read_offset | new tokens ]
     text(prefix_offset .. end) - text(prefix_offset .. read_offset) = the new text
@@ -56,12 +56,13 @@ class TextStream:
         return self._release(final=False)
 
     def finish(self) -> str:
-        """The choice ended: the rest of the text (what was held back, an incomplete character as U+FFFD)."""
+        """The choice ended: the rest of the text (what was held back; the bytes of a character cut off by the
+        end of the choice, which decode as U+FFFD, are dropped)."""
         if not self.stopped:
             shown = [t for t in self.tokens if t not in self._hidden] if self._hidden else self.tokens
             before = self._decode(shown[self._prefix_offset: self._read_offset])
             after = self._decode(shown[self._prefix_offset:])
-            self._text += after[len(before):]
+            self._text += after[len(before):].rstrip(_REPLACEMENT)
             self._read_offset = len(shown)
         return self._release(final=True)
 

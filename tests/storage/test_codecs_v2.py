@@ -149,7 +149,7 @@ def test_int3_packing_planes():
 
 
 def test_int3_block_size_must_be_a_multiple_of_8():
-    with pytest.raises(ValueError, match="3-bit codes pack 8 tokens per byte: block_size=12"):
+    with pytest.raises(ValueError, match="3-bit codes pack 8 tokens together: block_size=12"):
         Int3Codec(axis="channel").layout(12, 64, torch.float32)
     with pytest.raises(ValueError, match="block_size=20 must be a multiple of 8"):
         from hf_pagedkv.storage.quantized_store import QuantizedPageStore

@@ -214,7 +214,7 @@ def test_plan_pool_line_builds_the_planned_pool(capsys):
 def test_plan_refuses_what_the_codecs_cannot_pack(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--max-seq-len", "100", "--batch", "1", "--quant", "k4v4", "--block-size", "3"])
-    assert "4-bit codes pack 2 tokens per byte" in capsys.readouterr().err
+    assert "4-bit codes pack 2 tokens together" in capsys.readouterr().err
 
 
 def test_generate_with_a_model_that_cannot_be_loaded(tmp_path, capsys):

@@ -48,7 +48,7 @@ def test_a_block_size_the_codecs_cannot_pack_fails_before_the_model_loads(comman
     with pytest.raises(SystemExit) as e:
         cli.main([command, "--quant", "k4v4", "--block-size", "3"])
     assert e.value.code == 2
-    assert "4-bit codes pack 2 tokens per byte: block_size=3 must be a multiple of 2" in capsys.readouterr().err
+    assert "4-bit codes pack 2 tokens together: block_size=3 must be a multiple of 2" in capsys.readouterr().err
 
 
 def test_generate_with_a_file_that_is_not_text_fails_before_the_model_loads(tmp_path, no_model_load, capsys):

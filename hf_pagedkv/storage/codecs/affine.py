@@ -25,7 +25,7 @@ class AffineCodec(Codec):
 
     def check_block_size(self, block_size: int) -> None:
         if block_size % self.tokens_per_pack:
-            raise ValueError(f"{self.bits}-bit codes pack {self.tokens_per_pack} tokens per byte: block_size="
+            raise ValueError(f"{self.bits}-bit codes pack {self.tokens_per_pack} tokens together: block_size="
                              f"{block_size} must be a multiple of {self.tokens_per_pack} (quantized pools default "
                              "to 32).")
 

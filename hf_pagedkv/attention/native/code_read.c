@@ -316,6 +316,25 @@ static inline vf bytesv(vb b) { /* LANES unsigned bytes -> fp32, through int32 (
     return __builtin_convertvector(__builtin_convertvector(b, vi), vf);
 }
 
+#if LANES == 16
+typedef uint8_t vb64 __attribute__((vector_size(64), aligned(1)));
+
+static inline void widen64(float *o, vb64 b) { /* 64 unsigned bytes -> fp32 at o[0 .. 63] */
+    const __m512i x = (__m512i)b;
+#if defined(__AVX512VBMI__) /* bytes 16k .. 16k + 15 to the low bytes of 16 int32 lanes, the others 0: one `vpermb` */
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int k = 0; k < 4; k++)
+        _mm512_storeu_ps(o + 16 * k, _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(
+                                         0x1111111111111111ull, _mm512_add_epi32(lane, _mm512_set1_epi32(16 * k)), x)));
+#else
+    _mm512_storeu_ps(o, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(x))));
+    _mm512_storeu_ps(o + 16, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(x, 1))));
+    _mm512_storeu_ps(o + 32, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(x, 2))));
+    _mm512_storeu_ps(o + 48, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(x, 3))));
+#endif
+}
+#endif
+
 /* `N` fp8 bytes (a multiple of LANES) -> fp32 through the fp16 bit pattern that holds each one, exactly: e5m2 is the
  * upper byte of fp16 (its value); e4m3's sign, exponent and mantissa moved to fp16's places read as its value
  * times 2**-8 (`code_unit`), normal and subnormal alike (the biases differ by 8); its NaN (S.1111.111) made fp16's */
@@ -345,20 +364,44 @@ static void decode_block(const uint8_t *c, int fmt, int64_t bs, int64_t D, float
     }
     const int64_t q4 = bs / 4, q8 = bs / 8;
     if (fmt == INT2) { /* row i of the plane: tokens i + k q4 in bits 2k, 2k + 1 */
-        for (int64_t i = 0; i < q4; i++)
-            for (int64_t d = 0; d < D; d += LANES) {
+        for (int64_t i = 0; i < q4; i++) {
+            int64_t d = 0;
+#if LANES == 16
+            for (; d + 64 <= D; d += 64) { /* 64 codes of a row a step, as int3 below */
+                vb64 lo;
+                memcpy(&lo, c + i * D + d, 64);
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; k++) widen64(tile + (i + k * q4) * D + d, (lo >> (2 * k)) & 3);
+            }
+#endif
+            for (; d < D; d += LANES) {
                 const vb lo = loadb(c + i * D + d);
 #pragma GCC unroll 4
                 for (int k = 0; k < 4; k++) /* (unrolled: constant shifts; a variable one ran lane by lane) */
                     storev(tile + (i + k * q4) * D + d, bytesv((lo >> (2 * k)) & 3));
             }
+        }
         return;
     }
     if (fmt == INT3) { /* row i of the high plane: tokens i + j q8 (bit j); their low bits: rows i, i + q8 of the
                         * 2-bit plane, bits 2 (j / 2) */
         const uint8_t *high = c + q4 * D;
-        for (int64_t i = 0; i < q8; i++)
-            for (int64_t d = 0; d < D; d += LANES) {
+        for (int64_t i = 0; i < q8; i++) {
+            int64_t d = 0;
+#if LANES == 16
+            for (; d + 64 <= D; d += 64) { /* 64 codes of a row a step: the bit operations on 64 bytes at once */
+                vb64 hb, l0, l1;
+                memcpy(&hb, high + i * D + d, 64);
+                memcpy(&l0, c + i * D + d, 64);
+                memcpy(&l1, c + (i + q8) * D + d, 64);
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; j++) {
+                    const vb64 top = j < 2 ? (hb << (2 - j)) & 4 : (hb >> (j - 2)) & 4;
+                    widen64(tile + (i + j * q8) * D + d, (((j & 1 ? l1 : l0) >> (2 * (j >> 1))) & 3) | top);
+                }
+            }
+#endif
+            for (; d < D; d += LANES) {
                 const vb hb = loadb(high + i * D + d), l0 = loadb(c + i * D + d), l1 = loadb(c + (i + q8) * D + d);
 #pragma GCC unroll 8
                 for (int j = 0; j < 8; j++) {
@@ -366,6 +409,7 @@ static void decode_block(const uint8_t *c, int fmt, int64_t bs, int64_t D, float
                     storev(tile + (i + j * q8) * D + d, bytesv(code));
                 }
             }
+        }
         return;
     }
     const int64_t half_bs = bs / 2;
@@ -417,6 +461,23 @@ static inline void locate(const Pair *a, int64_t j, int half_, const uint8_t **c
     *scales = (const half *)(intptr_t)e[2] + a->h * e[3] + local * (half_ ? a->vs_sn : a->ks_sn);
 }
 
+/* the bytes of one block's codes in format `f` */
+static inline int64_t code_bytes(int f, int64_t bs, int64_t D) {
+    return f == INT4 ? bs * D / 2 : f == INT3 ? 3 * bs * D / 8 : f == INT2 ? bs * D / 4 : bs * D;
+}
+
+/* encoded block j's codes and scales (keys: `half_` 0, values 1), `nbytes` and `sbytes` of them, fetched into the
+ * caches ahead of their read: the blocks lie apart in the pool, so the hardware's prefetchers learn each one anew
+ * (int3's three rows per row group came from memory as it decoded them: a 2,048-token k3v3 read 20% -> 8% slower
+ * than k4v4's on a Zen 5) */
+static inline void prefetch_block_of(const Pair *a, int64_t j, int half_, int64_t nbytes, int64_t sbytes) {
+    const uint8_t *codes;
+    const half *s;
+    locate(a, j, half_, &codes, &s);
+    for (int64_t i = 0; i < nbytes; i += 64) __builtin_prefetch(codes + i, 0, 3);
+    for (int64_t i = 0; i < sbytes; i += 64) __builtin_prefetch((const uint8_t *)s + i, 0, 3);
+}
+
 /* the read of one pair, every query row of it; `D` a constant where the callers below specialise it */
 static inline __attribute__((always_inline)) int read_pair(const Pair *a, const int64_t D) {
     const float *q = a->q, *bias = a->bias;
@@ -434,6 +495,8 @@ static inline __attribute__((always_inline)) int read_pair(const Pair *a, const 
         return 1;
     }
     const int64_t C = D / LANES; /* vectors per head_dim row */
+    const int64_t kbytes = code_bytes(kfmt, bs, D), vbytes = code_bytes(vfmt, bs, D); /* a block's codes, scales */
+    const int64_t ksbytes = 2 * D * (has_minimums(kfmt) ? 2 : 1), vsbytes = 2 * bs * (has_minimums(vfmt) ? 2 : 1);
     vf qs[MAX_DIM / LANES], sv[MAX_DIM / LANES], zv[MAX_DIM / LANES];
     float l[64], sf[MAX_BLOCK], zf[MAX_BLOCK]; /* a block's value scales and minimums in fp32 */
     /* scores of the encoded blocks: q . (s_d c + z_d) = (q * s) . c + q . z */
@@ -441,6 +504,7 @@ static inline __attribute__((always_inline)) int read_pair(const Pair *a, const 
         const uint8_t *codes;
         const half *s;
         locate(a, j, 0, &codes, &s);
+        if (j + 1 < n) prefetch_block_of(a, j + 1, 0, kbytes, ksbytes);
         decode_block(codes, kfmt, bs, D, tile);
         const int zk = has_minimums(kfmt); /* int4/int3/int2: minimums after the scales */
         const float ku = code_unit(kfmt);
@@ -498,6 +562,7 @@ static inline __attribute__((always_inline)) int read_pair(const Pair *a, const 
         for (int64_t r = 0; r < R && !any; r++)
             for (int64_t t = 0; t < bs; t++) any |= scores[r * W + j * bs + t] != 0.0f;
         if (!any) continue;
+        if (j + 1 < n) prefetch_block_of(a, j + 1, 1, vbytes, vsbytes);
         decode_block(codes, vfmt, bs, D, tile);
         int64_t t0 = 0; /* once per block, not per row; LANES at a time (one scalar conversion per scale, through
                          * the stack, was a tenth of a k4v4 read on a Xeon) */

@@ -63,7 +63,8 @@ def paged_attention(query: torch.Tensor, view: PagedView, scaling: float, mask: 
             applies (``"hf_pagedkv_compiled"``); `None` (the default): eager only.
         native (*optional*): `(qh, view, bias) -> out | None`, tried first: a read that follows the block table
             itself (``"hf_pagedkv"``'s `cpu_table_read`, ``"hf_pagedkv_compiled"``'s `native_table_read`: codes and
-            scales of a quantized store, blocks of a full-precision fp32 one).
+            scales of a quantized store, blocks of a full-precision fp32 one). For rotated keys it gets the turned
+            query and ``query=`` the query before its turn (to score the full-precision keys as they lie).
 
     Returns:
         `torch.Tensor` of shape `[batch, q, num_heads, value_dim]` (what transformers' attention functions return).
@@ -85,7 +86,8 @@ def paged_attention(query: torch.Tensor, view: PagedView, scaling: float, mask: 
         return _unpack(out, batch, H, G, q, num_heads)
 
     if native is not None:
-        out = native(qr if quantized else qh, view, bias)  # [H, batch, G*q, Dv] or None
+        # [H, batch, G*q, Dv] or None; rotated keys: the query before its turn for the full-precision keys
+        out = native(qr if quantized else qh, view, bias) if rotation is None else native(qr, view, bias, query=qh)
         if out is not None:
             READ_COUNTS.serve("kernel-table" if quantized else "fp", fmt)
             return turned_back(out)

@@ -156,8 +156,11 @@ class TritonCodeAttention:
             return None
         return out if qh.dtype == torch.float32 else out.to(qh.dtype)
 
-    def read_view(self, qh: torch.Tensor, view, bias: torch.Tensor | None) -> torch.Tensor | None:
-        """`read_table` over a `PagedView`'s quantized tokens (`PagedView.code_table`), or None."""
+    def read_view(self, qh: torch.Tensor, view, bias: torch.Tensor | None,
+                  query: torch.Tensor | None = None) -> torch.Tensor | None:
+        """`read_table` over a `PagedView`'s quantized tokens (`PagedView.code_table`), or None. `query` (rotated
+        keys' query before its turn, `NativeCodeAttention.read_view`'s) is not used: this kernel scores the
+        full-precision keys turned."""
         if (qh.device.type == "cpu") != self.interpret:
             return None
         table = view.code_table()

@@ -434,15 +434,16 @@ typedef struct {
 /* one (key/value head, row) pair's read: pointers at its first element, strides along its last dims. Encoded
  * block j: `kc_sn` (...) elements on from `kc` (...) per block, or with `ids`, block `ids[j]` of head `h` of the
  * pool whose `nseg` segments `segs` describes. The full-precision columns are the segments' rows one after another
- * (the tail, the step's tokens, the sink tokens) */
+ * (the tail, the step's tokens, the sink tokens), scored with `qf` (its rows `qf_sr` apart) where it is given (the
+ * query in their basis when the codes' differs: rotated keys), else with `q` */
 typedef struct {
-    const float *q, *bias;
+    const float *q, *qf, *bias;
     const uint8_t *kc, *vc;
     const half *ks, *vs;
     const int64_t *ids, *segs;
     float *out;
     Segment seg[SEGMENTS];
-    int64_t q_sr, kc_sn, ks_sn, vc_sn, vs_sn, bi_sr, R, n, bs, sink, nseg, h;
+    int64_t q_sr, qf_sr, kc_sn, ks_sn, vc_sn, vs_sn, bi_sr, R, n, bs, sink, nseg, h;
     int kfmt, vfmt; /* `Format`s */
 } Pair;
 
@@ -525,7 +526,7 @@ static inline __attribute__((always_inline)) int read_pair(const Pair *a, const 
     }
     /* full-precision columns, the sink's -inf, the mask, the softmax */
     for (int64_t r = 0; r < R; r++) {
-        const float *qr = q + r * q_sr;
+        const float *qr = a->qf ? a->qf + r * a->qf_sr : q + r * q_sr;
         float *sr = scores + r * W;
         for (int64_t i = 0, c = T; i < SEGMENTS; i++)
             for (int64_t t = 0; t < seg[i].n; t++, c++) {
@@ -639,7 +640,9 @@ static int read_table_one(void **ptr, const int64_t *meta, int64_t hb) {
     const int64_t h = hb / B, b = hb % B, sink = meta[8];
     const float *bias = ptr[14];
     const int64_t *stage = ptr[6], *sink_row = ptr[11];
+    const float *qf = ptr[2];
     const Pair a = {.q = (const float *)ptr[0] + h * st[0] + b * st[1], .bias = bias ? bias + b * st[25] : NULL,
+                    .qf = qf ? qf + h * st[28] + b * st[29] : NULL, .qf_sr = st[30],
                     .segs = (const int64_t *)ptr[1], .nseg = meta[12 + 27], .h = h,
                     .ids = (const int64_t *)ptr[5] + b * n, .out = (float *)ptr[15] + hb * R * D,
                     .seg = {{rest ? (const float *)ptr[7] + h * st[11] + stage[b] * st[12] : NULL,
@@ -657,13 +660,15 @@ static int read_table_one(void **ptr, const int64_t *meta, int64_t hb) {
 /* The same read, its encoded blocks found through each row's block ids and its full-precision tokens where they
  * lie (the row's staged partial block, the step's tokens, the row's sink stage): nothing gathered beforehand.
  * ptr: q [H, B, R, D], segs [nseg, SEG_WIDTH] int64 (the layer's pool: where its segments' key codes and scales
- *      and value codes and scales lie, `[H, blocks, size]` each), three unused, ids [B, n] int64 (contiguous), stage [B] int64 (each row's staged partial block: its first slot), staged
+ *      and value codes and scales lie, `[H, blocks, size]` each), qf [H, B, R, D] (or NULL: q) the query that
+ *      scores the full-precision keys, two unused, ids [B, n] int64 (contiguous), stage [B] int64
+ *      (each row's staged partial block: its first slot), staged
  *      keys and values ([H, slots, D]), the step's keys and values ([B, H, qn, D]), sink [B] int64 (each row's
  *      first sink slot read), sink keys and values ([H, slots, D]), bias (or NULL), out [H, B, R, D].
  * meta: H, B, R, D, n, kfmt, vfmt (`Format`s), bs, sink (sink tokens read), nthreads, rest (staged tokens per
  *       row), qn, then the strides of q (3 dims), of the four pool arrays (heads: unused, blocks), of the staged
  *       keys and values (heads, slots), of the step's keys and values (3 dims), of the sink keys and values (heads,
- *       slots), of the bias (dims 1..2), then nseg.
+ *       slots), of the bias (dims 1..2), then nseg, then the strides of qf (3 dims; read only with qf).
  * Returns 0, or 1 for unsupported sizes / no memory. */
 int hf_pagedkv_code_table_read(void **ptr, const int64_t *meta) {
     const int64_t H = meta[0], B = meta[1], R = meta[2], D = meta[3], bs = meta[7];

@@ -106,22 +106,19 @@ def compiled_quantized_read(qh: torch.Tensor, read, bias: torch.Tensor | None) -
     return out if out is not None else COMPILED_READ(qh, read, bias)
 
 
-def native_table_read(qh: torch.Tensor, view: PagedView, bias: torch.Tensor | None,
-                      query: torch.Tensor | None = None) -> torch.Tensor | None:
+def native_table_read(qh: torch.Tensor, view: PagedView, bias: torch.Tensor | None) -> torch.Tensor | None:
     """The first read of ``"hf_pagedkv_compiled"``: a kernel following the view's block table, nothing gathered and
-    no tail copied: on the CPU the C function (`NativeCodeAttention.read_view`, given `query`: rotated keys' query
-    before its turn), on a GPU the Triton one (`TritonCodeAttention.read_view`); or None (then
-    `compiled_quantized_read` over the view's `CodeRead`)."""
-    return (NATIVE_READ if qh.device.type == "cpu" else TRITON_READ).read_view(qh, view, bias, query)
+    no tail copied: on the CPU the C function (`NativeCodeAttention.read_view`), on a GPU the Triton one
+    (`TritonCodeAttention.read_view`); or None (then `compiled_quantized_read` over the view's `CodeRead`)."""
+    return (NATIVE_READ if qh.device.type == "cpu" else TRITON_READ).read_view(qh, view, bias)
 
 
-def cpu_table_read(qh: torch.Tensor, view: PagedView, bias: torch.Tensor | None,
-                   query: torch.Tensor | None = None) -> torch.Tensor | None:
+def cpu_table_read(qh: torch.Tensor, view: PagedView, bias: torch.Tensor | None) -> torch.Tensor | None:
     """The first read of ``"hf_pagedkv"``: on the CPU, the C function following the view's block table
-    (`NativeCodeAttention.read_view`: quantized codes, fp32 pools; `query`: rotated keys' query before its turn);
-    None elsewhere (on a GPU ``"hf_pagedkv"`` reads with torch; the Triton kernel is ``"hf_pagedkv_compiled"``'s),
-    where it does not apply, or when it cannot be built here or ``HF_PAGEDKV_NATIVE_READ=0`` turns it off."""
-    return NATIVE_READ.read_view(qh, view, bias, query) if qh.is_cpu else None
+    (`NativeCodeAttention.read_view`: quantized codes, fp32 pools); None elsewhere (on a GPU ``"hf_pagedkv"`` reads
+    with torch; the Triton kernel is ``"hf_pagedkv_compiled"``'s), where it does not apply, or when it cannot be
+    built here or ``HF_PAGEDKV_NATIVE_READ=0`` turns it off."""
+    return NATIVE_READ.read_view(qh, view, bias) if qh.is_cpu else None
 
 
 def compiled_paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,

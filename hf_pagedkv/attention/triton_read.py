@@ -156,15 +156,16 @@ class TritonCodeAttention:
             return None
         return out if qh.dtype == torch.float32 else out.to(qh.dtype)
 
-    def read_view(self, qh: torch.Tensor, view, bias: torch.Tensor | None,
-                  query: torch.Tensor | None = None) -> torch.Tensor | None:
-        """`read_table` over a `PagedView`'s quantized tokens (`PagedView.code_table`), or None. `query` (rotated
-        keys' query before its turn, `NativeCodeAttention.read_view`'s) is not used: this kernel scores the
-        full-precision keys turned."""
+    def read_view(self, qh: torch.Tensor, view, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """`read_table` over a `PagedView`'s quantized tokens (`PagedView.code_table`), or None. `qh` is the query in
+        the model's basis: for rotated keys it is turned here (`code_table` turns their full-precision keys)."""
         if (qh.device.type == "cpu") != self.interpret:
             return None
         table = view.code_table()
-        return None if table is None else self.read_table(qh, table, bias)
+        if table is None:
+            return None
+        rotation = view.key_rotation()
+        return self.read_table(qh if rotation is None else torch.matmul(qh, rotation.to(qh.dtype)), table, bias)
 
 
 __all__ = ["TritonCodeAttention"]

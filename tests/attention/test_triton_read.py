@@ -149,8 +149,8 @@ class _Recording(TritonCodeAttention):
         super().__init__(interpret=True)
         self.reads: list[bool] = []
 
-    def read_view(self, qh, view, bias, query=None):
-        out = super().read_view(qh, view, bias, query)
+    def read_view(self, qh, view, bias):
+        out = super().read_view(qh, view, bias)
         self.reads.append(out is not None)
         return out
 

@@ -434,16 +434,16 @@ typedef struct {
 /* one (key/value head, row) pair's read: pointers at its first element, strides along its last dims. Encoded
  * block j: `kc_sn` (...) elements on from `kc` (...) per block, or with `ids`, block `ids[j]` of head `h` of the
  * pool whose `nseg` segments `segs` describes. The full-precision columns are the segments' rows one after another
- * (the tail, the step's tokens, the sink tokens), scored with `qf` (its rows `qf_sr` apart) where it is given (the
- * query in their basis when the codes' differs: rotated keys), else with `q` */
+ * (the tail, the step's tokens, the sink tokens). With `rot` (rotated keys: their codes are of keys @ rot, [D, D]
+ * row-major) the codes are scored with the query rows turned (q @ rot), the full-precision keys with `q` as it is */
 typedef struct {
-    const float *q, *qf, *bias;
+    const float *q, *rot, *bias;
     const uint8_t *kc, *vc;
     const half *ks, *vs;
     const int64_t *ids, *segs;
     float *out;
     Segment seg[SEGMENTS];
-    int64_t q_sr, qf_sr, kc_sn, ks_sn, vc_sn, vs_sn, bi_sr, R, n, bs, sink, nseg, h;
+    int64_t q_sr, kc_sn, ks_sn, vc_sn, vs_sn, bi_sr, R, n, bs, sink, nseg, h;
     int kfmt, vfmt; /* `Format`s */
 } Pair;
 
@@ -481,21 +481,35 @@ static inline void prefetch_block_of(const Pair *a, int64_t j, int half_, int64_
 
 /* the read of one pair, every query row of it; `D` a constant where the callers below specialise it */
 static inline __attribute__((always_inline)) int read_pair(const Pair *a, const int64_t D) {
-    const float *q = a->q, *bias = a->bias;
+    const float *q = a->q, *bias = a->bias, *qm = a->q; /* qm: the query of the full-precision keys */
     float *out = a->out;
-    const int64_t q_sr = a->q_sr, bi_sr = a->bi_sr, R = a->R, n = a->n, bs = a->bs, sink = a->sink;
+    int64_t q_sr = a->q_sr;
+    const int64_t qm_sr = a->q_sr, bi_sr = a->bi_sr, R = a->R, n = a->n, bs = a->bs, sink = a->sink;
     const Segment *seg = a->seg;
     const int64_t m = seg[0].n + seg[1].n + seg[2].n;
     const int kfmt = a->kfmt, vfmt = a->vfmt;
     const int64_t T = n * bs, W = T + m, width = W - sink;
     float *scores = malloc(sizeof(float) * R * W);
-    float *tile = malloc(sizeof(float) * bs * D);
+    float *tile = malloc(sizeof(float) * (bs + (a->rot ? R : 0)) * D); /* (then R turned query rows after it) */
     if (!scores || !tile) {
         free(scores);
         free(tile);
         return 1;
     }
     const int64_t C = D / LANES; /* vectors per head_dim row */
+    if (a->rot) { /* the query rows turned into the codes' basis: row r of q @ rot, a vector of columns at a time */
+        float *qt = tile + bs * D;
+        for (int64_t r = 0; r < R; r++) {
+            const float *qr = q + r * q_sr;
+            vf acc[MAX_DIM / LANES];
+            for (int64_t c = 0; c < C; c++) acc[c] = (vf){0};
+            for (int64_t d = 0; d < D; d++)
+                for (int64_t c = 0; c < C; c++) acc[c] += qr[d] * loadv(a->rot + d * D + c * LANES);
+            for (int64_t c = 0; c < C; c++) storev(qt + r * D + c * LANES, acc[c]);
+        }
+        q = qt;
+        q_sr = D;
+    }
     const int64_t kbytes = code_bytes(kfmt, bs, D), vbytes = code_bytes(vfmt, bs, D); /* a block's codes, scales */
     const int64_t ksbytes = 2 * D * (has_minimums(kfmt) ? 2 : 1), vsbytes = 2 * bs * (has_minimums(vfmt) ? 2 : 1);
     vf qs[MAX_DIM / LANES], sv[MAX_DIM / LANES], zv[MAX_DIM / LANES];
@@ -526,7 +540,7 @@ static inline __attribute__((always_inline)) int read_pair(const Pair *a, const 
     }
     /* full-precision columns, the sink's -inf, the mask, the softmax */
     for (int64_t r = 0; r < R; r++) {
-        const float *qr = a->qf ? a->qf + r * a->qf_sr : q + r * q_sr;
+        const float *qr = qm + r * qm_sr;
         float *sr = scores + r * W;
         for (int64_t i = 0, c = T; i < SEGMENTS; i++)
             for (int64_t t = 0; t < seg[i].n; t++, c++) {
@@ -640,9 +654,8 @@ static int read_table_one(void **ptr, const int64_t *meta, int64_t hb) {
     const int64_t h = hb / B, b = hb % B, sink = meta[8];
     const float *bias = ptr[14];
     const int64_t *stage = ptr[6], *sink_row = ptr[11];
-    const float *qf = ptr[2];
     const Pair a = {.q = (const float *)ptr[0] + h * st[0] + b * st[1], .bias = bias ? bias + b * st[25] : NULL,
-                    .qf = qf ? qf + h * st[28] + b * st[29] : NULL, .qf_sr = st[30],
+                    .rot = ptr[2],
                     .segs = (const int64_t *)ptr[1], .nseg = meta[12 + 27], .h = h,
                     .ids = (const int64_t *)ptr[5] + b * n, .out = (float *)ptr[15] + hb * R * D,
                     .seg = {{rest ? (const float *)ptr[7] + h * st[11] + stage[b] * st[12] : NULL,
@@ -660,15 +673,15 @@ static int read_table_one(void **ptr, const int64_t *meta, int64_t hb) {
 /* The same read, its encoded blocks found through each row's block ids and its full-precision tokens where they
  * lie (the row's staged partial block, the step's tokens, the row's sink stage): nothing gathered beforehand.
  * ptr: q [H, B, R, D], segs [nseg, SEG_WIDTH] int64 (the layer's pool: where its segments' key codes and scales
- *      and value codes and scales lie, `[H, blocks, size]` each), qf [H, B, R, D] (or NULL: q) the query that
- *      scores the full-precision keys, two unused, ids [B, n] int64 (contiguous), stage [B] int64
+ *      and value codes and scales lie, `[H, blocks, size]` each), rot [D, D] (or NULL; contiguous: the matrix
+ *      rotated keys' codes were turned by, q then in the model's basis: see `Pair`), two unused, ids [B, n] int64 (contiguous), stage [B] int64
  *      (each row's staged partial block: its first slot), staged
  *      keys and values ([H, slots, D]), the step's keys and values ([B, H, qn, D]), sink [B] int64 (each row's
  *      first sink slot read), sink keys and values ([H, slots, D]), bias (or NULL), out [H, B, R, D].
  * meta: H, B, R, D, n, kfmt, vfmt (`Format`s), bs, sink (sink tokens read), nthreads, rest (staged tokens per
  *       row), qn, then the strides of q (3 dims), of the four pool arrays (heads: unused, blocks), of the staged
  *       keys and values (heads, slots), of the step's keys and values (3 dims), of the sink keys and values (heads,
- *       slots), of the bias (dims 1..2), then nseg, then the strides of qf (3 dims; read only with qf).
+ *       slots), of the bias (dims 1..2), then nseg.
  * Returns 0, or 1 for unsupported sizes / no memory. */
 int hf_pagedkv_code_table_read(void **ptr, const int64_t *meta) {
     const int64_t H = meta[0], B = meta[1], R = meta[2], D = meta[3], bs = meta[7];

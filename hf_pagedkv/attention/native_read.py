@@ -290,14 +290,20 @@ class NativeCodeAttention:
         self._pools[key] = (codecs, segs)
         return segs
 
-    def read_table(self, qh: torch.Tensor, table: CodeTable, bias: torch.Tensor | None) -> torch.Tensor | None:
+    def read_table(self, qh: torch.Tensor, table: CodeTable, bias: torch.Tensor | None,
+                   rotation: torch.Tensor | None = None) -> torch.Tensor | None:
         """Attention over `table` (the read of `__call__`, its blocks found through their ids in the C function), or
         None where this path does not apply.
 
         Args:
-            qh (`torch.Tensor` of shape `[H, batch, rows, dim]`): the scaled query.
+            qh (`torch.Tensor` of shape `[H, batch, rows, dim]`): the scaled query, in the basis of the table's key
+                codes and full-precision keys; with `rotation`, in the model's basis.
             table (`CodeTable`): the quantized read, where it lies.
             bias (`torch.Tensor` of shape `[1, batch, rows | 1, end - lo]`, *optional*): additive mask.
+            rotation (`torch.Tensor` of shape `[dim, dim]`, *optional*): for rotated keys whose full-precision keys
+                were left as they lie (`PagedView.code_table(turn_keys=False)`), the matrix their codes were turned
+                by: the C side turns the query rows once for the codes and scores the full-precision keys with `qh`
+                as it is (fp32, CPU; another form: None).
 
         Returns:
             `torch.Tensor` of shape `[H, batch, rows, dim]`, or None.
@@ -308,6 +314,10 @@ class NativeCodeAttention:
         segs = self._pool_segments(table, H)
         if segs is None or not self._call_fits(qh, table, bias):
             return None
+        if rotation is not None:
+            rotation = rotation.to(torch.float32).contiguous()
+            if rotation.shape != (dim, dim) or not rotation.is_cpu:
+                return None
         kcodec, vcodec = table.codecs
         out = torch.empty((H, batch, rows, dim), dtype=torch.float32)
         b = None if bias is None else bias[0]  # [batch, rows | 1, width]
@@ -326,7 +336,8 @@ class NativeCodeAttention:
             meta += (0, 0) if t is None else t.stride()[:2]
         meta += (0, 0) if b is None else (b.stride(0), b.stride(1) if b.shape[1] > 1 else 0)
         meta.append(len(segs) // SEG_WIDTH)
-        ptrs = (qh.data_ptr(), ctypes.addressof(segs), None, None, None, table.ids.data_ptr(),
+        ptrs = (qh.data_ptr(), ctypes.addressof(segs), None if rotation is None else rotation.data_ptr(), None, None,
+                table.ids.data_ptr(),
                 *(None if t is None else t.data_ptr() for t in (table.stage, *staged, *new, table.sink_slot, *sinks,
                                                                  b)), out.data_ptr())
         if self._table_fn((ctypes.c_void_p * 16)(*ptrs), (ctypes.c_int64 * len(meta))(*meta)):
@@ -335,11 +346,14 @@ class NativeCodeAttention:
 
     def read_view(self, qh: torch.Tensor, view, bias: torch.Tensor | None) -> torch.Tensor | None:
         """`read_table` over a `PagedView`'s quantized tokens (`PagedView.code_table`), `read_fp_view` over a
-        full-precision store's, or None."""
+        full-precision store's, or None. `qh` is the query in the model's basis; for rotated keys the C side turns it
+        for their codes and scores the full-precision keys as they lie (`code_table(turn_keys=False)`): no matrix
+        product over the layer's whole staging area, nor one for the query, per read."""
         if not view.store.is_quantized:
             return self.read_fp_view(qh, view, bias)
-        table = view.code_table()
-        return None if table is None else self.read_table(qh, table, bias)
+        rotation = view.key_rotation()
+        table = view.code_table(turn_keys=rotation is None)
+        return None if table is None else self.read_table(qh, table, bias, rotation)
 
     def _fp_segments(self, keys, values, block_size: int, heads: int, dim: int):
         """The C side's description of a full-precision layer's pool, `[nseg, FP_SEG_WIDTH]` int64 as a ctypes array

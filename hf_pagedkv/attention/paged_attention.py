@@ -63,7 +63,8 @@ def paged_attention(query: torch.Tensor, view: PagedView, scaling: float, mask: 
             applies (``"hf_pagedkv_compiled"``); `None` (the default): eager only.
         native (*optional*): `(qh, view, bias) -> out | None`, tried first: a read that follows the block table
             itself (``"hf_pagedkv"``'s `cpu_table_read`, ``"hf_pagedkv_compiled"``'s `native_table_read`: codes and
-            scales of a quantized store, blocks of a full-precision fp32 one).
+            scales of a quantized store, blocks of a full-precision fp32 one). It gets the query in the model's
+            basis: for rotated keys it turns it for their codes (`view.key_rotation()`).
 
     Returns:
         `torch.Tensor` of shape `[batch, q, num_heads, value_dim]` (what transformers' attention functions return).
@@ -76,8 +77,6 @@ def paged_attention(query: torch.Tensor, view: PagedView, scaling: float, mask: 
     bias = _mask_bias(mask, batch, G, q, query.dtype)  # [1, batch, G*q | 1, end - lo] or None
     quantized = view.store.is_quantized
     fmt = format_name(view.store.codecs) if quantized else "fp"
-    rotation = view.key_rotation() if quantized else None  # [dk, dk]: the key codes are of keys @ R
-    qr = qh if rotation is None else torch.matmul(qh, rotation.to(qh.dtype))  # [H, batch, G*q, D]: codes' basis
     values = view.value_rotation() if quantized else None  # [dv, dv]: the value codes are of values @ R
 
     def turned_back(out: torch.Tensor) -> torch.Tensor:  # [H, batch, G*q, Dv] read from the codes as stored
@@ -85,10 +84,12 @@ def paged_attention(query: torch.Tensor, view: PagedView, scaling: float, mask: 
         return _unpack(out, batch, H, G, q, num_heads)
 
     if native is not None:
-        out = native(qr if quantized else qh, view, bias)  # [H, batch, G*q, Dv] or None
+        out = native(qh, view, bias)  # [H, batch, G*q, Dv] or None (rotated keys: it turns the query itself)
         if out is not None:
             READ_COUNTS.serve("kernel-table" if quantized else "fp", fmt)
             return turned_back(out)
+    rotation = view.key_rotation() if quantized else None  # [dk, dk]: the key codes are of keys @ R
+    qr = qh if rotation is None else torch.matmul(qh, rotation.to(qh.dtype))  # [H, batch, G*q, D]: codes' basis
     read = view.code_read()  # quantized: codes and scales of the encoded blocks, or None
     if read is not None:
         out = None if compiled is None else compiled(qr, read, bias)

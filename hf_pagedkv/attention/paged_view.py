@@ -131,11 +131,12 @@ class PagedView:
         (`value_rotation`)."""
         return value_rotation(self.store, self.layer_idx, self.spec.dtype)
 
-    def code_table(self) -> CodeTable | None:
+    def code_table(self, turn_keys: bool = True) -> CodeTable | None:
         """A quantized store's tokens ``lo .. end - 1`` where they lie, found through the block table
         (`QuantizedPageStore.code_table`), for a kernel that follows block ids; None for a full-precision store or
         where that form does not hold (read `code_read` then). Rotated keys and values come in the basis of their
-        codes (`rotate_code_table`), as in `code_read`."""
+        codes (`rotate_code_table`), as in `code_read`; with `turn_keys=False` the full-precision keys stay in the
+        model's basis (a kernel that scores them with the query before its turn)."""
         if not self.store.is_quantized:
             return None
         key = (id(self.store), self.lo, self.end)  # the layers of a layer group read the same blocks in a step
@@ -148,7 +149,9 @@ class PagedView:
             return None
         table = self.store.layer_table(self.layer_idx, layout, self.new)
         rotation, values = self.key_rotation(), self.value_rotation()
-        return table if rotation is None and values is None else rotate_code_table(table, rotation, values)
+        if rotation is None and values is None:
+            return table
+        return rotate_code_table(table, rotation, values, turn_keys=turn_keys)
 
     # -- chunks ----------------------------------------------------------------------------------------------
     def num_chunks(self, tile_tokens: int) -> int:

@@ -52,15 +52,18 @@ def rotate_code_read(read: CodeRead, rotation: torch.Tensor | None,
 
 
 def rotate_code_table(table: CodeTable, rotation: torch.Tensor | None,
-                      values: torch.Tensor | None = None) -> CodeTable:
+                      values: torch.Tensor | None = None, turn_keys: bool = True) -> CodeTable:
     """`table` in the rotated basis of its codes (as `rotate_code_read`): the staged, the step's and the sink keys
     turned by `rotation` and values by `values` (either None: not rotated), each rotated codec replaced by its
     inner codec. NOTE: the staged and sink K/V are the layer's whole staging areas (`[H, slots, d]`: one block per
-    open sequence), turned as a whole because a kernel indexes them by slot."""
+    open sequence), turned as a whole because a kernel indexes them by slot. `turn_keys=False` leaves the
+    full-precision keys as they are (the key codec still its inner one), for a kernel that scores them with the
+    query before its turn (`NativeCodeAttention.read_table`'s `query`): none of those matrix products then."""
     kc, vc = table.codecs
+    keys = rotation if turn_keys else None
 
     def turn(pair):
-        return None if pair is None else (_turn(pair[0], rotation), _turn(pair[1], values))
+        return None if pair is None else (_turn(pair[0], keys), _turn(pair[1], values))
 
     return table._replace(codecs=(_inner(kc, rotation), _inner(vc, values)), staged=turn(table.staged),
                           new=turn(table.new), sinks=turn(table.sinks))

@@ -157,11 +157,15 @@ class TritonCodeAttention:
         return out if qh.dtype == torch.float32 else out.to(qh.dtype)
 
     def read_view(self, qh: torch.Tensor, view, bias: torch.Tensor | None) -> torch.Tensor | None:
-        """`read_table` over a `PagedView`'s quantized tokens (`PagedView.code_table`), or None."""
+        """`read_table` over a `PagedView`'s quantized tokens (`PagedView.code_table`), or None. `qh` is the query in
+        the model's basis: for rotated keys it is turned here (`code_table` turns their full-precision keys)."""
         if (qh.device.type == "cpu") != self.interpret:
             return None
         table = view.code_table()
-        return None if table is None else self.read_table(qh, table, bias)
+        if table is None:
+            return None
+        rotation = view.key_rotation()
+        return self.read_table(qh if rotation is None else torch.matmul(qh, rotation.to(qh.dtype)), table, bias)
 
 
 __all__ = ["TritonCodeAttention"]

@@ -101,6 +101,68 @@ def test_native_read_decodes_every_code_exactly(name):
 
 
 @needs_compiler
+@pytest.mark.parametrize("name", ["int3", "int2"])
+@pytest.mark.parametrize("block_size,dim", [(8, 64), (32, 80), (8, 144), (16, 48)])
+def test_native_read_decodes_bit_planes_exactly_at_every_width(name, block_size, dim):
+    """3-bit and 2-bit value codes over two blocks at head dims read 64 codes a step (64, 144 = 2 x 64 + 16), a step
+    and a rest (80) and in vectors only (48), with one and with several row groups per block (8, 16, 32 tokens): each
+    query row attending to one token only, row `t` of the output is token `t`'s codes as the codec decodes them, bit
+    for bit, across the block boundary."""
+    from hf_pagedkv.storage.code_read import CodeRead
+    from hf_pagedkv.storage.codecs import make_codec
+
+    g = torch.Generator().manual_seed(22)
+    n, bs, D = 2, block_size, dim
+    vcodec, kcodec = make_codec(name, "token", group_size=D), make_codec("int8", "channel")
+    q = torch.randint(0, 2**vcodec.bits, (n, bs, D), generator=g, dtype=torch.int32)
+    vcodes = vcodec.pack(q).reshape(1, 1, n, -1)
+    assert vcodes.shape[-1] == bs * D * vcodec.bits // 8
+    values = vcodec.unpack(vcodes, torch.empty(1, 1, n, bs, D)).reshape(n * bs, D)
+    assert torch.equal(values, q.reshape(n * bs, D).float())
+    vscales = torch.cat((torch.ones(n, bs), torch.zeros(n, bs)), 1).half().view(1, 1, n, 2 * bs)
+    kcodes, kscales = kcodec.encode(torch.randn(1, 1, n, bs, D, generator=g))
+    full = torch.zeros(1, 1, 0, D)
+    read = CodeRead(0, 0, n * bs, bs, (D, D), (kcodec, vcodec), (kcodes, vcodes), (kscales, vscales), (full, full), 0)
+    bias = torch.full((1, 1, n * bs, n * bs), float("-inf"))
+    bias[0, 0].fill_diagonal_(0.0)  # query row t attends to token t only
+    got = READER(torch.randn(1, 1, n * bs, D, generator=g), read, bias)
+    assert got is not None and torch.equal(got[0, 0], values)
+
+
+@needs_compiler
+@pytest.mark.parametrize("names", [("int3", "int3"), ("int4", "int3"), ("int2", "int2")])
+@pytest.mark.parametrize("dim", [64, 80])
+def test_native_read_of_bit_planes_at_wide_heads_within_fp32_of_decoding(names, dim):
+    """3-bit and 2-bit keys and values at head dims read 64 codes a step (64) and a step and a rest (80): three
+    32-token blocks, an odd 5-token tail and one sink token, keys with outlier channels, a mask: "de-quantize, then
+    softmax" in float64 within 1e-5."""
+    from hf_pagedkv.storage.code_read import CodeRead
+    from hf_pagedkv.storage.codecs import make_codec
+
+    g = torch.Generator().manual_seed(23)
+    H, batch, n, bs, D = 2, 2, 3, 32, dim
+    kc, vc = make_codec(names[0], "channel"), make_codec(names[1], "token", group_size=D)
+    x = torch.randn(H, batch, n, bs, D, generator=g) + 8.0 * torch.randn(H, 1, 1, 1, D, generator=g)
+    (kcodes, kscales), (vcodes, vscales) = kc.encode(x), vc.encode(torch.randn(H, batch, n, bs, D, generator=g))
+    tail, sink = (torch.randn(2, H, batch, m, D, generator=g) for m in (5, 1))
+    full = tuple(torch.cat((t, s), 2) for t, s in zip(tail, sink))  # [H, batch, tail | sink, D]
+    read = CodeRead(0, 0, n * bs + 5, bs, (D, D), (kc, vc), (kcodes, vcodes), (kscales, vscales), full, 1)
+    ref = []
+    for codec, codes, scales, t, s in ((kc, kcodes, kscales, tail[0], sink[0]),
+                                       (vc, vcodes, vscales, tail[1], sink[1])):
+        dec = codec.decode(codes, scales, torch.empty(H, batch, n, bs, D)).reshape(H, batch, n * bs, D)
+        dec[:, :, :1] = s  # the sink token replaces its codes
+        ref.append(torch.cat((dec, t), 2).double())
+    qh = torch.randn(H, batch, 3, D, generator=g) * 0.1
+    bias = torch.zeros(1, batch, 3, read.end)
+    bias[:, 1, :, :40] = float("-inf")  # left padding of batch row 1, past the first block boundary
+    want = torch.softmax(qh.double() @ ref[0].transpose(-1, -2) + bias.double(), -1) @ ref[1]
+    got = READER(qh, read, bias)
+    assert got is not None and got.shape == want.shape == (H, batch, 3, D)
+    assert (got.double() - want).abs().max().item() <= 1e-5
+
+
+@needs_compiler
 @pytest.mark.parametrize("threads", [1, 2])
 def test_native_read_of_strided_codes_on_threads(threads):
     """Codes and scales as views of larger arrays (a pool's consecutive blocks: strided along the blocks), a batch
@@ -188,11 +250,18 @@ def test_a_failed_build_says_why(monkeypatch, tmp_path):
 
 
 class _Recording(NativeCodeAttention):
-    """The C reads, recording which one served each quantized read: "table" (`read_view`), "view" (`__call__`)."""
+    """The C reads, recording which one served each quantized read: "table" (`read_view`), "view" (`__call__`),
+    and for each table read whether it turned the query in C (`turned`: rotated keys)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.reads: list[str] = []
+        self.turned: list[bool] = []
+
+    def read_table(self, qh, table, bias, rotation=None):
+        out = super().read_table(qh, table, bias, rotation)
+        self.turned.append(rotation is not None)
+        return out
 
     def read_view(self, qh, view, bias):
         out = super().read_view(qh, view, bias)
@@ -321,6 +390,44 @@ def test_table_read_equals_the_gathered_read(quant, block_size, prompt):
     got = READER.read_table(qh, table, bias)
     assert got is not None and torch.equal(got, READER(qh, read, bias))
     assert (got - code_attention(qh, read, bias, 2048)).abs().max().item() <= 1e-5
+    cache.check_invariants()
+    cache.release()
+
+
+@needs_compiler
+@pytest.mark.parametrize("quant", ["k3v3r", "k4v3r", "k4v4rv"])
+def test_rotated_keys_read_with_the_query_turned_in_c(quant):
+    """Rotated keys read through block ids (`read_view`) from the query in the model's basis: the C side turns the
+    query rows for the codes and scores the full-precision keys (a staged partial block, the step's token, the sink
+    token) as they lie, none turned (`code_table(turn_keys=False)`); within 1e-5 of the read of the query turned by
+    torch over the table whose keys were turned, and of the eager read of that query. The values as stored (turned
+    for `rv`)."""
+    from hf_pagedkv import BlockPool, QuantConfig
+    from hf_pagedkv.attention import PagedView
+
+    cache = PagedCache(pool=BlockPool(block_size=8, num_blocks=40, quant=QuantConfig.preset(quant)))
+    g = torch.Generator().manual_seed(24)
+    with torch.no_grad():
+        for q in (19, 1, 1, 1):  # 22 tokens: two encoded blocks, 6 staged
+            k = torch.randn(3, 2, q, 16, generator=g)
+            cache.update(k, k * 0.5 + 1, 0)
+        view = PagedView.of(cache.update(torch.randn(3, 2, 1, 16, generator=g), torch.randn(3, 2, 1, 16), 0)[0])
+    rotation = view.key_rotation()
+    turned, kept = view.code_table(), view.code_table(turn_keys=False)
+    assert rotation is not None and turned.rest == 6 and turned.sink_end == 1
+    assert kept.codecs == turned.codecs and not kept.codecs[0].name.endswith("rot")
+    for part in ("staged", "new", "sinks"):
+        t, k = getattr(turned, part), getattr(kept, part)
+        assert torch.allclose(k[0] @ rotation, t[0], atol=1e-5) and not torch.allclose(k[0], t[0], atol=1e-2)
+        assert torch.equal(k[1], t[1])  # values: turned (rv) or not alike
+    qh = torch.randn(2, 3, 2, 16, generator=g) * 0.3  # [H, batch, rows, D]: the query in the model's basis
+    qr = qh @ rotation
+    bias = _bias(3, 2, turned.end - turned.lo)
+    got = READER.read_view(qh, view, bias)
+    assert got is not None and torch.equal(got, READER.read_table(qh, kept, bias, rotation))
+    assert (got - READER.read_table(qr, turned, bias)).abs().max().item() <= 1e-5
+    assert (got - code_attention(qr, view.code_read(), bias, 2048)).abs().max().item() <= 1e-5
+    assert (got - READER.read_table(qh, turned, bias)).abs().max().item() > 1e-3  # (the turn matters)
     cache.check_invariants()
     cache.release()
 
@@ -615,8 +722,9 @@ def test_a_row_masked_everywhere_reads_zero():
 @needs_compiler
 @pytest.mark.parametrize("quant", [None, "k4v4", "k4v3r", "k4ve5m2"])
 def test_hf_pagedkv_reads_in_c_unless_turned_off(quant, monkeypatch):
-    """``"hf_pagedkv"`` reads in C on the CPU too (not only ``"hf_pagedkv_compiled"``); with
-    ``HF_PAGEDKV_NATIVE_READ=0`` it reads with torch (no C call), the same tokens, logits within 1e-4."""
+    """``"hf_pagedkv"`` reads in C on the CPU too (not only ``"hf_pagedkv_compiled"``), rotated keys with the query
+    turned in C; with ``HF_PAGEDKV_NATIVE_READ=0`` it reads with torch (no C call), the same tokens, logits within
+    1e-4."""
     native = _Recording()
     monkeypatch.setattr(attention_function, "NATIVE_READ", native)
     model = tiny_model("llama")
@@ -625,6 +733,7 @@ def test_hf_pagedkv_reads_in_c_unless_turned_off(quant, monkeypatch):
     ids_c, logits_c = greedy(model, "hf_pagedkv", make, ids)
     layers = model.config.num_hidden_layers
     assert native.reads.count("table") == 5 * layers - 1  # every in-place read (see the fp generation test)
+    assert native.turned == [quant == "k4v3r"] * len(native.turned) and (quant is None or native.turned)
     monkeypatch.setenv("HF_PAGEDKV_NATIVE_READ", "0")
     before = len(native.reads)
     ids_t, logits_t = greedy(model, "hf_pagedkv", make, ids)

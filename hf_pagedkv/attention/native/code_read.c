@@ -316,6 +316,25 @@ static inline vf bytesv(vb b) { /* LANES unsigned bytes -> fp32, through int32 (
     return __builtin_convertvector(__builtin_convertvector(b, vi), vf);
 }
 
+#if LANES == 16
+typedef uint8_t vb64 __attribute__((vector_size(64), aligned(1)));
+
+static inline void widen64(float *o, vb64 b) { /* 64 unsigned bytes -> fp32 at o[0 .. 63] */
+    const __m512i x = (__m512i)b;
+#if defined(__AVX512VBMI__) /* bytes 16k .. 16k + 15 to the low bytes of 16 int32 lanes, the others 0: one `vpermb` */
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int k = 0; k < 4; k++)
+        _mm512_storeu_ps(o + 16 * k, _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(
+                                         0x1111111111111111ull, _mm512_add_epi32(lane, _mm512_set1_epi32(16 * k)), x)));
+#else
+    _mm512_storeu_ps(o, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(x))));
+    _mm512_storeu_ps(o + 16, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(x, 1))));
+    _mm512_storeu_ps(o + 32, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(x, 2))));
+    _mm512_storeu_ps(o + 48, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(x, 3))));
+#endif
+}
+#endif
+
 /* `N` fp8 bytes (a multiple of LANES) -> fp32 through the fp16 bit pattern that holds each one, exactly: e5m2 is the
  * upper byte of fp16 (its value); e4m3's sign, exponent and mantissa moved to fp16's places read as its value
  * times 2**-8 (`code_unit`), normal and subnormal alike (the biases differ by 8); its NaN (S.1111.111) made fp16's */
@@ -345,20 +364,44 @@ static void decode_block(const uint8_t *c, int fmt, int64_t bs, int64_t D, float
     }
     const int64_t q4 = bs / 4, q8 = bs / 8;
     if (fmt == INT2) { /* row i of the plane: tokens i + k q4 in bits 2k, 2k + 1 */
-        for (int64_t i = 0; i < q4; i++)
-            for (int64_t d = 0; d < D; d += LANES) {
+        for (int64_t i = 0; i < q4; i++) {
+            int64_t d = 0;
+#if LANES == 16
+            for (; d + 64 <= D; d += 64) { /* 64 codes of a row a step, as int3 below */
+                vb64 lo;
+                memcpy(&lo, c + i * D + d, 64);
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; k++) widen64(tile + (i + k * q4) * D + d, (lo >> (2 * k)) & 3);
+            }
+#endif
+            for (; d < D; d += LANES) {
                 const vb lo = loadb(c + i * D + d);
 #pragma GCC unroll 4
                 for (int k = 0; k < 4; k++) /* (unrolled: constant shifts; a variable one ran lane by lane) */
                     storev(tile + (i + k * q4) * D + d, bytesv((lo >> (2 * k)) & 3));
             }
+        }
         return;
     }
     if (fmt == INT3) { /* row i of the high plane: tokens i + j q8 (bit j); their low bits: rows i, i + q8 of the
                         * 2-bit plane, bits 2 (j / 2) */
         const uint8_t *high = c + q4 * D;
-        for (int64_t i = 0; i < q8; i++)
-            for (int64_t d = 0; d < D; d += LANES) {
+        for (int64_t i = 0; i < q8; i++) {
+            int64_t d = 0;
+#if LANES == 16
+            for (; d + 64 <= D; d += 64) { /* 64 codes of a row a step: the bit operations on 64 bytes at once */
+                vb64 hb, l0, l1;
+                memcpy(&hb, high + i * D + d, 64);
+                memcpy(&l0, c + i * D + d, 64);
+                memcpy(&l1, c + (i + q8) * D + d, 64);
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; j++) {
+                    const vb64 top = j < 2 ? (hb << (2 - j)) & 4 : (hb >> (j - 2)) & 4;
+                    widen64(tile + (i + j * q8) * D + d, (((j & 1 ? l1 : l0) >> (2 * (j >> 1))) & 3) | top);
+                }
+            }
+#endif
+            for (; d < D; d += LANES) {
                 const vb hb = loadb(high + i * D + d), l0 = loadb(c + i * D + d), l1 = loadb(c + (i + q8) * D + d);
 #pragma GCC unroll 8
                 for (int j = 0; j < 8; j++) {
@@ -366,6 +409,7 @@ static void decode_block(const uint8_t *c, int fmt, int64_t bs, int64_t D, float
                     storev(tile + (i + j * q8) * D + d, bytesv(code));
                 }
             }
+        }
         return;
     }
     const int64_t half_bs = bs / 2;
@@ -390,9 +434,10 @@ typedef struct {
 /* one (key/value head, row) pair's read: pointers at its first element, strides along its last dims. Encoded
  * block j: `kc_sn` (...) elements on from `kc` (...) per block, or with `ids`, block `ids[j]` of head `h` of the
  * pool whose `nseg` segments `segs` describes. The full-precision columns are the segments' rows one after another
- * (the tail, the step's tokens, the sink tokens) */
+ * (the tail, the step's tokens, the sink tokens). With `rot` (rotated keys: their codes are of keys @ rot, [D, D]
+ * row-major) the codes are scored with the query rows turned (q @ rot), the full-precision keys with `q` as it is */
 typedef struct {
-    const float *q, *bias;
+    const float *q, *rot, *bias;
     const uint8_t *kc, *vc;
     const half *ks, *vs;
     const int64_t *ids, *segs;
@@ -417,23 +462,56 @@ static inline void locate(const Pair *a, int64_t j, int half_, const uint8_t **c
     *scales = (const half *)(intptr_t)e[2] + a->h * e[3] + local * (half_ ? a->vs_sn : a->ks_sn);
 }
 
+/* the bytes of one block's codes in format `f` */
+static inline int64_t code_bytes(int f, int64_t bs, int64_t D) {
+    return f == INT4 ? bs * D / 2 : f == INT3 ? 3 * bs * D / 8 : f == INT2 ? bs * D / 4 : bs * D;
+}
+
+/* encoded block j's codes and scales (keys: `half_` 0, values 1), `nbytes` and `sbytes` of them, fetched into the
+ * caches ahead of their read: the blocks lie apart in the pool, so the hardware's prefetchers learn each one anew
+ * (int3's three rows per row group came from memory as it decoded them: a 2,048-token k3v3 read 20% -> 8% slower
+ * than k4v4's on a Zen 5) */
+static inline void prefetch_block_of(const Pair *a, int64_t j, int half_, int64_t nbytes, int64_t sbytes) {
+    const uint8_t *codes;
+    const half *s;
+    locate(a, j, half_, &codes, &s);
+    for (int64_t i = 0; i < nbytes; i += 64) __builtin_prefetch(codes + i, 0, 3);
+    for (int64_t i = 0; i < sbytes; i += 64) __builtin_prefetch((const uint8_t *)s + i, 0, 3);
+}
+
 /* the read of one pair, every query row of it; `D` a constant where the callers below specialise it */
 static inline __attribute__((always_inline)) int read_pair(const Pair *a, const int64_t D) {
-    const float *q = a->q, *bias = a->bias;
+    const float *q = a->q, *bias = a->bias, *qm = a->q; /* qm: the query of the full-precision keys */
     float *out = a->out;
-    const int64_t q_sr = a->q_sr, bi_sr = a->bi_sr, R = a->R, n = a->n, bs = a->bs, sink = a->sink;
+    int64_t q_sr = a->q_sr;
+    const int64_t qm_sr = a->q_sr, bi_sr = a->bi_sr, R = a->R, n = a->n, bs = a->bs, sink = a->sink;
     const Segment *seg = a->seg;
     const int64_t m = seg[0].n + seg[1].n + seg[2].n;
     const int kfmt = a->kfmt, vfmt = a->vfmt;
     const int64_t T = n * bs, W = T + m, width = W - sink;
     float *scores = malloc(sizeof(float) * R * W);
-    float *tile = malloc(sizeof(float) * bs * D);
+    float *tile = malloc(sizeof(float) * (bs + (a->rot ? R : 0)) * D); /* (then R turned query rows after it) */
     if (!scores || !tile) {
         free(scores);
         free(tile);
         return 1;
     }
     const int64_t C = D / LANES; /* vectors per head_dim row */
+    if (a->rot) { /* the query rows turned into the codes' basis: row r of q @ rot, a vector of columns at a time */
+        float *qt = tile + bs * D;
+        for (int64_t r = 0; r < R; r++) {
+            const float *qr = q + r * q_sr;
+            vf acc[MAX_DIM / LANES];
+            for (int64_t c = 0; c < C; c++) acc[c] = (vf){0};
+            for (int64_t d = 0; d < D; d++)
+                for (int64_t c = 0; c < C; c++) acc[c] += qr[d] * loadv(a->rot + d * D + c * LANES);
+            for (int64_t c = 0; c < C; c++) storev(qt + r * D + c * LANES, acc[c]);
+        }
+        q = qt;
+        q_sr = D;
+    }
+    const int64_t kbytes = code_bytes(kfmt, bs, D), vbytes = code_bytes(vfmt, bs, D); /* a block's codes, scales */
+    const int64_t ksbytes = 2 * D * (has_minimums(kfmt) ? 2 : 1), vsbytes = 2 * bs * (has_minimums(vfmt) ? 2 : 1);
     vf qs[MAX_DIM / LANES], sv[MAX_DIM / LANES], zv[MAX_DIM / LANES];
     float l[64], sf[MAX_BLOCK], zf[MAX_BLOCK]; /* a block's value scales and minimums in fp32 */
     /* scores of the encoded blocks: q . (s_d c + z_d) = (q * s) . c + q . z */
@@ -441,6 +519,7 @@ static inline __attribute__((always_inline)) int read_pair(const Pair *a, const 
         const uint8_t *codes;
         const half *s;
         locate(a, j, 0, &codes, &s);
+        if (j + 1 < n) prefetch_block_of(a, j + 1, 0, kbytes, ksbytes);
         decode_block(codes, kfmt, bs, D, tile);
         const int zk = has_minimums(kfmt); /* int4/int3/int2: minimums after the scales */
         const float ku = code_unit(kfmt);
@@ -461,7 +540,7 @@ static inline __attribute__((always_inline)) int read_pair(const Pair *a, const 
     }
     /* full-precision columns, the sink's -inf, the mask, the softmax */
     for (int64_t r = 0; r < R; r++) {
-        const float *qr = q + r * q_sr;
+        const float *qr = qm + r * qm_sr;
         float *sr = scores + r * W;
         for (int64_t i = 0, c = T; i < SEGMENTS; i++)
             for (int64_t t = 0; t < seg[i].n; t++, c++) {
@@ -498,6 +577,7 @@ static inline __attribute__((always_inline)) int read_pair(const Pair *a, const 
         for (int64_t r = 0; r < R && !any; r++)
             for (int64_t t = 0; t < bs; t++) any |= scores[r * W + j * bs + t] != 0.0f;
         if (!any) continue;
+        if (j + 1 < n) prefetch_block_of(a, j + 1, 1, vbytes, vsbytes);
         decode_block(codes, vfmt, bs, D, tile);
         int64_t t0 = 0; /* once per block, not per row; LANES at a time (one scalar conversion per scale, through
                          * the stack, was a tenth of a k4v4 read on a Xeon) */
@@ -575,6 +655,7 @@ static int read_table_one(void **ptr, const int64_t *meta, int64_t hb) {
     const float *bias = ptr[14];
     const int64_t *stage = ptr[6], *sink_row = ptr[11];
     const Pair a = {.q = (const float *)ptr[0] + h * st[0] + b * st[1], .bias = bias ? bias + b * st[25] : NULL,
+                    .rot = ptr[2],
                     .segs = (const int64_t *)ptr[1], .nseg = meta[12 + 27], .h = h,
                     .ids = (const int64_t *)ptr[5] + b * n, .out = (float *)ptr[15] + hb * R * D,
                     .seg = {{rest ? (const float *)ptr[7] + h * st[11] + stage[b] * st[12] : NULL,
@@ -592,7 +673,9 @@ static int read_table_one(void **ptr, const int64_t *meta, int64_t hb) {
 /* The same read, its encoded blocks found through each row's block ids and its full-precision tokens where they
  * lie (the row's staged partial block, the step's tokens, the row's sink stage): nothing gathered beforehand.
  * ptr: q [H, B, R, D], segs [nseg, SEG_WIDTH] int64 (the layer's pool: where its segments' key codes and scales
- *      and value codes and scales lie, `[H, blocks, size]` each), three unused, ids [B, n] int64 (contiguous), stage [B] int64 (each row's staged partial block: its first slot), staged
+ *      and value codes and scales lie, `[H, blocks, size]` each), rot [D, D] (or NULL; contiguous: the matrix
+ *      rotated keys' codes were turned by, q then in the model's basis: see `Pair`), two unused, ids [B, n] int64 (contiguous), stage [B] int64
+ *      (each row's staged partial block: its first slot), staged
  *      keys and values ([H, slots, D]), the step's keys and values ([B, H, qn, D]), sink [B] int64 (each row's
  *      first sink slot read), sink keys and values ([H, slots, D]), bias (or NULL), out [H, B, R, D].
  * meta: H, B, R, D, n, kfmt, vfmt (`Format`s), bs, sink (sink tokens read), nthreads, rest (staged tokens per

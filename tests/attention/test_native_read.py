@@ -136,23 +136,10 @@ def test_native_read_of_bit_planes_at_wide_heads_within_fp32_of_decoding(names, 
     """3-bit and 2-bit keys and values at head dims read 64 codes a step (64) and a step and a rest (80): three
     32-token blocks, an odd 5-token tail and one sink token, keys with outlier channels, a mask: "de-quantize, then
     softmax" in float64 within 1e-5."""
-    from hf_pagedkv.storage.code_read import CodeRead
-    from hf_pagedkv.storage.codecs import make_codec
-
     g = torch.Generator().manual_seed(23)
-    H, batch, n, bs, D = 2, 2, 3, 32, dim
-    kc, vc = make_codec(names[0], "channel"), make_codec(names[1], "token", group_size=D)
-    x = torch.randn(H, batch, n, bs, D, generator=g) + 8.0 * torch.randn(H, 1, 1, 1, D, generator=g)
-    (kcodes, kscales), (vcodes, vscales) = kc.encode(x), vc.encode(torch.randn(H, batch, n, bs, D, generator=g))
-    tail, sink = (torch.randn(2, H, batch, m, D, generator=g) for m in (5, 1))
-    full = tuple(torch.cat((t, s), 2) for t, s in zip(tail, sink))  # [H, batch, tail | sink, D]
-    read = CodeRead(0, 0, n * bs + 5, bs, (D, D), (kc, vc), (kcodes, vcodes), (kscales, vscales), full, 1)
-    ref = []
-    for codec, codes, scales, t, s in ((kc, kcodes, kscales, tail[0], sink[0]),
-                                       (vc, vcodes, vscales, tail[1], sink[1])):
-        dec = codec.decode(codes, scales, torch.empty(H, batch, n, bs, D)).reshape(H, batch, n * bs, D)
-        dec[:, :, :1] = s  # the sink token replaces its codes
-        ref.append(torch.cat((dec, t), 2).double())
+    H, batch, D = 2, 2, dim
+    read, *ref = _code_read(*names, batch=batch, offset=8.0, seed=23, n=3, B=32, D=D, tail_len=5)
+    ref = [r.double() for r in ref]
     qh = torch.randn(H, batch, 3, D, generator=g) * 0.1
     bias = torch.zeros(1, batch, 3, read.end)
     bias[:, 1, :, :40] = float("-inf")  # left padding of batch row 1, past the first block boundary

@@ -371,23 +371,25 @@ def test_codec_affine_parts_rebuild_decode(name, axis):
     assert (got.reshape(x.shape) - want).abs().max().item() <= 1e-6
 
 
-def _code_read(key_codec: str, value_codec: str, batch: int, offset: float, seed: int = 0):
-    """A `CodeRead` of random K/V (4 encoded 8-token blocks, 3 tail tokens, 1 sink token) and its reference K/V
-    `[H, batch, 36, dim]` as "de-quantize, then attend" sees them: decoded codes, the tail, the sink in fp32."""
+def _code_read(key_codec: str, value_codec: str, batch: int, offset: float, seed: int = 0, n: int = 4, B: int = 8,
+               D: int = 16, tail_len: int = 3):
+    """A `CodeRead` of random K/V (`n` encoded `B`-token blocks, `tail_len` tail tokens, 1 sink token, 2 heads of
+    `D` channels) and its reference K/V `[2, batch, n * B + tail_len, D]` as "de-quantize, then attend" sees them:
+    decoded codes, the tail, the sink in fp32."""
     from hf_pagedkv.storage.code_read import CodeRead
     from hf_pagedkv.storage.codecs import make_codec
 
     g = torch.Generator().manual_seed(seed)
-    H, n, B, D = 2, 4, 8, 16
+    H = 2
     kc, vc = make_codec(key_codec, "channel"), make_codec(value_codec, "token", group_size=D)
     # keys with per-channel offsets `offset` times their spread (outlier channels: zeros large against the range)
     x = torch.randn(H, batch, n, B, D, generator=g) + offset * torch.randn(H, 1, 1, 1, D, generator=g)
     y = torch.randn(H, batch, n, B, D, generator=g)
     (kcodes, kscales), (vcodes, vscales) = kc.encode(x), vc.encode(y)
-    tail = [torch.randn(H, batch, 3, D, generator=g) for _ in range(2)]
+    tail = [torch.randn(H, batch, tail_len, D, generator=g) for _ in range(2)]
     sink = [torch.randn(H, batch, 1, D, generator=g) for _ in range(2)]
     full = tuple(torch.cat((t, s), 2) for t, s in zip(tail, sink))  # [H, batch, tail | sink, D]
-    read = CodeRead(0, 0, n * B + 3, B, (D, D), (kc, vc), (kcodes, vcodes), (kscales, vscales), full, 1)
+    read = CodeRead(0, 0, n * B + tail_len, B, (D, D), (kc, vc), (kcodes, vcodes), (kscales, vscales), full, 1)
     ref = []
     for codec, codes, scales, t, s in ((kc, kcodes, kscales, tail[0], sink[0]),
                                        (vc, vcodes, vscales, tail[1], sink[1])):

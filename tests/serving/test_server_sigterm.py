@@ -43,6 +43,20 @@ class ServeProcess:
         threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True).start()
         self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="unused", max_retries=0)
 
+    def stream_then_signal(self, sig: int, max_tokens: int):
+        """Start a streamed completion, send `sig` once its first chunk came, wait until `/health` answers 503
+        (draining); returns the stream's chunks left."""
+        stream = self.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=max_tokens, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks)
+        self.proc.send_signal(sig)
+        deadline = time.monotonic() + 10
+        while get(self.port, "/health")[0] != 503:  # the signal is handled between ticks
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        return chunks
+
     def stop(self, timeout: float = 60) -> int:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout)
@@ -52,15 +66,7 @@ def test_sigterm_drains_saves_the_prefix_cache_and_a_restart_loads_it(tmp_path):
     path = str(tmp_path / "prefix.safetensors")
     server = ServeProcess("--prefix-cache-file", path)
     try:
-        stream = server.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1000, temperature=0,
-                                                  stream=True, extra_body={"ignore_eos": True})
-        chunks = iter(stream)
-        next(chunks)
-        server.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while get(server.port, "/health")[0] != 503:  # the signal is handled between ticks
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        chunks = server.stream_then_signal(signal.SIGTERM, max_tokens=1000)
         status, answer, _ = post(server.port, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2})
         assert status == 503 and "shutting down" in answer["error"]["message"]
         rest = [c.choices[0] for c in chunks]
@@ -159,15 +165,7 @@ def test_two_ctrl_c_with_a_request_in_flight_stop_in_one_line_and_still_save_the
     path = str(tmp_path / "prefix.safetensors")
     server = ServeProcess("--prefix-cache-file", path)
     try:
-        stream = server.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4000, temperature=0,
-                                                  stream=True, extra_body={"ignore_eos": True})
-        chunks = iter(stream)
-        next(chunks)
-        server.proc.send_signal(signal.SIGINT)
-        deadline = time.monotonic() + 10
-        while get(server.port, "/health")[0] != 503:  # the first signal drains
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        chunks = server.stream_then_signal(signal.SIGINT, max_tokens=4000)  # the first signal drains
         server.proc.send_signal(signal.SIGINT)  # the second stops at once
         assert server.proc.wait(60) == 130
         assert [c.choices[0].finish_reason for c in chunks][-1] == "abort"

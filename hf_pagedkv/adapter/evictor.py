@@ -14,6 +14,7 @@ from hf_pagedkv.adapter.fresh_rows import install_fresh_rows
 from hf_pagedkv.retention.policy import EvictionPlan, RetentionPolicy
 from hf_pagedkv.attention.query_window import QueryWindow
 from hf_pagedkv.retention.retention_stats import RetentionStats
+from hf_pagedkv.retention.spec import parse_retention
 from hf_pagedkv.adapter.window_realign import WindowRealign
 
 if TYPE_CHECKING:  # type-only: the owner is a CacheRetention, which imports this module
@@ -68,7 +69,9 @@ class Evictor:
     held context while `begin_scoring` .. `compress` run (`ContextScores`, filled by the same attention).
     """
 
-    def __init__(self, policy: RetentionPolicy) -> None:
+    def __init__(self, policy: RetentionPolicy | str) -> None:
+        if isinstance(policy, str):  # a spec, as `Engine`, `generate_batch` and the CLI take it
+            policy = parse_retention(policy)
         if not isinstance(policy, RetentionPolicy):
             raise ValueError(f"`retention` must be a retention policy such as hf_pagedkv.retention.SinkWindow(...) or "
                              f"KeyNorm(...), got {type(policy).__name__}.")

@@ -21,7 +21,6 @@ from hf_pagedkv.errors import PoolExhaustedError, counted
 from hf_pagedkv.pool.block_pool import BlockPool
 from hf_pagedkv.pool.group_quant import GroupQuant
 from hf_pagedkv.retention.retention_stats import RetentionStats
-from hf_pagedkv.retention.spec import parse_retention
 from hf_pagedkv.storage.heap import TRIM_MIN_TOKENS, trim_heap
 
 logger = logging.getLogger(__name__)
@@ -87,9 +86,7 @@ class PagedCache(Cache):
         if not isinstance(debug, bool):
             raise ValueError(f"`debug` must be True or False, got {debug!r}.")
         pool = _pool_for(pool, debug, config, pool_settings)
-        if isinstance(retention, str):  # a spec, as `Engine`, `generate_batch` and the CLI take it
-            retention = parse_retention(retention)
-        evictor = None if retention is None else Evictor(retention)  # raises ValueError for what is not a policy
+        evictor = None if retention is None else Evictor(retention)  # parses a spec; raises ValueError for neither
         plan = [] if config is None else layer_plan(config)  # raises ValueError for what is not a config
         if debug:
             pool.debug = True
@@ -104,7 +101,7 @@ class PagedCache(Cache):
         layers = []  # the model's layers, built below; the runner runs the list `Cache` keeps
         self.runner = StepRunner(self.rows, layers, debug=debug, config=config, num_layers=len(plan) or None,
                                  evictor=evictor)  # runs the forward steps; fixed
-        layers += _model_layers(config, plan, retention, self.rows, self.runner)
+        layers += _model_layers(config, plan, evictor and evictor.policy, self.rows, self.runner)
         super().__init__(layers=layers)
         self.runner.layers = self.layers  # (the list itself: the layers `update` appends are run too)
 

@@ -137,6 +137,10 @@ class FullPrecisionStore(Store, Protocol):
     keys: dict[int, SegmentedTensor]  # layer_idx -> [num_kv_heads, num_blocks * block_size, key_dim]
     values: dict[int, SegmentedTensor]  # layer_idx -> [num_kv_heads, num_blocks * block_size, value_dim]
 
+    def read_view(self, layer_idx: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of one row in consecutive slots ``start .. start + length - 1``, `[1, num_kv_heads, length, dim]`:
+        views when they lie in one storage segment, else copies."""
+
 
 @runtime_checkable
 class CodeStore(Store, Protocol):

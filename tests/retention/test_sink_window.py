@@ -170,5 +170,7 @@ def test_bad_retention_arguments_are_refused(llama):
         SinkWindow(sink_tokens=4, window=0)
     with pytest.raises(ValueError, match="sink_tokens"):
         SinkWindow(sink_tokens=-1, window=8)
+    with pytest.raises(ValueError, match="unknown policy 'sink'; the policies: sink_window"):
+        PagedCache(retention="sink")  # a spec string, parsed as the CLI parses it
     with pytest.raises(ValueError, match="retention policy"):
-        PagedCache(retention="sink")
+        PagedCache(retention=object())

@@ -69,7 +69,7 @@ _BITS = (None, 8, 4, 3, 2)
 _BACKENDS = ("torch", "reference", "bitsandbytes")
 _FORMATS = ("int", "e4m3", "e5m2")  # integer codes, or 8-bit floats (float8_e4m3fn, float8_e5m2)
 _FP8_SCALES = ("group", "block")
-_RANGE_FITS = ("minmax", "mse")  # as `hf_pagedkv.storage.codecs.affine.FITS` (config sits below storage)
+_RANGE_FITS = ("minmax", "lsq", "mse")  # as `hf_pagedkv.storage.codecs.affine.FITS` (config sits below storage)
 #: a preset name: ``k<key>v<value>`` with each half 16 (full precision), 8, 4, 3, 2 bits or an fp8 format, and an
 #: ``r`` suffix for rotated keys, a ``v`` suffix for rotated values (``rv``: both) and a ``b`` suffix for per-block
 #: fp8 scales
@@ -122,7 +122,7 @@ class QuantConfig:
         fp8_scales (`str`, *optional*, defaults to `"group"`): fp8 scale granularity: `"group"` (keys per channel
             over the block, values per token and channel group, as the integer codecs) or `"block"` (one scale per
             block of one head).
-        range_fit (`str`, *optional*, defaults to `"mse"`): how 4-, 3- and 2-bit codes pick each group's range
+        value_range_fit (`str`, *optional*, defaults to `"mse"`): how 4-, 3- and 2-bit codes pick each group's range
             when a block is encoded: `"mse"` searches clipped ranges for the least squared error (never more than
             min/max's, per group), `"minmax"` covers the group (nothing clips; error at most half a step). An
             encoder setting only: the stored codes and scales have the same format and every read path is the
@@ -157,7 +157,7 @@ class QuantConfig:
     key_format: str = "int"
     value_format: str = "int"
     fp8_scales: str = "group"
-    range_fit: str = field(default="mse", repr=False, compare=False)  # an encoder setting, not the format
+    value_range_fit: str = field(default="mse", repr=False, compare=False)  # an encoder setting, not the format
 
     def __post_init__(self) -> None:
         for name in ("key_bits", "value_bits"):
@@ -183,8 +183,8 @@ class QuantConfig:
                                  f"and backend='torch' (got {bits!r}, {self.backend!r}).")
         if self.fp8_scales not in _FP8_SCALES:
             raise ValueError(f"`fp8_scales` must be one of {', '.join(_FP8_SCALES)}; got {self.fp8_scales!r}.")
-        if self.range_fit not in _RANGE_FITS:
-            raise ValueError(f"`range_fit` must be one of {', '.join(_RANGE_FITS)}; got {self.range_fit!r}.")
+        if self.value_range_fit not in _RANGE_FITS:
+            raise ValueError(f"`value_range_fit` must be one of {', '.join(_RANGE_FITS)}; got {self.value_range_fit!r}.")
         if self.backend != "torch" and 3 in (self.key_bits, self.value_bits):
             raise ValueError(f"3-bit codes are the torch backend's (got backend={self.backend!r}); use "
                              "backend='torch'.")

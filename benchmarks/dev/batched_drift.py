@@ -6,8 +6,9 @@ of a single batch and the quantized caches are read in place by the ``"hf_pagedk
 over the de-quantized K/V up to fp32 rounding), so a config costs one batched decode instead of one per window.
 No greedy continuation and no per-layer K/V error: use `eval.drift` for those.
 
-A config is a preset name (`QuantConfig.preset`), optionally with ``:g<n>`` for another `value_group_size` and
-``:s<n>`` for another `sink_tokens` (``k8v4rv:g32``, ``k8v4rv:s4``), or ``qc-fp8``: transformers' `QuantizedCache(backend="fp8")` (per-tensor e4m3, its scale set by
+A config is a preset name (`QuantConfig.preset`), optionally with ``:g<n>`` for another `value_group_size`,
+``:s<n>`` for another `sink_tokens` and ``:minmax``, ``:lsq`` or ``:mse`` for another `value_range_fit`
+(``k8v4rv:g32``, ``k8v4rv:s4``, ``k8v4rv:minmax``), or ``qc-fp8``: transformers' `QuantizedCache(backend="fp8")` (per-tensor e4m3, its scale set by
 the prefill; read by `sdpa`, its bytes counted as `eval.caches.bytes_held` does).
 
     python benchmarks/dev/batched_drift.py --num-windows 5 --configs k8v4 k8v4r k4v4 k4v4r k8v4rv:g32 qc-fp8
@@ -65,7 +66,9 @@ def make_cache(name: str, model):
         return QuantizedCache(backend="fp8", config=model.config), "sdpa"
     preset, *options = name.split(":")
     fields = {"g": "value_group_size", "s": "sink_tokens"}
-    quant = QuantConfig.preset(preset, **{fields[o[0]]: int(o[1:]) for o in options})
+    fits = {o for o in options if o in ("minmax", "lsq", "mse")}
+    quant = QuantConfig.preset(preset, **{fields[o[0]]: int(o[1:]) for o in options if o not in fits},
+                               **{"value_range_fit": fit for fit in fits})
     return PagedCache(config=model.config, quant=quant), "hf_pagedkv"
 
 

@@ -92,7 +92,8 @@ def main(argv=None) -> None:
     targets = windows[:, args.prefill_len + 1:]  # [N, score_len]
     settings = {"task": "perplexity", "dataset": cfg.dataset_name, "model": "SmolLM2-135M-Instruct",
                 "num_windows": args.num_windows, "prefill_len": args.prefill_len, "score_len": args.score_len,
-                "dtype": "float32", "attention": "hf_pagedkv (configs), sdpa (DynamicCache baseline)"}
+                "dtype": "float32", "attention": "hf_pagedkv (configs), sdpa (DynamicCache baseline)",
+                "value_range_fit": QuantConfig().value_range_fit}  # the presets' default encoder (not in their names)
     digest = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:6]
     out = Path(args.output_dir) / (f"perplexity-batched-wiki.test-SmolLM2-135M-Instruct-w{args.num_windows}"
                                    f"-p{args.prefill_len}-s{args.score_len}-{digest}")

@@ -92,6 +92,6 @@ def codecs_for(quant) -> tuple[Codec, Codec]:
     return key, value
 
 
-__all__ = ["AXES", "CODECS", "AffineCodec", "BlockLayout", "BnbCodec", "Codec", "Fp8Codec", "IdentityCodec", "Int2Codec", "Int3Codec",
-           "Int4Codec", "Int8Codec", "ReferenceCodec", "RotatedCodec", "check_finite", "codec_name", "codecs_for",
-           "hadamard_rotation", "make_codec"]
+__all__ = ["AXES", "CODECS", "AffineCodec", "BlockLayout", "BnbCodec", "Codec", "Fp8Codec", "IdentityCodec",
+           "Int2Codec", "Int3Codec", "Int4Codec", "Int8Codec", "ReferenceCodec", "RotatedCodec", "check_finite",
+           "codec_name", "codecs_for", "hadamard_rotation", "make_codec"]

@@ -8,8 +8,8 @@ No greedy continuation and no per-layer K/V error: use `eval.drift` for those.
 
 A config is a preset name (`QuantConfig.preset`), optionally with ``:g<n>`` for another `value_group_size`,
 ``:s<n>`` for another `sink_tokens` and ``:minmax``, ``:lsq`` or ``:mse`` for another `value_range_fit`
-(``k8v4rv:g32``, ``k8v4rv:s4``, ``k8v4rv:minmax``), or ``qc-fp8``: transformers' `QuantizedCache(backend="fp8")` (per-tensor e4m3, its scale set by
-the prefill; read by `sdpa`, its bytes counted as `eval.caches.bytes_held` does).
+(``k8v4rv:g32``, ``k8v4rv:s4``, ``k8v4rv:minmax``), or ``qc-fp8``: transformers' `QuantizedCache(backend="fp8")`
+(per-tensor e4m3, its scale set by the prefill; read by `sdpa`, its bytes counted as `eval.caches.bytes_held` does).
 
     python benchmarks/dev/batched_drift.py --num-windows 5 --configs k8v4 k8v4r k4v4 k4v4r k8v4rv:g32 qc-fp8
 """
@@ -81,10 +81,18 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--model-prefill", action="store_true", help="run each config's prefill through the model "
                    "(default: write the baseline's prefill K/V, the same cache state)")
+    p.add_argument("--rotation-seed", type=int, default=0, help="seed of the Hadamard rotation's signs (a noise "
+                   "probe: the stored format fixes `ROTATION_SEED`, 0; another seed gives another realization of the "
+                   "same quantization error)")
     p.add_argument("--output-dir", default="eval/runs", help="where the run folder is made: "
                    "perplexity-batched-...-<hash>/ with config.yaml, metrics.json (one entry per config, kept across "
                    "runs of the same settings) and predictions.jsonl (per window and config)")
     args = p.parse_args(argv)
+    if args.rotation_seed:
+        from hf_pagedkv.storage.codecs import rotation
+
+        seeded = rotation.hadamard_rotation  # (looked up by `RotatedCodec.matrix` at each call)
+        rotation.hadamard_rotation = lambda dim, seed=args.rotation_seed: seeded(dim, seed)
     torch.set_num_threads(args.threads)
     cfg = EvalConfig(num_windows=args.num_windows, prefill_len=args.prefill_len, score_len=args.score_len)
     model, tokenizer = load_model()
@@ -93,7 +101,8 @@ def main(argv=None) -> None:
     settings = {"task": "perplexity", "dataset": cfg.dataset_name, "model": "SmolLM2-135M-Instruct",
                 "num_windows": args.num_windows, "prefill_len": args.prefill_len, "score_len": args.score_len,
                 "dtype": "float32", "attention": "hf_pagedkv (configs), sdpa (DynamicCache baseline)",
-                "value_range_fit": QuantConfig().value_range_fit}  # the presets' default encoder (not in their names)
+                "value_range_fit": QuantConfig().value_range_fit,  # the presets' default encoder (not in their names)
+                **({"rotation_seed": args.rotation_seed} if args.rotation_seed else {})}
     digest = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:6]
     out = Path(args.output_dir) / (f"perplexity-batched-wiki.test-SmolLM2-135M-Instruct-w{args.num_windows}"
                                    f"-p{args.prefill_len}-s{args.score_len}-{digest}")

@@ -101,7 +101,7 @@ def main(argv=None) -> None:
     settings = {"task": "perplexity", "dataset": cfg.dataset_name, "model": "SmolLM2-135M-Instruct",
                 "num_windows": args.num_windows, "prefill_len": args.prefill_len, "score_len": args.score_len,
                 "dtype": "float32", "attention": "hf_pagedkv (configs), sdpa (DynamicCache baseline)",
-                "value_range_fit": QuantConfig().value_range_fit,  # the presets' default encoder (not in their names)
+                "value_range_fit": "lsq with rotated values, else minmax",  # the presets' (`QuantConfig.value_fit`)
                 **({"rotation_seed": args.rotation_seed} if args.rotation_seed else {})}
     digest = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:6]
     out = Path(args.output_dir) / (f"perplexity-batched-wiki.test-SmolLM2-135M-Instruct-w{args.num_windows}"
@@ -128,6 +128,7 @@ def main(argv=None) -> None:
             logits = scored_logits(model, cache, windows, args.prefill_len,
                                    None if args.model_prefill else prefill_kv)
             held = bytes_held(cache) / (windows.shape[0] * (windows.shape[1] - 1))
+            fit = cache.pool.quant.value_fit if isinstance(cache, PagedCache) else None
         finally:
             if isinstance(cache, PagedCache):
                 cache.release()
@@ -141,7 +142,7 @@ def main(argv=None) -> None:
                          "ppl_change": ppl / ppl0 - 1, "bytes_per_token": held,
                          "bytes_vs_fp32": held / (2 * model.config.num_hidden_layers * model.config.num_key_value_heads
                                                   * (model.config.hidden_size // model.config.num_attention_heads) * 4),
-                         "num_windows": args.num_windows, "prefill_len": args.prefill_len,
+                         "value_range_fit": fit, "num_windows": args.num_windows, "prefill_len": args.prefill_len,
                          "score_len": args.score_len}
         print(f"{name:12s} KL {results[name]['kl_mean']:.3e} p99 {results[name]['kl_p99']:.2e} "
               f"top1 {results[name]['top1']:.4f} ppl {results[name]['ppl_change']:+.4%} "

@@ -122,11 +122,14 @@ def test_fits_read_as_the_same_format(fit):
 
 
 def test_config_value_range_fit_reaches_the_value_codec_and_is_not_part_of_the_format():
-    """`QuantConfig.value_range_fit` (default ``"lsq"``) reaches the value codec, rotated or not; keys keep min/max
-    ranges; it is left out of `repr` and equality (the stored format is the same); fp8 and int8 ignore it; a bad
-    value fails."""
+    """`QuantConfig.value_range_fit` reaches the value codec, rotated or not (by default ``"lsq"`` for rotated
+    values, ``"minmax"`` for the others); keys keep min/max ranges; it is left out of `repr` and equality (the
+    stored format is the same); fp8 and int8 ignore it; a bad value fails."""
     kc, vc = codecs_for(QuantConfig.preset("k4v4rv"))
     assert isinstance(vc, RotatedCodec) and vc.inner.fit == "lsq" and kc.inner.fit == "minmax"
+    assert QuantConfig.preset("k8v4rv").value_fit == QuantConfig.preset("k8v4v").value_fit == "lsq"
+    assert codecs_for(QuantConfig.preset("k8v4"))[1].fit == codecs_for(QuantConfig.preset("k4v4r"))[1].fit == "minmax"
+    assert codecs_for(QuantConfig.preset("k4v4rv", value_range_fit="minmax"))[1].inner.fit == "minmax"
     assert codecs_for(QuantConfig.preset("k4v4", value_range_fit="mse"))[1].fit == "mse"
     kc, vc = codecs_for(QuantConfig.preset("k3v2", value_range_fit="minmax"))
     assert kc.fit == vc.fit == "minmax"

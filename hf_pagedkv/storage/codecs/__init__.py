@@ -77,14 +77,14 @@ def make_codec(name: str, axis: str, group_size: int = 64, fit: str = "minmax") 
 def codecs_for(quant) -> tuple[Codec, Codec]:
     """The key codec (``axis="channel"``; wrapped in `RotatedCodec` when ``quant.rotate_keys``) and the value codec
     (``axis="token"``; wrapped in `RotatedCodec` when ``quant.rotate_values``; range fit
-    ``quant.value_range_fit``) of a `QuantConfig`. Keys keep min/max ranges.
+    ``quant.value_fit``) of a `QuantConfig`. Keys keep min/max ranges.
 
     Raises:
         ValueError: the backend has no codec for the bits.
     """
     key = make_codec(codec_name(quant.backend, quant.key_bits, quant.key_format, quant.fp8_scales), "channel")
     value = make_codec(codec_name(quant.backend, quant.value_bits, quant.value_format, quant.fp8_scales), "token",
-                       quant.value_group_size, fit=quant.value_range_fit)
+                       quant.value_group_size, fit=quant.value_fit)
     if quant.rotate_keys and key.bits is not None:
         key = RotatedCodec(key)
     if quant.rotate_values and value.bits is not None:

@@ -116,23 +116,23 @@ class QuantConfig:
             sets the scale of its whole group. Reads de-rotate; the ``"hf_pagedkv"`` attention reads the codes as
             stored and turns its output back once per head (``p @ (V R) = (p @ V) R``). Same bytes. On SmolLM2
             (docs/quantization.md), k8v4 with keys and values rotated (``"k8v4rv"``) has mean KL 1.0e-3 against
-            1.7e-3 unrotated, top-1 98.1% against 97.5%.
+            1.7e-3 unrotated, top-1 98.1% against 97.5% (98.5% with its default `value_range_fit`).
         key_format, value_format (`str`, *optional*, defaults to `"int"`): `"int"` (integer codes), or `"e4m3"` /
             `"e5m2"` for 8-bit floating-point codes (`Fp8Codec`; bits must then be 8; `torch` backend).
         fp8_scales (`str`, *optional*, defaults to `"group"`): fp8 scale granularity: `"group"` (keys per channel
             over the block, values per token and channel group, as the integer codecs) or `"block"` (one scale per
             block of one head).
-        value_range_fit (`str`, *optional*): how 4-, 3- and 2-bit value codes pick each group's range when a
-            block is encoded (`fit_range`): `"lsq"` refits min/max's range by least squares, `"mse"` also searches
-            clipped ranges, each only where it lowers the group's squared error; `"minmax"` covers the group
-            (nothing clips; error at most half a step). Defaults to `"lsq"` with `rotate_values`, else `"minmax"`
-            (`value_fit`): on SmolLM2 (docs/quantization.md) the refit raises the top-1 agreement of every rotated
-            rung by 0.5-1.1 points at about the same mean KL (k8v4rv 98.52% against 98.12%), but raises unrotated
-            k8v4's mean KL by half (it clips the outlier channels that set the range of a group, the same channels
-            token after token). Keys keep min/max ranges. An encoder setting only: the codes and scales have the
-            same format and every read path is unchanged, so it is left out of `repr` and equality (pools
-            differing only in it read each other's prefix files). `"lsq"` costs about 3x min/max's encode work,
-            `"mse"` 20x.
+        value_range_fit (`str`, *optional*): how 4-, 3- and 2-bit value codes (torch backend) pick each
+            group's range when a block is encoded (`fit_range`): `"lsq"` refits min/max's range by least squares,
+            `"mse"` also searches clipped ranges, each only where it lowers the group's squared error; `"minmax"`
+            covers the group (nothing clips; error at most half a step). Defaults to `"lsq"` with
+            `rotate_values`, else `"minmax"` (`value_fit`): on SmolLM2 (docs/quantization.md) the refit raises the
+            top-1 agreement of every rotated rung by 0.4-1.1 points at about the same mean KL (k8v4rv 98.52%
+            against 98.12%), but raises unrotated k8v4's mean KL by half (it clips the outlier channels that set
+            the range of a group, the same channels token after token). Keys keep min/max ranges. An encoder
+            setting only: the codes and scales have the same format and every read path is unchanged, so it is
+            left out of `repr` and equality (pools differing only in it read each other's prefix files). `"lsq"`
+            costs about 3x min/max's encode work, `"mse"` 20x.
 
     Raises:
         ValueError: bits not in {None, 8, 4, 3, 2}, a non-positive group size, a negative `sink_tokens`, an unknown

@@ -137,6 +137,8 @@ def test_config_value_range_fit_reaches_the_value_codec_and_is_not_part_of_the_f
     assert repr(QuantConfig.preset("k8v4")) == repr(QuantConfig.preset("k8v4", value_range_fit="minmax"))
     assert "fit" not in repr(make_codec("int8", "channel", fit="mse"))
     assert repr(make_codec("int4", "token", 32, fit="mse")) == "Int4Codec(axis='token', group_size=32, fit='mse')"
+    assert repr(make_codec("int3", "channel", fit="lsq")) == "Int3Codec(axis='channel', fit='lsq')"
+    assert repr(make_codec("int2", "channel")) == "Int2Codec(axis='channel')"
     with pytest.raises(ValueError, match="`value_range_fit` must be one of minmax, lsq, mse; got 'best'"):
         QuantConfig.preset("k8v4", value_range_fit="best")
     with pytest.raises(ValueError, match="`fit` must be one of minmax, lsq, mse; got 'max'"):

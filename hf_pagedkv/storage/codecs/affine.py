@@ -9,7 +9,7 @@ from hf_pagedkv.storage.codecs.base import BlockLayout, Codec, check_finite, fp1
 FITS = ("minmax", "lsq", "mse")
 #: fractions of a group's range by which ``fit="mse"`` tries moving its minimum up and its maximum down (every pair)
 CLIP_STEPS = (0.0, 0.025, 0.05, 0.075, 0.1)
-#: least-squares refits of each group's (scale, minimum) to its codes after the clip search (``fit="mse"``)
+#: least-squares refits of each group's (scale, minimum) to its codes (``fit="lsq"``; after the clip search: "mse")
 NUM_REFITS = 2
 
 
@@ -20,7 +20,7 @@ class AffineCodec(Codec):
     Args:
         axis, group_size: see `Codec`.
         fit (`str`, *optional*, defaults to `"minmax"`): how `encode` picks each group's range (`fit_range`; the
-            stored format and `decode` are the same for both): `"minmax"` covers the group, so no element clips;
+            stored format and `decode` are the same for all three): `"minmax"` covers the group, so no element clips;
             `"lsq"` refits min/max's range by least squares; `"mse"` also searches clipped ranges.
 
     Raises:
@@ -36,7 +36,7 @@ class AffineCodec(Codec):
         self.fit = fit  # how encode picks each group's range; fixed
 
     def __repr__(self) -> str:
-        return super().__repr__()[:-1] + (", fit='mse')" if self.fit == "mse" else ")")
+        return super().__repr__()[:-1] + (f", fit={self.fit!r})" if self.fit != "minmax" else ")")
 
     def layout(self, block_size: int, dim: int, dtype: torch.dtype) -> BlockLayout:
         self.check_block_size(block_size)
@@ -113,12 +113,14 @@ def fit_range(xg: torch.Tensor, red: int, qmax: int, fit: str = "minmax") -> tup
     - ``"mse"``: first the candidates that move the minimum up and the maximum down by every pair of `CLIP_STEPS`
       fractions of the range (rounded to the nearest fp16), then ``"lsq"``'s refits from the best of them.
 
-    For both, a group keeps a candidate only when its squared error is strictly lower than the best so far, so its
-    error never exceeds ``"minmax"``'s, and a group no candidate helps keeps exactly ``"minmax"``'s parameters.
+    For ``"lsq"`` and ``"mse"``, a group keeps a candidate only when its squared error is strictly lower than the
+    best so far, so its error never exceeds ``"minmax"``'s, and a group no candidate helps keeps exactly
+    ``"minmax"``'s parameters.
     Clipped elements may err by more than ``s / 2``. On SmolLM2's rotated values (int4, groups of 64) the mean
     squared error falls by about 10% (``"lsq"``) or 18% (``"mse"``, about what halving the group size gives); the
-    encode takes about 3x (``"lsq"``) or 20x (``"mse"``) min/max's elementwise work. Clipping value extremes moves
-    drift less than their squared error suggests (docs/quantization.md), and key ranges keep ``"minmax"``.
+    encode takes about 3x (``"lsq"``) or 20x (``"mse"``) min/max's elementwise work. A lower squared error is not
+    always less drift (docs/quantization.md): stores refit rotated values only (`QuantConfig.value_fit`) and keep
+    ``"minmax"`` for keys.
 
     Raises:
         ValueError: a range beyond fp16.

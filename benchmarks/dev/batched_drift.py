@@ -6,9 +6,10 @@ of a single batch and the quantized caches are read in place by the ``"hf_pagedk
 over the de-quantized K/V up to fp32 rounding), so a config costs one batched decode instead of one per window.
 No greedy continuation and no per-layer K/V error: use `eval.drift` for those.
 
-A config is a preset name (`QuantConfig.preset`), optionally with ``:g<n>`` for another `value_group_size` and
-``:s<n>`` for another `sink_tokens` (``k8v4rv:g32``, ``k8v4rv:s4``), or ``qc-fp8``: transformers' `QuantizedCache(backend="fp8")` (per-tensor e4m3, its scale set by
-the prefill; read by `sdpa`, its bytes counted as `eval.caches.bytes_held` does).
+A config is a preset name (`QuantConfig.preset`), optionally with ``:g<n>`` for another `value_group_size`,
+``:s<n>`` for another `sink_tokens` and ``:minmax``, ``:lsq`` or ``:mse`` for another `value_range_fit`
+(``k8v4rv:g32``, ``k8v4rv:s4``, ``k8v4rv:minmax``), or ``qc-fp8``: transformers' `QuantizedCache(backend="fp8")`
+(per-tensor e4m3, its scale set by the prefill; read by `sdpa`, its bytes counted as `eval.caches.bytes_held` does).
 
     python benchmarks/dev/batched_drift.py --num-windows 5 --configs k8v4 k8v4r k4v4 k4v4r k8v4rv:g32 qc-fp8
 """
@@ -65,7 +66,9 @@ def make_cache(name: str, model):
         return QuantizedCache(backend="fp8", config=model.config), "sdpa"
     preset, *options = name.split(":")
     fields = {"g": "value_group_size", "s": "sink_tokens"}
-    quant = QuantConfig.preset(preset, **{fields[o[0]]: int(o[1:]) for o in options})
+    fits = {o for o in options if o in ("minmax", "lsq", "mse")}
+    quant = QuantConfig.preset(preset, **{fields[o[0]]: int(o[1:]) for o in options if o not in fits},
+                               **{"value_range_fit": fit for fit in fits})
     return PagedCache(config=model.config, quant=quant), "hf_pagedkv"
 
 
@@ -78,10 +81,18 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--model-prefill", action="store_true", help="run each config's prefill through the model "
                    "(default: write the baseline's prefill K/V, the same cache state)")
+    p.add_argument("--rotation-seed", type=int, default=0, help="seed of the Hadamard rotation's signs (a noise "
+                   "probe: the stored format fixes `ROTATION_SEED`, 0; another seed gives another realization of the "
+                   "same quantization error)")
     p.add_argument("--output-dir", default="eval/runs", help="where the run folder is made: "
                    "perplexity-batched-...-<hash>/ with config.yaml, metrics.json (one entry per config, kept across "
                    "runs of the same settings) and predictions.jsonl (per window and config)")
     args = p.parse_args(argv)
+    if args.rotation_seed:
+        from hf_pagedkv.storage.codecs import rotation
+
+        seeded = rotation.hadamard_rotation  # (looked up by `RotatedCodec.matrix` at each call)
+        rotation.hadamard_rotation = lambda dim, seed=args.rotation_seed: seeded(dim, seed)
     torch.set_num_threads(args.threads)
     cfg = EvalConfig(num_windows=args.num_windows, prefill_len=args.prefill_len, score_len=args.score_len)
     model, tokenizer = load_model()
@@ -89,7 +100,9 @@ def main(argv=None) -> None:
     targets = windows[:, args.prefill_len + 1:]  # [N, score_len]
     settings = {"task": "perplexity", "dataset": cfg.dataset_name, "model": "SmolLM2-135M-Instruct",
                 "num_windows": args.num_windows, "prefill_len": args.prefill_len, "score_len": args.score_len,
-                "dtype": "float32", "attention": "hf_pagedkv (configs), sdpa (DynamicCache baseline)"}
+                "dtype": "float32", "attention": "hf_pagedkv (configs), sdpa (DynamicCache baseline)",
+                "value_range_fit": "lsq with rotated values, else minmax",  # the presets' (`QuantConfig.value_fit`)
+                **({"rotation_seed": args.rotation_seed} if args.rotation_seed else {})}
     digest = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:6]
     out = Path(args.output_dir) / (f"perplexity-batched-wiki.test-SmolLM2-135M-Instruct-w{args.num_windows}"
                                    f"-p{args.prefill_len}-s{args.score_len}-{digest}")
@@ -115,6 +128,7 @@ def main(argv=None) -> None:
             logits = scored_logits(model, cache, windows, args.prefill_len,
                                    None if args.model_prefill else prefill_kv)
             held = bytes_held(cache) / (windows.shape[0] * (windows.shape[1] - 1))
+            fit = cache.pool.quant.value_fit if isinstance(cache, PagedCache) else None
         finally:
             if isinstance(cache, PagedCache):
                 cache.release()
@@ -128,7 +142,7 @@ def main(argv=None) -> None:
                          "ppl_change": ppl / ppl0 - 1, "bytes_per_token": held,
                          "bytes_vs_fp32": held / (2 * model.config.num_hidden_layers * model.config.num_key_value_heads
                                                   * (model.config.hidden_size // model.config.num_attention_heads) * 4),
-                         "num_windows": args.num_windows, "prefill_len": args.prefill_len,
+                         "value_range_fit": fit, "num_windows": args.num_windows, "prefill_len": args.prefill_len,
                          "score_len": args.score_len}
         print(f"{name:12s} KL {results[name]['kl_mean']:.3e} p99 {results[name]['kl_p99']:.2e} "
               f"top1 {results[name]['top1']:.4f} ppl {results[name]['ppl_change']:+.4%} "

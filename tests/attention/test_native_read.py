@@ -32,11 +32,12 @@ NATIVE_PAIRS = PAIRS + [("int3", "int3"), ("int4", "int3"), ("int3", "int8"), ("
 @pytest.mark.parametrize("key_codec,value_codec", NATIVE_PAIRS)
 @pytest.mark.parametrize("offset", [0.0, 8.0])
 @pytest.mark.parametrize("mask", [None, "rows", "broadcast"])
-def test_native_read_within_fp32_of_decoding(key_codec, value_codec, offset, mask):
+@pytest.mark.parametrize("fit", ["minmax", "mse"])
+def test_native_read_within_fp32_of_decoding(key_codec, value_codec, offset, mask, fit):
     """The C read equals "de-quantize, then softmax" in float64 on the same codes (keys decoded, the sink token in
     full precision, the mask's -inf columns dropped) within 1e-5, and the eager read within 1e-5; with a mask per
-    query row and one shared by the rows (`[1, batch, 1, width]`)."""
-    read, k, v = _code_read(key_codec, value_codec, batch=2, offset=offset)
+    query row and one shared by the rows (`[1, batch, 1, width]`); codes of either range fit (`make_codec`)."""
+    read, k, v = _code_read(key_codec, value_codec, batch=2, offset=offset, fit=fit)
     qh = torch.randn(2, 2, 3, 16, generator=torch.Generator().manual_seed(1)) * 0.25  # [H, batch, rows, D]
     bias = None if mask is None else _bias(2, 3 if mask == "rows" else 1, read.end - read.lo)
     if mask == "rows":  # each query row its own mask: row r of batch row 0 does not attend to column 20 + r

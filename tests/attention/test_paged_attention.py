@@ -372,16 +372,16 @@ def test_codec_affine_parts_rebuild_decode(name, axis):
 
 
 def _code_read(key_codec: str, value_codec: str, batch: int, offset: float, seed: int = 0, n: int = 4, B: int = 8,
-               D: int = 16, tail_len: int = 3):
+               D: int = 16, tail_len: int = 3, fit: str = "minmax"):
     """A `CodeRead` of random K/V (`n` encoded `B`-token blocks, `tail_len` tail tokens, 1 sink token, 2 heads of
     `D` channels) and its reference K/V `[2, batch, n * B + tail_len, D]` as "de-quantize, then attend" sees them:
-    decoded codes, the tail, the sink in fp32."""
+    decoded codes, the tail, the sink in fp32 (`fit`: the integer codecs' range fit, `make_codec`)."""
     from hf_pagedkv.storage.code_read import CodeRead
     from hf_pagedkv.storage.codecs import make_codec
 
     g = torch.Generator().manual_seed(seed)
     H = 2
-    kc, vc = make_codec(key_codec, "channel"), make_codec(value_codec, "token", group_size=D)
+    kc, vc = make_codec(key_codec, "channel", fit=fit), make_codec(value_codec, "token", group_size=D, fit=fit)
     # keys with per-channel offsets `offset` times their spread (outlier channels: zeros large against the range)
     x = torch.randn(H, batch, n, B, D, generator=g) + offset * torch.randn(H, 1, 1, 1, D, generator=g)
     y = torch.randn(H, batch, n, B, D, generator=g)
@@ -402,14 +402,18 @@ def _code_read(key_codec: str, value_codec: str, batch: int, offset: float, seed
 @pytest.mark.parametrize("key_codec,value_codec", [("int4", "int4"), ("int8", "int4"), ("int8", "int8"),
                                                    ("ref-int4", "ref-int4")])
 @pytest.mark.parametrize("offset", [0.0, 8.0])
-def test_code_attention_within_fp32_of_decoding(key_codec, value_codec, offset):
+@pytest.mark.parametrize("fit", ["minmax", "mse"])
+def test_code_attention_within_fp32_of_decoding(key_codec, value_codec, offset, fit):
     """`code_attention` (keys decoded per tile, value scales folded into the probabilities) equals "de-quantize,
     then softmax" on the same codes: the reference is computed in float64 from the decoded fp32 K/V, and both the
     in-place read and fp32 `sdpa` on the decoded K/V must lie within 1e-5 of it (fp32 rounding of sums over 16
-    channels and 35 tokens: ~1e-6 measured; the offset makes the keys' zeros 8x their spread)."""
+    channels and 35 tokens: ~1e-6 measured; the offset makes the keys' zeros 8x their spread). Codes of either
+    range fit (`fit="mse"` clips: the same format, other parameters)."""
     from hf_pagedkv.attention.paged_attention import code_attention
 
-    read, k, v = _code_read(key_codec, value_codec, batch=2, offset=offset)
+    read, k, v = _code_read(key_codec, value_codec, batch=2, offset=offset, fit=fit)
+    if fit == "mse" and value_codec == "int4":  # the search moved some 4-bit ranges: these codes are not min/max's
+        assert not torch.equal(read.scales[1], _code_read(key_codec, value_codec, 2, offset)[0].scales[1])
     qh = torch.randn(2, 2, 3, 16, generator=torch.Generator().manual_seed(1)) * 0.25  # [H, batch, rows, D]
     want = torch.softmax(qh.double() @ k.double().transpose(-1, -2), -1) @ v.double()  # [H, batch, rows, D]
     for tile in (8, 16, 64):  # several tiles, a tile that ends mid-read, one tile

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import partial
 
+from hf_pagedkv.storage.codecs.affine import AffineCodec
 from hf_pagedkv.storage.codecs.base import AXES, BlockLayout, Codec, check_finite
 from hf_pagedkv.storage.codecs.bnb import BnbCodec
 from hf_pagedkv.storage.codecs.fp8 import Fp8Codec
@@ -57,27 +58,33 @@ def codec_name(backend: str, bits: int | None, fmt: str = "int", fp8_scales: str
     return names[bits]
 
 
-def make_codec(name: str, axis: str, group_size: int = 64) -> Codec:
-    """Build the codec registered as `name` for grouping `axis` (``"channel"`` or ``"token"``).
+def make_codec(name: str, axis: str, group_size: int = 64, fit: str = "minmax") -> Codec:
+    """Build the codec registered as `name` for grouping `axis` (``"channel"`` or ``"token"``); `fit` is the range
+    fit of an `AffineCodec` (int4, int3, int2: ``"minmax"`` or ``"mse"``, see `fit_range`), ignored by the others
+    (their ranges have no clip to search).
 
     Raises:
-        ValueError: an unknown name (the message lists the registered ones) or axis.
+        ValueError: an unknown name (the message lists the registered ones), axis or fit.
     """
     if name not in CODECS:
         raise ValueError(f"Unknown codec {name!r}; registered: {', '.join(CODECS)}.")
-    return CODECS[name](axis=axis, group_size=group_size)
+    cls = CODECS[name]
+    if isinstance(cls, type) and issubclass(cls, AffineCodec):
+        return cls(axis=axis, group_size=group_size, fit=fit)
+    return cls(axis=axis, group_size=group_size)
 
 
 def codecs_for(quant) -> tuple[Codec, Codec]:
     """The key codec (``axis="channel"``; wrapped in `RotatedCodec` when ``quant.rotate_keys``) and the value codec
-    (``axis="token"``; wrapped in `RotatedCodec` when ``quant.rotate_values``) of a `QuantConfig`.
+    (``axis="token"``; wrapped in `RotatedCodec` when ``quant.rotate_values``; range fit
+    ``quant.value_fit``) of a `QuantConfig`. Keys keep min/max ranges.
 
     Raises:
         ValueError: the backend has no codec for the bits.
     """
     key = make_codec(codec_name(quant.backend, quant.key_bits, quant.key_format, quant.fp8_scales), "channel")
     value = make_codec(codec_name(quant.backend, quant.value_bits, quant.value_format, quant.fp8_scales), "token",
-                       quant.value_group_size)
+                       quant.value_group_size, fit=quant.value_fit)
     if quant.rotate_keys and key.bits is not None:
         key = RotatedCodec(key)
     if quant.rotate_values and value.bits is not None:
@@ -85,6 +92,6 @@ def codecs_for(quant) -> tuple[Codec, Codec]:
     return key, value
 
 
-__all__ = ["AXES", "CODECS", "BlockLayout", "BnbCodec", "Codec", "Fp8Codec", "IdentityCodec", "Int2Codec", "Int3Codec",
-           "Int4Codec", "Int8Codec", "ReferenceCodec", "RotatedCodec", "check_finite", "codec_name", "codecs_for",
-           "hadamard_rotation", "make_codec"]
+__all__ = ["AXES", "CODECS", "AffineCodec", "BlockLayout", "BnbCodec", "Codec", "Fp8Codec", "IdentityCodec",
+           "Int2Codec", "Int3Codec", "Int4Codec", "Int8Codec", "ReferenceCodec", "RotatedCodec", "check_finite",
+           "codec_name", "codecs_for", "hadamard_rotation", "make_codec"]

@@ -9,7 +9,8 @@ from hf_pagedkv.storage.codecs.base import BlockLayout, Codec, check_finite, fp1
 
 class ReferenceCodec(Codec):
     """The integer schemes spelled out group by group and byte by byte; `Int8Codec`, `Int4Codec` and `Int2Codec`
-    must reproduce its codes, scales and reconstruction exactly.
+    must reproduce its codes, scales and reconstruction exactly (with min/max ranges, ``fit="minmax"``: the other
+    range fits choose other parameters of the same format).
 
     - 8 bits, symmetric: ``s = absmax / 127`` (fp16, rounded up), ``q = round(x / s)`` in [-127, 127], one int8
       per byte, ``x_hat = q * s``. Scales: one fp16 per group.

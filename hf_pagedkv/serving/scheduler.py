@@ -252,13 +252,14 @@ class Scheduler:
         if not self.pool.prefix_caching or req.retention is not None:
             return False
         B = self.pool.block_size
-        usable = (len(req.all_ids) - 1) // B  # `from_prefix` leaves at least the last token to compute
+        ids = req.all_ids
+        usable = (len(ids) - 1) // B  # `from_prefix` leaves at least the last token to compute
         for other in self.running:
-            if other.retention is not None or other.num_published >= usable:
+            limit = min(usable, len(other.prompt) // B)  # blocks `other` could still publish that `req` could use
+            if other.retention is not None or other.num_published >= limit:
                 continue
-            limit = min(usable, len(other.prompt) // B)
             shared = 0
-            while shared < limit and req.all_ids[shared * B:(shared + 1) * B] == other.prompt[shared * B:][:B]:
+            while shared < limit and ids[shared * B:(shared + 1) * B] == other.prompt[shared * B:(shared + 1) * B]:
                 shared += 1
             if shared > other.num_published:
                 return True

@@ -21,7 +21,7 @@ from hf_pagedkv.errors import PoolExhaustedError, counted
 from hf_pagedkv.pool.block_pool import BlockPool
 from hf_pagedkv.pool.group_quant import GroupQuant
 from hf_pagedkv.retention.retention_stats import RetentionStats
-from hf_pagedkv.storage.heap import TRIM_MIN_TOKENS, trim_heap
+from hf_pagedkv.storage.heap import trim_after_step
 
 logger = logging.getLogger(__name__)
 
@@ -116,8 +116,7 @@ class PagedCache(Cache):
         while len(self.layers) <= layer_idx:  # a cache built without config: full-attention layers, as DynamicCache
             self.layers.append(PagedLayer(self.runner, len(self.layers), group=self.rows.tables_for(None).group))
         out = self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
-        if key_states.shape[-2] >= TRIM_MIN_TOKENS and key_states.device.type == "cpu":
-            trim_heap()  # the previous layer's temporaries are freed: give their pages back (storage/heap.py)
+        trim_after_step(key_states.shape[-2], key_states.device)  # the previous layer's temporaries are freed
         retention = self.runner.retention
         if retention is not None and not self.layers[layer_idx].is_sliding:  # a query-aware policy asks
             retention.offer_queries(out[0], layer_idx)  # this full-attention layer's attention for its queries

@@ -25,7 +25,7 @@ import torch
 
 from hf_pagedkv._compat import Cache
 from hf_pagedkv.adapter.paged_layer import PagedLayer
-from hf_pagedkv.storage.heap import TRIM_MIN_TOKENS, trim_heap
+from hf_pagedkv.storage.heap import trim_after_step
 
 _ATTR = "hf_pagedkv_packed"  # the attribute of the keys `PackedCache.update` returns that holds the step's parts
 
@@ -185,7 +185,7 @@ class PackedWrites:
         # the packed positions of those tokens, or None when they are every token of the row
         self.tokens = None if len(fast) == len(segs) else torch.cat(
             [torch.arange(segs[i].lo, segs[i].hi, device=self.slots.device) for i in fast])
-        self.trim = any(segs[i].hi - segs[i].lo >= TRIM_MIN_TOKENS for i in fast)  # as `PagedCache.update` does
+        self.longest = max(segs[i].hi - segs[i].lo for i in fast)  # tokens of the longest row written here
         self.masks = {}  # segment -> its mask, the same for every layer of the group (as `PackedCache._mask`)
         for i in fast:
             seg, io = segs[i], ios[i]
@@ -223,8 +223,7 @@ class PackedWrites:
             k, v = k.index_select(2, self.tokens), v.index_select(2, self.tokens)  # [1, heads, written, dim]
         with self.lock:
             self.store.write(layer_idx, self.slots, k, v)
-        if self.trim and key_states.device.type == "cpu":
-            trim_heap()  # the previous layer's temporaries are freed: give their pages back (storage/heap.py)
+        trim_after_step(self.longest, key_states.device)  # as `PagedCache.update`: the previous layer's temporaries
         parts = []
         for i, (seg, io) in enumerate(zip(self.packed.segments, self.ios)):
             if io is None:

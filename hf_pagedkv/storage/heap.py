@@ -5,6 +5,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 # NOTE: a step of fewer tokens frees too little to be worth a walk over the heap.
 TRIM_MIN_TOKENS = 256
@@ -35,4 +39,10 @@ def trim_heap() -> bool:
     return True
 
 
-__all__ = ["TRIM_MIN_TOKENS", "trim_heap"]
+def trim_after_step(num_tokens: int, device: torch.device) -> bool:
+    """`trim_heap` after a layer wrote a step of `num_tokens` tokens on `device` (a row's, the longest of a packed
+    step's): only on the CPU, and only for steps of at least `TRIM_MIN_TOKENS`; whether it trimmed."""
+    return num_tokens >= TRIM_MIN_TOKENS and device.type == "cpu" and trim_heap()
+
+
+__all__ = ["TRIM_MIN_TOKENS", "trim_after_step", "trim_heap"]

@@ -2,7 +2,6 @@
 
 import platform
 
-import hf_pagedkv.adapter.paged_cache as paged_cache_module
 import hf_pagedkv.storage.heap as heap_module
 from hf_pagedkv import PagedCache
 from hf_pagedkv.storage.heap import TRIM_MIN_TOKENS, trim_heap
@@ -21,7 +20,7 @@ def test_trim_heap_calls_malloc_trim_0_where_glibc_has_it_and_says_so(monkeypatc
 
 def test_a_prefill_trims_once_per_layer_and_a_decode_step_not_at_all(monkeypatch):
     calls = []
-    monkeypatch.setattr(paged_cache_module, "trim_heap", lambda: calls.append(1) or True)
+    monkeypatch.setattr(heap_module, "trim_heap", lambda: calls.append(1) or True)
     cache = PagedCache(block_size=16)
     for layer in range(3):
         cache.update(*kv(1, 0, TRIM_MIN_TOKENS, 1.0), layer)

@@ -69,7 +69,7 @@ _BITS = (None, 8, 4, 3, 2)
 _BACKENDS = ("torch", "reference", "bitsandbytes")
 _FORMATS = ("int", "e4m3", "e5m2")  # integer codes, or 8-bit floats (float8_e4m3fn, float8_e5m2)
 _FP8_SCALES = ("group", "block")
-_RANGE_FITS = ("minmax", "lsq", "mse")  # as `hf_pagedkv.storage.codecs.affine.FITS` (config sits below storage)
+RANGE_FITS = ("minmax", "lsq", "mse")  # how affine codecs pick a group's range (`storage/codecs/affine.fit_range`)
 #: a preset name: ``k<key>v<value>`` with each half 16 (full precision), 8, 4, 3, 2 bits or an fp8 format, and an
 #: ``r`` suffix for rotated keys, a ``v`` suffix for rotated values (``rv``: both) and a ``b`` suffix for per-block
 #: fp8 scales
@@ -187,8 +187,8 @@ class QuantConfig:
                                  f"and backend='torch' (got {bits!r}, {self.backend!r}).")
         if self.fp8_scales not in _FP8_SCALES:
             raise ValueError(f"`fp8_scales` must be one of {', '.join(_FP8_SCALES)}; got {self.fp8_scales!r}.")
-        if self.value_range_fit is not None and self.value_range_fit not in _RANGE_FITS:
-            raise ValueError(f"`value_range_fit` must be one of {', '.join(_RANGE_FITS)}; got "
+        if self.value_range_fit is not None and self.value_range_fit not in RANGE_FITS:
+            raise ValueError(f"`value_range_fit` must be one of {', '.join(RANGE_FITS)}; got "
                              f"{self.value_range_fit!r}.")
         if self.backend != "torch" and 3 in (self.key_bits, self.value_bits):
             raise ValueError(f"3-bit codes are the torch backend's (got backend={self.backend!r}); use "

@@ -60,8 +60,8 @@ def codec_name(backend: str, bits: int | None, fmt: str = "int", fp8_scales: str
 
 def make_codec(name: str, axis: str, group_size: int = 64, fit: str = "minmax") -> Codec:
     """Build the codec registered as `name` for grouping `axis` (``"channel"`` or ``"token"``); `fit` is the range
-    fit of an `AffineCodec` (int4, int3, int2: ``"minmax"`` or ``"mse"``, see `fit_range`), ignored by the others
-    (their ranges have no clip to search).
+    fit of an `AffineCodec` (int4, int3, int2: ``"minmax"``, ``"lsq"`` or ``"mse"``, see `fit_range`), ignored by
+    the others (their ranges have no clip to search).
 
     Raises:
         ValueError: an unknown name (the message lists the registered ones), axis or fit.

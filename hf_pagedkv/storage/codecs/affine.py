@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from hf_pagedkv.config import RANGE_FITS
 from hf_pagedkv.storage.codecs.base import BlockLayout, Codec, check_finite, fp16_down, fp16_up
 
-FITS = ("minmax", "lsq", "mse")
 #: fractions of a group's range by which ``fit="mse"`` tries moving its minimum up and its maximum down (every pair)
 CLIP_STEPS = (0.0, 0.025, 0.05, 0.075, 0.1)
 #: least-squares refits of each group's (scale, minimum) to its codes (``fit="lsq"``; after the clip search: "mse")
@@ -31,8 +31,8 @@ class AffineCodec(Codec):
 
     def __init__(self, axis: str, group_size: int = 64, fit: str = "minmax") -> None:
         super().__init__(axis, group_size)
-        if fit not in FITS:
-            raise ValueError(f"`fit` must be one of {', '.join(FITS)}; got {fit!r}.")
+        if fit not in RANGE_FITS:
+            raise ValueError(f"`fit` must be one of {', '.join(RANGE_FITS)}; got {fit!r}.")
         self.fit = fit  # how encode picks each group's range; fixed
 
     def __repr__(self) -> str:

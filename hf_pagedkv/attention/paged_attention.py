@@ -12,6 +12,7 @@ from hf_pagedkv.attention.compiled_read import CompiledCodeAttention
 from hf_pagedkv.attention.native_read import unread_codecs
 from hf_pagedkv.attention.paged_view import PagedView
 from hf_pagedkv.attention.read_counts import READ_COUNTS, format_name
+from hf_pagedkv.attention.rotated_read import turn
 from hf_pagedkv.storage.code_read import CodeRead
 
 #: tokens per page tile: what one layer holds decoded in full precision at a time (keys and values, every row).
@@ -89,7 +90,7 @@ def paged_attention(query: torch.Tensor, view: PagedView, scaling: float, mask: 
             READ_COUNTS.serve("kernel-table" if quantized else "fp", fmt)
             return turned_back(out)
     rotation = view.key_rotation() if quantized else None  # [dk, dk]: the key codes are of keys @ R
-    qr = qh if rotation is None else torch.matmul(qh, rotation.to(qh.dtype))  # [H, batch, G*q, D]: codes' basis
+    qr = turn(qh, rotation)  # [H, batch, G*q, D]: the codes' basis
     read = view.code_read()  # quantized: codes and scales of the encoded blocks, or None
     if read is not None:
         out = None if compiled is None else compiled(qr, read, bias)

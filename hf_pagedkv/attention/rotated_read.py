@@ -30,8 +30,9 @@ def value_rotation(store, layer_idx: int, dtype: torch.dtype) -> torch.Tensor | 
     return _rotation(store, "value", layer_idx, dtype)
 
 
-def _turn(x: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
-    return x if rotation is None else torch.matmul(x, rotation.to(x.dtype))  # [..., d] @ [d, d]
+def turn(x: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
+    """Rows `x` `[..., d]` turned by `rotation` `[d, d]` (``x @ R``, in `x`'s dtype), or `x` itself for None."""
+    return x if rotation is None else torch.matmul(x, rotation.to(x.dtype))
 
 
 def _inner(codec, rotation: torch.Tensor | None):
@@ -47,7 +48,7 @@ def rotate_code_read(read: CodeRead, rotation: torch.Tensor | None,
     basis up to fp rounding, and no key is turned back; the attention output is ``(p @ V) @ values``, to turn back
     by ``values.T`` once."""
     kc, vc = read.codecs
-    full = (_turn(read.full[0], rotation), _turn(read.full[1], values))
+    full = (turn(read.full[0], rotation), turn(read.full[1], values))
     return read._replace(codecs=(_inner(kc, rotation), _inner(vc, values)), full=full)
 
 
@@ -58,15 +59,15 @@ def rotate_code_table(table: CodeTable, rotation: torch.Tensor | None,
     inner codec. NOTE: the staged and sink K/V are the layer's whole staging areas (`[H, slots, d]`: one block per
     open sequence), turned as a whole because a kernel indexes them by slot. `turn_keys=False` leaves the
     full-precision keys as they are (the key codec still its inner one), for a kernel that scores them with the
-    query before its turn (`NativeCodeAttention.read_table`'s `query`): none of those matrix products then."""
+    query before its turn (`NativeCodeAttention.read_table` with `rotation`): none of those matrix products then."""
     kc, vc = table.codecs
     keys = rotation if turn_keys else None
 
-    def turn(pair):
-        return None if pair is None else (_turn(pair[0], keys), _turn(pair[1], values))
+    def turn_pair(pair):
+        return None if pair is None else (turn(pair[0], keys), turn(pair[1], values))
 
-    return table._replace(codecs=(_inner(kc, rotation), _inner(vc, values)), staged=turn(table.staged),
-                          new=turn(table.new), sinks=turn(table.sinks))
+    return table._replace(codecs=(_inner(kc, rotation), _inner(vc, values)), staged=turn_pair(table.staged),
+                          new=turn_pair(table.new), sinks=turn_pair(table.sinks))
 
 
-__all__ = ["key_rotation", "rotate_code_read", "rotate_code_table", "value_rotation"]
+__all__ = ["key_rotation", "rotate_code_read", "rotate_code_table", "turn", "value_rotation"]

@@ -15,6 +15,7 @@ import logging
 import torch
 
 from hf_pagedkv.attention.compiled_read import CompiledCodeAttention
+from hf_pagedkv.attention.rotated_read import turn
 from hf_pagedkv.storage.code_table import CodeTable
 
 logger = logging.getLogger(__name__)
@@ -164,8 +165,7 @@ class TritonCodeAttention:
         table = view.code_table()
         if table is None:
             return None
-        rotation = view.key_rotation()
-        return self.read_table(qh if rotation is None else torch.matmul(qh, rotation.to(qh.dtype)), table, bias)
+        return self.read_table(turn(qh, view.key_rotation()), table, bias)
 
 
 __all__ = ["TritonCodeAttention"]

@@ -21,6 +21,9 @@ one process on one thread (`torch.set_num_threads(1)`), greedy, `--new` new toke
   every request at once, or the blocks of the memory budget (`--transformers-pages all` gives it every request
   at once under a budget too: the budget then binds the engine only); block sharing on for the shared-prefix
   workload only;
+- `transformers-default` (not run by default): `model.generate_batch(prompts, generation_config)` with transformers'
+  default `ContinuousBatchingConfig` (a cache of 60% of the free memory on a CPU, pages of 256 tokens; it takes no
+  budget); its peak KV is the cache tensor it allocates;
 - `solo`: `model.generate` on each prompt alone with a `DynamicCache` (the reference tokens).
 
 Workloads (prompts are seeded random token ids):
@@ -269,6 +272,28 @@ def run_transformers(model, prompts, new, num_blocks, max_batch_tokens, sharing)
     return outs, num_blocks * PAGE * kv_bytes_per_token(model), finished
 
 
+def run_transformers_default(model, prompts, new):
+    """`model.generate_batch` with transformers' default `ContinuousBatchingConfig` (pages of 256 tokens, a cache
+    sized from the free memory: 60% of it on a CPU); its peak KV is the cache tensor it allocated."""
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=model.generation_config.eos_token_id)
+    sizes, init = [], PagedAttentionCache.__init__
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        sizes.append(self.cache_tensor.nbytes)
+
+    PagedAttentionCache.__init__ = recording_init
+    try:
+        res = model.generate_batch(prompts, config, progress_bar=False)
+    finally:
+        PagedAttentionCache.__init__ = init
+    outs = [res[k].generated_tokens if k in res else None for k in [f"req_{i}" for i in range(len(prompts))]]
+    finished = sum(r.error is None and r.is_finished() for r in res.values())
+    return outs, max(sizes, default=0), finished
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=16)
@@ -277,7 +302,8 @@ def main() -> int:
     parser.add_argument("--workloads", nargs="+", default=["mixed", "shared", "pressure"],
                         choices=["mixed", "shared", "pressure"])
     parser.add_argument("--methods", nargs="+", default=["solo", "hf_pagedkv", "hf_pagedkv-k8v4", "transformers"],
-                        choices=["solo", *ENGINE_METHODS, *(m + IN_PLACE for m in ENGINE_METHODS), "transformers"])
+                        choices=["solo", *ENGINE_METHODS, *(m + IN_PLACE for m in ENGINE_METHODS), "transformers",
+                                 "transformers-default"])
     parser.add_argument("--arrivals", default="batch", choices=["batch", "poisson"],
                         help="batch: every request at once (the table above); poisson: seeded arrivals at --rate")
     parser.add_argument("--rate", type=float, default=1.0, help="requests per second (--arrivals poisson)")
@@ -319,8 +345,8 @@ def main() -> int:
         budget = parse_bytes(args.memory) if workload == "pressure" else None
         ref, base = None, None
         for method in args.methods:
-            if method == "transformers" and not has_cb:
-                print(f"| {workload} | transformers | model.generate_batch not in this transformers | | | | | | |")
+            if method.startswith("transformers") and not has_cb:
+                print(f"| {workload} | {method} | model.generate_batch not in this transformers | | | | | | |")
                 continue
             counter.count = 0
             t0 = clock()
@@ -333,6 +359,8 @@ def main() -> int:
                 notes.append(f"{workload}: {method} {stats.num_steps} steps, {stats.num_preemptions} preemptions, "
                              f"prefix hit rate {stats.prefix_hit_rate:.2f}, pool {pool.num_blocks} blocks of "
                              f"{pool.block_size}")
+            elif method == "transformers-default":
+                outs, peak, finished = run_transformers_default(model, prompts, args.new)
             else:
                 blocks = transformers_pages(args, need + len(prompts), budget, per_token)
                 outs, peak, finished = run_transformers(model, prompts, args.new, blocks, args.max_batch_tokens,

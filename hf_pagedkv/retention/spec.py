@@ -1,4 +1,5 @@
-"""`parse_retention`: a retention policy from a short command-line spec (`--retention` of the CLI)."""
+"""`parse_retention`: a retention policy from a short spec (the CLI's `--retention`, `PagedCache(retention=...)`,
+a request's `retention=`)."""
 
 from __future__ import annotations
 
@@ -39,17 +40,17 @@ def parse_retention(spec: str) -> RetentionPolicy:
             policy refuses (e.g. a budget below its protected tokens).
     """
     if not isinstance(spec, str):
-        raise ValueError(f"--retention: expected a string such as 'kv_zip:0.5', got {type(spec).__name__}.")
+        raise ValueError(f"retention spec: expected a string such as 'kv_zip:0.5', got {type(spec).__name__}.")
     if not spec.strip(" :"):
-        raise ValueError(f"--retention {spec!r}: the spec is empty; expected NAME:VALUE, e.g. kv_zip:0.5 or "
+        raise ValueError(f"retention spec {spec!r}: the spec is empty; expected NAME:VALUE, e.g. kv_zip:0.5 or "
                          "sink_window:4:1024 (`hf-pagedkv plan --help` gives the forms).")
     if not spec.isascii():  # int() and float() would take other scripts' digits (and look-alike spaces)
-        raise ValueError(f"--retention {spec!r}: use ASCII letters and digits only.")
+        raise ValueError(f"retention spec {spec!r}: use ASCII letters and digits only.")
     name, *parts = (p.strip() for p in spec.strip().split(":"))
     name = name.lower()
     if name != "sink_window" and name not in _IMPORTANCE:
         names = ", ".join(dict.fromkeys(["sink_window", *_IMPORTANCE]))
-        raise ValueError(f"--retention {spec!r}: unknown policy {name!r}; the policies: {names} (`hf-pagedkv plan "
+        raise ValueError(f"retention spec {spec!r}: unknown policy {name!r}; the policies: {names} (`hf-pagedkv plan "
                          "--help` gives their forms).")
     form = ("sink_window:SINK:WINDOW, two ints (e.g. sink_window:4:1024)" if name == "sink_window" else
             f"{name}:BUDGET or {name}:RATIO, then optionally :SHARE (e.g. {name}:512, {name}:0.5 or {name}:0.5:0.25)")
@@ -57,7 +58,7 @@ def parse_retention(spec: str) -> RetentionPolicy:
     if len(parts) not in counts or "" in parts:  # (the parts are stripped)
         got = (f"part {parts.index('') + 1} after the name is empty" if "" in parts
                else f"{len(parts)} part{'s' if len(parts) != 1 else ''} after the name")
-        raise ValueError(f"--retention {spec!r}: {got}; expected {form}.")
+        raise ValueError(f"retention spec {spec!r}: {got}; expected {form}.")
     # the numbers first (each message names its part), then the policy's own checks
     if name == "sink_window":
         cls, kwargs = SinkWindow, dict(sink_tokens=_int(spec, "SINK", parts[0]), window=_int(spec, "WINDOW", parts[1]))
@@ -72,7 +73,7 @@ def parse_retention(spec: str) -> RetentionPolicy:
             try:
                 kwargs["budget"] = int(parts[0])
             except ValueError:
-                raise ValueError(f"--retention {spec!r}: {parts[0]!r} is neither a RATIO (a float in (0, 1), the "
+                raise ValueError(f"retention spec {spec!r}: {parts[0]!r} is neither a RATIO (a float in (0, 1), the "
                                  "fraction of the prompt removed) nor a BUDGET (an int, the tokens kept).") from None
     try:
         return cls(**kwargs)
@@ -81,18 +82,18 @@ def parse_retention(spec: str) -> RetentionPolicy:
             "Lower sink_tokens/recent_tokens for a smaller budget",  # (the command line sets no sink/recent tokens)
             f"Give a larger BUDGET or a RATIO; a smaller budget needs the policy built in Python with fewer protected "
             f"tokens, e.g. {cls.__name__}(budget=..., sink_tokens=..., recent_tokens=...)")
-        raise ValueError(f"--retention {spec!r}: {detail}.") from None
+        raise ValueError(f"retention spec {spec!r}: {detail}.") from None
 
 
 def _int(spec: str, what: str, text: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise ValueError(f"--retention {spec!r}: {what} must be an int, got {text!r}.") from None
+        raise ValueError(f"retention spec {spec!r}: {what} must be an int, got {text!r}.") from None
 
 
 def _float(spec: str, what: str, text: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise ValueError(f"--retention {spec!r}: {what} is not a number: {text!r}.") from None
+        raise ValueError(f"retention spec {spec!r}: {what} is not a number: {text!r}.") from None

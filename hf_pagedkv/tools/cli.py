@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             args.retention_policy = parse_retention(args.retention)
         except ValueError as e:
-            g.error(str(e))  # it names --retention and the spec
+            g.error(str(e).replace("retention spec", "--retention", 1))  # it names the spec
     policy = args.retention_policy
     needs_queries = policy is not None and (policy.needs_queries or policy.reconstructs)
     if args.attention is None:

@@ -198,7 +198,7 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         try:
             policy = parse_retention(args.retention)
         except ValueError as e:
-            parser.error(str(e))
+            parser.error(str(e).replace("retention spec", "--retention", 1))
         fp = args.quant in (None, "fp") and getattr(args, "sliding_quant", None) in (None, "fp")
         default_block = DEFAULT_BLOCK_SIZE if fp else DEFAULT_QUANT_BLOCK_SIZE
         bound = policy.max_held(1, args.block_size or default_block)  # the block size the plan below uses

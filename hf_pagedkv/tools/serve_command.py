@@ -177,7 +177,7 @@ def _retention_policy(args: argparse.Namespace, parser: argparse.ArgumentParser)
     try:
         policy = parse_retention(args.retention)
     except ValueError as e:
-        parser.error(str(e))  # it names --retention and the spec
+        parser.error(str(e).replace("retention spec", "--retention", 1))  # it names the spec
     problem = engine_policy_problem(policy, reads_in_place=False)
     if problem is not None:
         parser.error(f"--retention {args.retention}: {problem}")

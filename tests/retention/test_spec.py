@@ -56,7 +56,7 @@ def test_specs_parse_to_their_policies():
 def test_a_bad_spec_names_the_part_that_is_wrong(spec, message):
     with pytest.raises(ValueError) as e:
         parse_retention(spec)
-    assert str(e.value).startswith(f"--retention {spec!r}: ") and message in str(e.value), str(e.value)
+    assert str(e.value).startswith(f"retention spec {spec!r}: ") and message in str(e.value), str(e.value)
     assert "StreamingLLM" not in str(e.value)  # not every form listed, only the one that applies
 
 

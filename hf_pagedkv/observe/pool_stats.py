@@ -26,7 +26,7 @@ class PoolStats:
     and a sliding-window group counts once in each."""
 
     block_size: int  # tokens per block
-    num_blocks: int  # blocks the pool holds storage for (free + in use)
+    num_blocks: int  # blocks the pool holds storage for (in use + cached-idle + free)
     blocks_in_use: int  # blocks with refcount >= 1
     blocks_free: int  # blocks that can be handed out
     tokens_stored: int  # tokens held in blocks in use; a block shared by several sequences counts once

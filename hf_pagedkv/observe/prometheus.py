@@ -4,7 +4,7 @@
 Values are read from the pools when Prometheus scrapes (a custom collector), so nothing is updated per step.
 Each series carries a ``pool`` label. Names follow the Prometheus conventions (base units, ``_total`` counters)::
 
-    hf_pagedkv_pool_blocks{state="in_use"|"free"}        gauge
+    hf_pagedkv_pool_blocks{state="in_use"|"cached"|"free"}  gauge (their sum is the pool's blocks)
     hf_pagedkv_pool_bytes{state="in_use"|"reserved"}     gauge, bytes of keys + values, all layers
     hf_pagedkv_pool_tokens                                gauge, tokens stored (a shared block counts once)
     hf_pagedkv_pool_sequences                             gauge, live block tables
@@ -117,6 +117,7 @@ class PoolCollector:
             health = m.check_alerts()
             snap, st = health.snapshot, health.snapshot.stats
             fams["blocks"].add_metric([name, "in_use"], st.blocks_in_use)
+            fams["blocks"].add_metric([name, "cached"], st.blocks_cached)
             fams["blocks"].add_metric([name, "free"], st.blocks_free)
             fams["bytes"].add_metric([name, "in_use"], st.bytes_in_use)
             fams["bytes"].add_metric([name, "reserved"], st.bytes_reserved)

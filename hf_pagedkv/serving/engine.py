@@ -31,6 +31,7 @@ from hf_pagedkv._compat import layer_plan
 from hf_pagedkv.adapter.paged_cache import PagedCache
 from hf_pagedkv.pool.block_pool import BlockPool
 from hf_pagedkv.errors import PoolExhaustedError
+from hf_pagedkv.retention.policy import RetentionPolicy
 from hf_pagedkv.serving.engine_loop import EngineLoop
 from hf_pagedkv.serving.engine_stats import EngineStats, LatencyLog, LatencySummary
 from hf_pagedkv.serving.packed_forward import PackedForward
@@ -73,7 +74,8 @@ class Engine:
     Raises:
         ValueError: `pool` not a `BlockPool`; `max_batch_tokens` not a positive int; `compact_blocks` not an int
             >= 0; a model layer type a `PagedCache` does not store, or a pool holding another model's layers; a bad
-            `retention`, or one the engine cannot run (`engine_policy_problem`).
+            `retention`, or one the engine cannot run (`engine_policy_problem`); a `max_memory` pool that holds less
+            than one block of this model (the pool registers the model's layers here: `size_pool`).
 
     Example:
 
@@ -110,7 +112,7 @@ class Engine:
         self.compact_blocks = compact_blocks  # blocks moved per step at most; fixed
         self._device = model.device  # where sampling generators live; fixed
         self._vocab_size = model.get_input_embeddings().num_embeddings  # valid token ids: 0 .. vocab - 1
-        self._max_positions = getattr(model.config, "max_position_embeddings", None)  # the longest prompt
+        self._max_positions = getattr(model.config, "max_position_embeddings", None)  # prompt + max_new_tokens, at most
         self._forward = PackedForward(model, pool)  # runs a scheduled step through the model; fixed
         self._retention = EngineRetention(model, retention)  # the requests' policies (the default); fixed
         self._scheduler = Scheduler(pool, model, groups, [pool.group_for(None)] if None in windows else [],
@@ -119,7 +121,8 @@ class Engine:
         self._cond = threading.Condition(self._lock)  # notified when tokens arrive or requests change
         self._requests: dict[str, Request] = {}  # every request not popped; add_request / pop_output only
         self._in_flight: set[Request] = set()  # requests of the step whose forward runs now
-        self._num_added = 0  # add_request calls (arrival order, default ids)
+        self._num_added = 0  # requests added (arrival order)
+        self._next_default_id = 0  # default ids "req_<n>" take n >= this and >= the arrival: never one given before
         self._counts = {s: 0 for s in (RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.CANCELLED)}
         self._num_steps = 0
         self._num_tokens_computed = 0
@@ -128,6 +131,10 @@ class Engine:
         self._latencies = LatencyLog()
         # the background thread (`start` / `stop`); waits on `_cond` for work
         self._loop = EngineLoop(self.step, lambda: self._scheduler.has_work, self._fail_running, self._cond)
+        try:
+            self.size_pool()  # a max_memory pool gets its blocks now: one too small for a block is refused here
+        except ValueError as e:
+            raise ValueError(f"Engine: {e}") from None
 
     # -- requests ---------------------------------------------------------------------------------------------------
     def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None, *,
@@ -138,13 +145,14 @@ class Engine:
 
         Args:
             input_ids (`list[int]`, or `torch.LongTensor` of shape `[seq_len]` or `[1, seq_len]`): the prompt.
-            request_id (`str`, *optional*): its name; ``"req_<n>"`` by default.
+            request_id (`str`, *optional*): its name; by default ``"req_<n>"``, n the request's arrival number
+                (0, 1, ...), or the next one not in use and not given before.
             max_new_tokens (`int`, *optional*): tokens to generate at most (>= 1); the generation config's, or 20.
             do_sample, temperature, top_p, top_k (*optional*): sampling (as `generate`); greedy by default.
             seed (`int`, *optional*): seed of the request's own generator (sampling); drawn from torch's global
                 generator when not given (under tensor parallel, seed that alike on every rank: `torch.manual_seed`,
-                or the ranks sample different tokens). A preempted request keeps its generator's state, so it samples the same
-                tokens as without preemption.
+                or the ranks sample different tokens). A preempted request keeps its generator's state, so it
+                samples the same tokens as without preemption.
             eos_token_id (`int` or `list[int]`, *optional*): stop tokens (kept in the output); the generation
                 config's by default; ``[]`` for none.
             retention (`RetentionPolicy`, `str` or `None`, *optional*): its retention policy or spec; None: none;
@@ -155,11 +163,16 @@ class Engine:
 
         Raises:
             ValueError: naming the request: an empty prompt, token ids that are not ints in ``[0, vocab_size)``,
-                `max_new_tokens` not an int >= 1, bad sampling settings or `retention`, or a request id in use.
+                `max_new_tokens` not an int >= 1, a prompt and max_new_tokens past the model's context, bad sampling
+                settings or `retention`, or a request id in use.
         """
         with self._lock:
             arrival = self._num_added
-            rid = f"req_{arrival}" if request_id is None else request_id
+            default_n = max(arrival, self._next_default_id)
+            if request_id is None:
+                while f"req_{default_n}" in self._requests:  # (a caller's own id of that form)
+                    default_n += 1
+            rid = f"req_{default_n}" if request_id is None else request_id
             if not isinstance(rid, str):  # (before the lookup below: an unhashable id would raise a TypeError there)
                 raise ValueError(f"add_request: request_id must be a str, got {type(rid).__name__} {rid!r}.")
             if rid in self._requests:
@@ -170,6 +183,8 @@ class Engine:
                                 seed, eos_token_id, arrival, self._device, self._max_positions)
             req.retention = self._retention.for_request(retention, rid)
             self._num_added += 1
+            if request_id is None:
+                self._next_default_id = default_n + 1
             self._requests[rid] = req
             self._scheduler.add(req)
             self._cond.notify_all()
@@ -379,6 +394,11 @@ class Engine:
         unsized = not self.pool.growable and not all(g.num_blocks for g in groups)
         if unsized or (self.pool.quant.is_quantized and not all(g.layers for g in groups)):
             self._forward.size_pool(self.pool)
+
+    @property
+    def retention(self) -> RetentionPolicy | None:
+        """The retention policy of every request that names none (the `retention` this engine was built with)."""
+        return self._retention.default
 
     # -- background thread --------------------------------------------------------------------------------------------
     @property

@@ -26,8 +26,8 @@ def check_request(request_id, input_ids, max_new_tokens, generation_config, voca
         eos_token_id (`int`, `list[int]` or `None`): stop tokens; None takes the generation config's.
         arrival (`int`): the request's place in arrival order.
         device (`torch.device`): where its sampling generator lives.
-        max_positions (`int`, *optional*): the model's context (`max_position_embeddings`); a longer prompt is
-            refused.
+        max_positions (`int`, *optional*): the model's context (`max_position_embeddings`); a longer prompt, or
+            one whose max_new_tokens would pass it, is refused (as the server and `hf-pagedkv generate` do).
     """
     where = f"add_request({request_id!r})"
     if not isinstance(request_id, str):
@@ -45,6 +45,10 @@ def check_request(request_id, input_ids, max_new_tokens, generation_config, voca
         max_new_tokens = getattr(generation_config, "max_new_tokens", None) or DEFAULT_MAX_NEW_TOKENS
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"{where}: max_new_tokens must be an int >= 1, got {max_new_tokens!r}.")
+    if max_positions is not None and len(prompt) + max_new_tokens > max_positions:
+        raise ValueError(f"{where}: the prompt's {counted(len(prompt), 'token')} + max_new_tokens {max_new_tokens:,} "
+                         f"pass the model's context of {max_positions:,} positions (max_position_embeddings): lower "
+                         f"max_new_tokens to at most {max_positions - len(prompt):,}, or shorten the prompt.")
     if seed is None:
         seed = int(torch.randint(0, 2 ** 62, ())) if sampling.get("do_sample") else 0
     params = SamplingParams(**sampling, seed=seed)

@@ -1,5 +1,6 @@
 """`EngineRetention`: the retention policies of an `Engine`'s requests (the engine's default, or a request's own), and
-what the scheduler counts of a request whose cache evicts tokens (`held_tokens`, `max_held_blocks`, `step_blocks`).
+what the scheduler counts of a request whose cache evicts tokens (`held_tokens`, `max_held_blocks` and
+`held_blocks_bound`, `step_blocks`).
 
 A request with a policy gets its own `PagedCache(retention=policy)`: the policy evicts before each of the request's
 forward steps (at the first layer's `update`, before the step's tokens are written), as it does under
@@ -114,17 +115,21 @@ def held_tokens(req: Request) -> int:
 
 
 def max_held_blocks(req: Request, max_batch_tokens: int, block_size: int) -> int:
-    """The most blocks per full-attention layer group `req`'s cache holds at once: those of its prompt and new tokens
-    but the last (`Request.max_stored_tokens`), or fewer when its policy bounds what a row holds after a step of at
-    most `max_batch_tokens` (`RetentionPolicy.max_held`; a recomputed request's step may be that long); plus, for a
-    token-level policy (`ImportancePolicy`), the fresh blocks it compacts the kept tokens into while it still holds
-    the old ones."""
-    most = req.max_stored_tokens
-    policy = req.retention
+    """The most blocks per full-attention layer group `req`'s cache holds at once: `held_blocks_bound` of its policy
+    and its prompt and new tokens but the last (`Request.max_stored_tokens`)."""
+    return held_blocks_bound(req.retention, req.max_stored_tokens, max_batch_tokens, block_size)
+
+
+def held_blocks_bound(policy: RetentionPolicy | None, stored: int, max_batch_tokens: int, block_size: int) -> int:
+    """The most blocks per full-attention layer group a request that stores `stored` tokens in all holds at once
+    under `policy`: those of the `stored` tokens, or fewer when the policy bounds what a row holds after a step of
+    at most `max_batch_tokens` (`RetentionPolicy.max_held`; a recomputed request's step may be that long); plus, for
+    a token-level policy (`ImportancePolicy`), the fresh blocks it compacts the kept tokens into while it still
+    holds the old ones. Non-decreasing in `stored`."""
     if policy is None:
-        return num_blocks_for(most, block_size)
-    bound = policy.max_held(min(max_batch_tokens, most), block_size)
-    most = most if bound is None else min(most, bound)
+        return num_blocks_for(stored, block_size)
+    bound = policy.max_held(min(max_batch_tokens, stored), block_size)
+    most = stored if bound is None else min(stored, bound)
     copy = min(most, policy.budget or most) if isinstance(policy, ImportancePolicy) else 0
     return num_blocks_for(most, block_size) + num_blocks_for(copy, block_size)
 
@@ -153,5 +158,5 @@ def step_blocks(req: Request, cache, start: int, n: int, block_size: int) -> int
     return num_blocks_for(held + n, B) - num_blocks_for(held, B)
 
 
-__all__ = ["ENGINE_DEFAULT", "EngineRetention", "engine_policy_problem", "held_tokens", "max_held_blocks",
-           "resolve_retention", "step_blocks"]
+__all__ = ["ENGINE_DEFAULT", "EngineRetention", "engine_policy_problem", "held_blocks_bound", "held_tokens",
+           "max_held_blocks", "resolve_retention", "step_blocks"]

@@ -14,7 +14,7 @@ class SamplingParams:
     `torch.Generator` seeded with `seed`."""
 
     do_sample: bool = False
-    temperature: float = 1.0  # > 0; divides the logits (sampling only)
+    temperature: float = 1.0  # > 0 (0 too when greedy); divides the logits (sampling only)
     top_k: int = 0  # keep the k most likely tokens (0: all)
     top_p: float = 1.0  # keep the smallest set of most likely tokens whose probability reaches top_p (1.0: all)
     seed: int = 0  # the request generator's seed (sampling only)
@@ -23,10 +23,12 @@ class SamplingParams:
         """Raise `ValueError` naming `where` (the request) and the bad setting."""
         if not isinstance(self.do_sample, bool):
             raise ValueError(f"{where}: do_sample must be True or False, got {self.do_sample!r}.")
+        greedy_zero = not self.do_sample and self.temperature == 0  # (OpenAI's greedy; ignored, as all settings)
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not self.temperature > 0 or self.temperature == float("inf"):
-            raise ValueError(f"{where}: temperature must be a finite number > 0, got {self.temperature!r} (use "
-                             "do_sample=False for greedy decoding).")
+                or not (self.temperature > 0 or greedy_zero) or self.temperature == float("inf"):
+            hint = ("temperature 0 is greedy decoding: give do_sample=False" if self.do_sample and self.temperature == 0
+                    else "0 is taken with do_sample=False, greedy decoding")
+            raise ValueError(f"{where}: temperature must be a finite number > 0, got {self.temperature!r} ({hint}).")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"{where}: top_k must be an int >= 0 (0 keeps every token), got {self.top_k!r}.")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:

@@ -133,7 +133,8 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             pool.load_prefix_cache(args.prefix_cache_file, model=model)
         except (ValueError, OSError) as e:
             sock.close()
-            print(f"hf-pagedkv serve: --prefix-cache-file: {e}", file=sys.stderr)
+            flag = "--max-memory" if "less than one block" in str(e) else "--prefix-cache-file"  # (it sizes the pool)
+            print(f"hf-pagedkv serve: {flag}: {e}", file=sys.stderr)
             return 2
         except PoolExhaustedError as e:  # a file saved from a bigger pool: it loads all of its blocks or none
             sock.close()
@@ -145,16 +146,14 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"hf-pagedkv serve: loaded {counted(pool.last_loaded_blocks, 'prefix block')} from "
               f"{args.prefix_cache_file}",
               file=sys.stderr)
-    engine = Engine(model, pool, max_batch_tokens=args.max_batch_tokens, retention=retention)
-    service = EngineService(engine, tokenizer, args.served_model_name or args.model, max_queue=args.max_queue,
-                            prefix_cache_file=args.prefix_cache_file)
-    try:
-        service.size_pool()  # a budget too small for one block is refused here, not at the server's startup
+    try:  # the engine sizes a --max-memory pool: a budget too small for one block is refused here
+        engine = Engine(model, pool, max_batch_tokens=args.max_batch_tokens, retention=retention)
     except ValueError as e:
         sock.close()
-        engine.close()
-        print(f"hf-pagedkv serve: --max-memory: {e}", file=sys.stderr)
+        print(f"hf-pagedkv serve: --max-memory: {str(e).removeprefix('Engine: ')}", file=sys.stderr)
         return 2
+    service = EngineService(engine, tokenizer, args.served_model_name or args.model, max_queue=args.max_queue,
+                            prefix_cache_file=args.prefix_cache_file)
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
     print(f"hf-pagedkv serve: {service.model_name} at http://{url_host}:{port}/v1 (SIGTERM or Ctrl+C drains and "

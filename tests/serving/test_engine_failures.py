@@ -170,7 +170,10 @@ def test_too_large_request_fails_at_admission_others_run():
     (dict(input_ids=[5, 6], max_new_tokens=0), "max_new_tokens must be an int >= 1, got 0"),
     (dict(input_ids=[5, 6], max_new_tokens=-3), "max_new_tokens"),
     (dict(input_ids=[5, 6], max_new_tokens=2.0), "max_new_tokens"),
-    (dict(input_ids=[5, 6], do_sample=True, temperature=0.0), "temperature"),
+    (dict(input_ids=[5] * 500, max_new_tokens=13), r"500 tokens \+ max_new_tokens 13 pass the model's context of "
+                                                    "512 positions .* at most 12"),
+    (dict(input_ids=[5, 6], do_sample=True, temperature=0.0), "temperature 0 is greedy decoding: give do_sample="),
+    (dict(input_ids=[5, 6], temperature=-1.0), "temperature must be a finite number > 0, got -1.0"),
     (dict(input_ids=[5, 6], do_sample=True, top_p=0.0), "top_p"),
     (dict(input_ids=[5, 6], do_sample=True, top_k=-1), "top_k"),
     (dict(input_ids=[5, 6], eos_token_id="x"), "eos_token_id"),
@@ -188,6 +191,34 @@ def test_bad_inputs_raise_naming_the_request_and_leave_the_pool_alone(kwargs, ma
     engine.add_request([5, 6], request_id="bad-one", max_new_tokens=2)  # the id was not taken
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request([5, 6], request_id="bad-one")
+
+
+def test_greedy_takes_temperature_zero_and_fills_the_context_exactly():
+    # temperature 0 is OpenAI's greedy: with do_sample=False it is ignored, as every sampling setting is; a prompt
+    # with max_new_tokens that reach the context's last position runs
+    engine = Engine(tiny_model("llama"), BlockPool(block_size=BLOCK, debug=True))
+    zero = engine.add_request(prompt(6, 91), max_new_tokens=NEW, temperature=0.0)
+    full = engine.add_request([5] * 508, max_new_tokens=4, eos_token_id=[])
+    run_checked(engine)
+    assert engine.output(zero).generated_tokens == solo("llama", prompt(6, 91), NEW)
+    assert len(engine.output(full).generated_tokens) == 4
+
+
+def test_default_ids_skip_ids_a_caller_took():
+    engine = Engine(tiny_model("llama"), BlockPool(block_size=BLOCK))
+    assert engine.add_request([5, 6], request_id="req_1", max_new_tokens=2) == "req_1"
+    assert engine.add_request([5, 6], request_id="req_3", max_new_tokens=2) == "req_3"
+    ids = [engine.add_request([5, 6], max_new_tokens=2) for _ in range(3)]
+    assert ids == ["req_2", "req_4", "req_5"]  # arrivals 2, 3 (req_3 taken), 4 (req_4 given before)
+    run_checked(engine)
+    engine.pop_output("req_2")
+    assert engine.add_request([5, 6], max_new_tokens=2) == "req_6"  # never a default id given before
+
+
+def test_a_max_memory_pool_below_one_block_is_refused_when_the_engine_is_built():
+    pool = BlockPool(block_size=BLOCK, max_memory="1KiB")
+    with pytest.raises(ValueError, match=r"^Engine: max_memory=1024 bytes is less than one block"):
+        Engine(tiny_model("llama"), pool)
 
 
 def test_keyboard_interrupt_while_tokens_are_applied(monkeypatch):

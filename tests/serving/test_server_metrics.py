@@ -61,6 +61,9 @@ def test_request_histograms_and_service_signals():
     assert 0 < value(m, "hf_pagedkv_service_latency_p99_seconds", kind="ttft") <= e2e_p99 <= max(walls) + 1.0
     # the pool's own series
     assert value(m, "hf_pagedkv_pool_blocks", pool="engine", state="in_use") == 0
+    cached = value(m, "hf_pagedkv_pool_blocks", pool="engine", state="cached")  # the prompts' published blocks
+    assert cached == pool.blocks_cached > 0
+    assert cached + value(m, "hf_pagedkv_pool_blocks", pool="engine", state="free") == pool.num_blocks
     assert value(m, "hf_pagedkv_service_requests", state="running") == 0
 
 

@@ -19,6 +19,7 @@ import torch
 from hf_pagedkv.blocks.block_table import num_blocks_for
 from hf_pagedkv.errors import counted
 from hf_pagedkv.serving.engine import Engine
+from hf_pagedkv.serving.request_retention import held_blocks_bound
 from hf_pagedkv.serving.server.engine_runner import EngineRunner, QueueFull
 from hf_pagedkv.serving.server.errors import ApiError, bad_request
 from hf_pagedkv.serving.server.generation import ChoiceSettings, Generation
@@ -61,17 +62,8 @@ class EngineService:
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
     def start(self) -> None:
-        """Size a fixed pool (`size_pool`) and start stepping."""
-        self.size_pool()
+        """Start stepping (the engine sized a fixed pool when it was built)."""
         self.runner.start()
-
-    def size_pool(self) -> None:
-        """Give a fixed pool its blocks now (`Engine.size_pool`), before the first request.
-
-        Raises:
-            ValueError: the pool's `max_memory` holds less than one block of this model.
-        """
-        self.engine.size_pool()
 
     def begin_drain(self) -> None:
         """From now on new requests get 503; those in flight go on."""
@@ -224,11 +216,31 @@ class EngineService:
             limits.append((self.context_length - prompt_len, f"the model's context is {self.context_length} tokens"))
         if not self.pool.growable:
             caps = [c for c in self._capacities() if c > 0]
-            if caps:  # the engine stores prompt + new - 1 tokens: they must fit in cap blocks
-                limits.append((min(caps) * self.pool.block_size - prompt_len + 1,
-                               f"the KV pool holds {counted(min(caps), 'block')} of "
-                               f"{counted(self.pool.block_size, 'token')} for one request (raise --max-memory)"))
+            if caps:  # the engine stores prompt + new - 1 tokens: what its retention holds of them must fit
+                most = self._pool_limit(prompt_len, min(caps))
+                if most is not None:
+                    policy = self.engine.retention
+                    held = "" if policy is None else f", holding what --retention {policy!r} keeps"
+                    limits.append((most, f"the KV pool holds {counted(min(caps), 'block')} of "
+                                         f"{counted(self.pool.block_size, 'token')} for one request{held} "
+                                         "(raise --max-memory)"))
         return limits
+
+    def _pool_limit(self, prompt_len: int, cap: int) -> int | None:
+        """The most new tokens a prompt of `prompt_len` tokens may ask for with `cap` blocks (the scheduler's
+        admission rule, `held_blocks_bound`); None when the engine's retention bounds it below `cap` however long
+        it runs."""
+        policy, B, step = self.engine.retention, self.pool.block_size, self.engine.max_batch_tokens
+        if policy is None:
+            return cap * B - prompt_len + 1
+        fits = lambda new: held_blocks_bound(policy, prompt_len + new - 1, step, B) <= cap  # noqa: E731
+        lo, hi = 0, 2 ** 31  # (non-decreasing in new: the largest new that fits, by bisection)
+        if fits(hi):
+            return None
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo
 
     def _token_limit(self, prompt_len: int) -> int:
         """New tokens a prompt of `prompt_len` tokens may ask for at most."""

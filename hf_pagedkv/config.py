@@ -31,6 +31,8 @@ def parse_bytes(value: int | str, name: str = "max_memory") -> int:
             raise ValueError(f"`{name}` must be positive, got {value!r}.")
         return value
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if match is None and re.fullmatch(r"\s*-\s*[0-9]*\.?[0-9]+\s*[a-zA-Z]*\s*", str(value)):
+        raise ValueError(f"`{name}` must be positive, got {value!r}.")
     if match is None or match.group(2).lower() not in _UNITS:
         raise ValueError(f"`{name}` must be bytes (int) or a size like '4GiB' or '512MB', got {value!r}.")
     number = float(match.group(1)) * _UNITS[match.group(2).lower()]

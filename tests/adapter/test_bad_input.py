@@ -41,9 +41,11 @@ def test_num_blocks_must_be_a_positive_int(bad):
         PagedCache(num_blocks=bad)
 
 
-@pytest.mark.parametrize("bad", ["lots", "4 parsecs", "-1GB", 0, -5, "0MB", True, 4.5, "0.5B"])
-def test_max_memory_must_be_a_size(bad):
-    with pytest.raises(ValueError, match="`max_memory`"):
+@pytest.mark.parametrize("bad, what", [("lots", "a size like"), ("4 parsecs", "a size like"), ("-1GB", "positive"),
+                                       ("- 2 MiB", "positive"), (0, "positive"), (-5, "positive"), ("0MB", "positive"),
+                                       (True, "a size like"), (4.5, "whole number"), ("0.5B", "whole number")])
+def test_max_memory_must_be_a_size(bad, what):
+    with pytest.raises(ValueError, match=f"`max_memory`.*{what}"):
         BlockPool(max_memory=bad)
 
 

@@ -149,9 +149,11 @@ def load_prefix_cache(pool, path: str | os.PathLike, model=None, config=None, de
     except (KeyError, TypeError, ValueError, AttributeError):
         raise ValueError(f"{path}: the index is malformed (fields missing); nothing was loaded.") from None
     if block_size != pool.block_size:
-        raise ValueError(f"{path} holds blocks of {counted(block_size, 'token')}, this pool uses "
+        also = "" if quant == repr(pool.quant) else f" and stored as {quant}"
+        quant_arg = "" if quant == repr(pool.quant) else f"quant={_quant_arg(index)}, "
+        raise ValueError(f"{path} holds blocks of {counted(block_size, 'token')}{also}, this pool uses "
                          f"block_size={pool.block_size}; load it into a BlockPool(block_size={block_size}, "
-                         "prefix_caching=True) (nothing loaded).")
+                         f"{quant_arg}prefix_caching=True) (nothing loaded).")
     for (window, _, _, tier), fmt in zip(groups, group_formats):
         ours = repr(pool.settings.quant.for_window(window))
         if fmt is not None and fmt != ours:

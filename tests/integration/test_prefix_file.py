@@ -114,8 +114,9 @@ def _truncate(path: Path, tmp_path: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("case", ["other weights", "other block size", "other quantization", "other architecture",
-                                  "truncated", "corrupted", "too small a pool"])
+@pytest.mark.parametrize("case", ["other weights", "other block size", "other quantization",
+                                  "other block size and quantization", "other architecture", "truncated", "corrupted",
+                                  "too small a pool"])
 def test_a_bad_file_is_refused_and_nothing_is_loaded(tmp_path, case):
     model = tiny_model("llama")
     path = tmp_path / "p.safetensors"
@@ -127,6 +128,9 @@ def test_a_bad_file_is_refused_and_nothing_is_loaded(tmp_path, case):
         match = "other model weights"
     elif case == "other block size":
         pool_kwargs["block_size"], match = 8, "blocks of 4 tokens"
+    elif case == "other block size and quantization":  # one message names both settings
+        pool_kwargs.update(block_size=8, quant="k4v4")
+        match = r"blocks of 4 tokens and stored as .*BlockPool\(block_size=4, quant='fp', prefix_caching=True\)"
     elif case == "other quantization":
         pool_kwargs["quant"], match = "k4v4", "stored as"  # the fp file into a k4v4 pool of the same block size
     elif case == "other architecture":

@@ -9,7 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from hf_pagedkv.tools.cli_tools import QUANT_HELP, add_tool_commands, check_pool_flags, quant_name, run_tool
+from hf_pagedkv.tools.cli_tools import (QUANT_HELP, add_tool_commands, check_pool_flags, parse_retention_flag,
+                                        quant_name, run_tool)
 from hf_pagedkv.tools.serve_command import add_serve_command
 from hf_pagedkv.config import QuantConfig
 from hf_pagedkv.errors import EMPTY_PROMPT, counted
@@ -312,12 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     check_pool_flags(g, "--quant/--block-size", block_size=args.block_size, quant=args.quant)
     args.retention_policy = None
     if args.retention is not None:
-        from hf_pagedkv.retention.spec import parse_retention
-
-        try:
-            args.retention_policy = parse_retention(args.retention)
-        except ValueError as e:
-            g.error(str(e).replace("retention spec", "--retention", 1))  # it names the spec
+        args.retention_policy = parse_retention_flag(args.retention, g.error)
     policy = args.retention_policy
     needs_queries = policy is not None and (policy.needs_queries or policy.reconstructs)
     if args.attention is None:

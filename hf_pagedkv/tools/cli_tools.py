@@ -193,12 +193,7 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if getattr(args, "retention", None) is not None:  # a retention policy bounds what each sequence holds
         from hf_pagedkv.retention.importance import ImportancePolicy
         from hf_pagedkv.retention.kv_zip import REPEAT_PROMPT_MAX_TOKENS
-        from hf_pagedkv.retention.spec import parse_retention
-
-        try:
-            policy = parse_retention(args.retention)
-        except ValueError as e:
-            parser.error(str(e).replace("retention spec", "--retention", 1))
+        policy = parse_retention_flag(args.retention, parser.error)
         fp = args.quant in (None, "fp") and getattr(args, "sliding_quant", None) in (None, "fp")
         default_block = DEFAULT_BLOCK_SIZE if fp else DEFAULT_QUANT_BLOCK_SIZE
         bound = policy.max_held(1, args.block_size or default_block)  # the block size the plan below uses
@@ -485,6 +480,17 @@ def _trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     else:
         print(format_report(report, block=args.block, limit=args.limit))
     return 0 if report.ok else 1
+
+
+def parse_retention_flag(spec: str, error):
+    """The policy `--retention SPEC` names (`parse_retention`); a bad spec goes to `error` (an argparse parser's or
+    group's `error`, which exits) with the message naming the flag."""
+    from hf_pagedkv.retention.spec import parse_retention
+
+    try:
+        return parse_retention(spec)
+    except ValueError as e:
+        error(str(e).replace("retention spec", "--retention", 1))
 
 
 def run_tool(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

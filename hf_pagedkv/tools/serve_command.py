@@ -14,7 +14,7 @@ import sys
 
 from hf_pagedkv.config import parse_bytes
 from hf_pagedkv.errors import counted, install_hint
-from hf_pagedkv.tools.cli_tools import QUANT_HELP, check_pool_flags, quant_name
+from hf_pagedkv.tools.cli_tools import QUANT_HELP, check_pool_flags, parse_retention_flag, quant_name
 from hf_pagedkv.tools.models import DEFAULT_MODEL, missing_model_path
 
 
@@ -170,13 +170,9 @@ def _retention_policy(args: argparse.Namespace, parser: argparse.ArgumentParser)
     the model loads."""
     if args.retention is None:
         return None
-    from hf_pagedkv.retention.spec import parse_retention
     from hf_pagedkv.serving.request_retention import engine_policy_problem
 
-    try:
-        policy = parse_retention(args.retention)
-    except ValueError as e:
-        parser.error(str(e).replace("retention spec", "--retention", 1))  # it names the spec
+    policy = parse_retention_flag(args.retention, parser.error)
     problem = engine_policy_problem(policy, reads_in_place=False)
     if problem is not None:
         parser.error(f"--retention {args.retention}: {problem}")

@@ -30,13 +30,14 @@ def parse_bytes(value: int | str, name: str = "max_memory") -> int:
         if value <= 0:
             raise ValueError(f"`{name}` must be positive, got {value!r}.")
         return value
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-    if match is None and re.fullmatch(r"\s*-\s*[0-9]*\.?[0-9]+\s*[a-zA-Z]*\s*", str(value)):
+    match = re.fullmatch(r"\s*(-\s*)?([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if match is not None and match.group(1):
         raise ValueError(f"`{name}` must be positive, got {value!r}.")
-    if match is None or match.group(2).lower() not in _UNITS:
+    if match is None or match.group(3).lower() not in _UNITS:
         raise ValueError(f"`{name}` must be bytes (int) or a size like '4GiB' or '512MB', got {value!r}.")
-    number = float(match.group(1)) * _UNITS[match.group(2).lower()]
-    if _UNITS[match.group(2).lower()] == 1 and number != int(number):  # "4.5" bytes; "0.3GiB" rounds down
+    unit = _UNITS[match.group(3).lower()]
+    number = float(match.group(2)) * unit
+    if unit == 1 and number != int(number):  # "4.5" bytes; "0.3GiB" rounds down
         raise ValueError(f"`{name}`={value!r} is not a whole number of bytes; give bytes as an int or a size "
                          "with a unit such as '4.5GiB'.")
     size = int(number)

@@ -275,7 +275,6 @@ class Engine:
             KeyboardInterrupt: re-raised after the step's requests were put back in the queue (blocks freed).
         """
         with self._lock:
-            self.size_pool()
             batch = self._scheduler.schedule()
             for req in batch.rejected:
                 self._terminate(req, RequestStatus.FAILED, "error", error=req.error)
@@ -382,10 +381,10 @@ class Engine:
             self._latencies.record(req.created_time, req.timestamps, req.finished_time)
 
     def size_pool(self) -> None:
-        """Have the pool register the model's layers now (`PackedForward.size_pool`; `step` does it before its first
-        schedule): a `max_memory` pool gets its blocks then, which admission needs, and a quantized store knows how
-        many layers write each step (a packed step's caches interleave layer by layer: `QuantizedBlockStates`). A
-        no-op once done.
+        """Have the pool register the model's layers now (`PackedForward.size_pool`; the engine does it when built):
+        a `max_memory` pool gets its blocks then, which admission needs, and a quantized store knows how many layers
+        write each step (a packed step's caches interleave layer by layer: `QuantizedBlockStates`). A no-op once
+        done.
 
         Raises:
             ValueError: the pool's `max_memory` holds less than one block of this model.
